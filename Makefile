@@ -1,0 +1,38 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+# DeepSpeed/torch JIT builds and caches stay inside the repo (ignored), so CI reuses them.
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
+export TRITON_CACHE_DIR := $(CURDIR)/.cache/triton
+export MPLCONFIGDIR := $(CURDIR)/.cache/matplotlib
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: venv test unit cluster demo clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "dscluster needs Python 3.11+"'
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+test: venv
+	$(PY) -m pytest -q
+
+unit: venv
+	$(PY) -m pytest -q tests/unit
+
+cluster: venv
+	$(PY) -m pytest -q tests/cluster
+
+demo: venv
+	$(PY) -m dscluster.demo
+
+clean:
+	rm -rf $(VENV) .cache

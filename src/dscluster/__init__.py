@@ -1,0 +1,3 @@
+"""dscluster: a handful of lab GPU workstations as one DeepSpeed training cluster."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,5 @@
+import sys
+
+from dscluster.cli import main
+
+sys.exit(main())

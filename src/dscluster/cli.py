@@ -1,0 +1,55 @@
+"""`dscluster` command line: one module per subcommand (cli_<name>.register).
+
+Exit codes: 0 ok, 1 problems found / job failed, 2 bad input or usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from dscluster import __version__
+from dscluster.errors import DsclusterError
+
+# Each module defines register(subparsers) and sets `func` on its parsers.
+COMMAND_MODULES = [
+    "hosts", "sim", "setup", "check", "launch", "train", "telemetry", "plot", "diagnose", "bench",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dscluster",
+        description="Turn a handful of lab GPU workstations into one DeepSpeed training cluster.",
+        epilog="Typical day: dscluster setup; dscluster check; "
+        "mpirun -np 5 --hostfile hosts.txt ./entry_cn.sh; python analysis/plot.py runs/<id>",
+    )
+    parser.add_argument("--version", action="version", version=f"dscluster {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"dscluster.cli_{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"dscluster.cli_{name}":
+                continue  # subcommand not built yet
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except DsclusterError as e:
+        print(f"dscluster {args.command}: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
