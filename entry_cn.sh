@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# What every rank runs:  mpirun -np 5 --hostfile hosts.txt ./entry_cn.sh [train args]
+#
+# 1. finds the repository from its own path and uses its .venv (same path on every node);
+# 2. loads this node's environment from `dscluster check` (<state>/env/$(hostname).env:
+#    the node's own interface for NCCL/GLOO, P2P, precision) — without it a multi-rank job
+#    would pick a wrong interface and hang, so a missing file stops the rank (exit 2);
+# 3. gives each local rank its own GPU (CUDA_VISIBLE_DEVICES) unless the user chose;
+# 4. local rank 0 starts this node's one telemetry sampler and stops it when training ends;
+# 5. runs `dscluster train "$@"` (default: --config configs/digits.yaml).
+# Run by hand (no launcher) it trains as a single process and says so.
+set -uo pipefail
+
+say() { echo "entry_cn[$(hostname)${RANK_LABEL:+ rank $RANK_LABEL}]: $*" >&2; }
+
+REPO="$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")" && pwd)"
+
+# --- the venv: use the repo's when there is one, else whatever dscluster is on PATH -------
+VENV="${DSCLUSTER_VENV:-$REPO/.venv}"
+if [ -x "$VENV/bin/python" ]; then
+  export VIRTUAL_ENV="$VENV"
+  export PATH="$VENV/bin:$PATH"
+fi
+if ! command -v dscluster >/dev/null 2>&1; then
+  say "no dscluster command: create the venv with 'make venv' in $REPO (or set DSCLUSTER_VENV)"
+  exit 2
+fi
+
+# --- who am I: launchers name the rank differently ---------------------------------------
+GLOBAL_RANK="${OMPI_COMM_WORLD_RANK:-${RANK:-${PMIX_RANK:-${PMI_RANK:-${SLURM_PROCID:-}}}}}"
+LOCAL_RANK_ID="${OMPI_COMM_WORLD_LOCAL_RANK:-${LOCAL_RANK:-${SLURM_LOCALID:-${MPI_LOCALRANKID:-0}}}}"
+RANK_LABEL="$GLOBAL_RANK"
+HOST="$(hostname)"
+
+# --- this node's environment from `dscluster check` ----------------------------------------
+STATE="${DSCLUSTER_STATE:-}"
+if [ -z "$STATE" ]; then
+  STATE="$PWD/.dscluster"
+  [ -d "$STATE" ] || [ ! -d "$REPO/.dscluster" ] || STATE="$REPO/.dscluster"
+fi
+NODE_ENV="$STATE/env/$HOST.env"
+
+if [ -z "$GLOBAL_RANK" ]; then
+  say "not under mpirun: training as a single process"
+  if [ -r "$NODE_ENV" ]; then
+    # shellcheck disable=SC1090
+    source "$NODE_ENV"
+  fi
+else
+  if [ ! -r "$NODE_ENV" ]; then
+    say "no check output for this node ($NODE_ENV): run 'dscluster check --hostfile HOSTFILE' on the head first"
+    exit 2
+  fi
+  # A launcher that hands out its own rendezvous (torchrun, srun, DeepSpeed) must win over
+  # the check's values, or the workers would look for the store in the wrong place.
+  keep_addr="${MASTER_ADDR:-}"; keep_port="${MASTER_PORT:-}"
+  # shellcheck disable=SC1090
+  source "$NODE_ENV"
+  [ -z "$keep_addr" ] || export MASTER_ADDR="$keep_addr"
+  [ -z "$keep_port" ] || export MASTER_PORT="$keep_port"
+  if [ -n "${DSCLUSTER_HOSTFILE:-}" ] && [ -r "$DSCLUSTER_HOSTFILE" ] && [ -n "${DSCLUSTER_HOSTFILE_SHA256:-}" ]; then
+    now_sha="$(sha256sum "$DSCLUSTER_HOSTFILE" | cut -d' ' -f1)"
+    if [ "$now_sha" != "$DSCLUSTER_HOSTFILE_SHA256" ] && [ "$LOCAL_RANK_ID" = 0 ]; then
+      say "warning: $DSCLUSTER_HOSTFILE changed since 'dscluster check' wrote $NODE_ENV; run 'dscluster check' again"
+    fi
+  fi
+fi
+export DSCLUSTER_LOCAL_RANK="$LOCAL_RANK_ID"
+
+# --- one GPU per local rank, unless the user (or the launcher) already chose ---------------
+if [ -z "${CUDA_VISIBLE_DEVICES+x}" ] && command -v nvidia-smi >/dev/null 2>&1; then
+  ngpu="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)"
+  if [ "${ngpu:-0}" -gt 0 ]; then
+    if [ "$LOCAL_RANK_ID" -ge "$ngpu" ]; then
+      say "warning: local rank $LOCAL_RANK_ID but only $ngpu GPUs here; sharing GPU $((LOCAL_RANK_ID % ngpu))"
+    fi
+    export CUDA_VISIBLE_DEVICES="$((LOCAL_RANK_ID % ngpu))"
+    # This rank now sees exactly one GPU: it is cuda:0 whatever the local rank.
+    export DSCLUSTER_CUDA_MAPPED=1
+  fi
+fi
+
+# --- run id and run directory: every rank of a job must agree without talking ----------------
+# resolve_run_id's rule (DSCLUSTER_RUN_ID > PMIX_NAMESPACE > ... > timestamp) in one python start.
+eval "$(python - <<'PY'
+import importlib.util, shlex
+from dscluster.runinfo import resolve_run_id, runs_root
+rid = resolve_run_id()
+print(f"export DSCLUSTER_RUN_ID={shlex.quote(rid)}")
+print(f"RUN_DIR={shlex.quote(str(runs_root() / rid))}")
+print(f"HAVE_TELEMETRY={int(importlib.util.find_spec('dscluster.cli_telemetry') is not None)}")
+PY
+)" || { say "cannot import dscluster from $(command -v python)"; exit 2; }
+
+# --- telemetry: exactly one sampler per node, owned by local rank 0 --------------------------
+SAMPLER_PID=""
+TRAIN_PID=""
+cleanup() {
+  trap - EXIT TERM INT HUP
+  if [ -n "$TRAIN_PID" ] && kill -0 "$TRAIN_PID" 2>/dev/null; then
+    kill -TERM "$TRAIN_PID" 2>/dev/null
+    wait "$TRAIN_PID" 2>/dev/null
+  fi
+  if [ -n "$SAMPLER_PID" ]; then
+    kill -TERM "$SAMPLER_PID" 2>/dev/null
+    wait "$SAMPLER_PID" 2>/dev/null
+  fi
+}
+on_signal() {
+  say "received $1: stopping training"
+  cleanup
+  exit "$2"
+}
+trap cleanup EXIT
+trap 'on_signal TERM 143' TERM
+trap 'on_signal INT 130' INT
+trap 'on_signal HUP 129' HUP
+
+if [ "$LOCAL_RANK_ID" = 0 ]; then
+  if [ "$HAVE_TELEMETRY" = 1 ]; then
+    mkdir -p "$RUN_DIR" 2>/dev/null || true
+    dscluster telemetry --run-dir "$RUN_DIR" --parent-pid $$ &
+    SAMPLER_PID=$!
+  else
+    say "telemetry: 'dscluster telemetry' not available, no samples for this node"
+  fi
+fi
+
+# --- training --------------------------------------------------------------------------------
+if [ "$#" -eq 0 ]; then
+  if [ -f configs/digits.yaml ]; then set -- --config configs/digits.yaml
+  else set -- --config "$REPO/configs/digits.yaml"; fi
+fi
+# Not exec: the traps above must outlive training to stop the sampler.
+dscluster train "$@" &
+TRAIN_PID=$!
+wait "$TRAIN_PID"
+rc=$?
+TRAIN_PID=""
+exit "$rc"

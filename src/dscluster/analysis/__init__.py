@@ -1,0 +1,79 @@
+"""Turn run directories into plots, a one-page report and a diagnosis. Reads files only."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dscluster.analysis.load import RunData, load_run
+from dscluster.fsutil import atomic_write_text
+from dscluster.runinfo import PLOTS_DIR, REPORT_FILE
+
+
+@dataclass
+class RunOutput:
+    run: RunData
+    out_dir: Path
+    report: Path
+    plots: list = field(default_factory=list)
+    summary: dict = field(default_factory=dict)
+    diagnosis: dict = field(default_factory=dict)
+
+
+def analyse(run_dirs: list[str | Path], out: str | Path | None = None) -> list[RunOutput]:
+    """Plots + report.html for every run; scaling.png too when several runs are given.
+
+    Without --out, each run's pictures go to RUN/plots/ and its report to RUN/report.html.
+    With --out and one run: OUT/*.png and OUT/report.html; with several: OUT/<run>/...
+    """
+    from dscluster.analysis.diagnose import diagnose
+    from dscluster.analysis.plots import plot_run, plot_scaling
+    from dscluster.analysis.report import render_report
+    from dscluster.analysis.stats import summary_row
+
+    runs = [load_run(d) for d in run_dirs]  # all validated before anything is written
+    names = [r.name for r in runs]
+    results = []
+    scaling_plot = None
+    if len(runs) > 1:
+        scaling_dir = Path(out) if out else runs[0].path / PLOTS_DIR
+        scaling_plot = plot_scaling(runs, scaling_dir)
+    for run in runs:
+        if out is None:
+            out_dir, report = run.path / PLOTS_DIR, run.path / REPORT_FILE
+        elif len(runs) == 1:
+            out_dir, report = Path(out), Path(out) / REPORT_FILE
+        else:
+            sub = run.name if names.count(run.name) == 1 else f"{run.name}-{names.index(run.name)}"
+            out_dir = Path(out) / sub
+            report = out_dir / REPORT_FILE
+        plots = plot_run(run, out_dir)
+        if scaling_plot is not None:
+            plots.append(scaling_plot)
+        row = summary_row(run)
+        diag = diagnose(run)
+        atomic_write_text(report, render_report(run, row, plots, diag), mode=0o644)
+        results.append(RunOutput(run, out_dir, report, plots, row, diag))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python analysis/plot.py RUN_DIR [RUN_DIR ...] [--out DIR]`."""
+    import argparse
+
+    from dscluster.cli_plot import add_arguments, plot_command
+    from dscluster.errors import DsclusterError
+
+    parser = argparse.ArgumentParser(prog="analysis/plot.py", description=
+                                     "Plots and a one-page report.html for dscluster run directories.")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return plot_command(args)
+    except DsclusterError as e:
+        print(f"plot: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+__all__ = ["RunData", "RunOutput", "analyse", "load_run", "main"]

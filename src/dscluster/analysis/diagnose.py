@@ -1,0 +1,235 @@
+"""Name what went wrong in a run from its files: dead ranks, the rank missing from a
+collective, environment mismatches between ranks, and what flight-recorder dumps say.
+
+A hang in data-parallel training shows up in the files as: one rank's last step is behind
+(it never reached the collective the others wait in) or ahead (it skipped a collective and
+went on), and in flight-recorder dumps as one rank that never recorded the collective
+sequence number the others did. Everything here reads files only.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from dscluster.analysis.load import RunData
+from dscluster.analysis.stats import rank_stats
+
+# Must be identical on every rank; anything else here differing means ranks were started
+# from different configs, venvs or check results.
+MUST_AGREE = (
+    "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "DSCLUSTER_RUN_ID",
+    "DSCLUSTER_PRECISION", "DSCLUSTER_HOSTFILE_SHA256", "DSCLUSTER_BTL_TCP_IF_INCLUDE",
+    "DSCLUSTER_CHECK_CREATED", "DS_ALLOW_DEPRECATED_FP16", "TORCH_NCCL_BLOCKING_WAIT",
+    "NCCL_IB_DISABLE", "NCCL_DEBUG_SUBSYS",
+)
+_VERSION_KEY = re.compile(r"version", re.IGNORECASE)
+_TRACE_RANK = re.compile(r"(\d+)(?:\.\w+)?$")
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+@dataclass
+class Finding:
+    severity: str  # "error" (the run is broken) or "warning" (look at it)
+    kind: str
+    message: str
+    rank: int | None = None
+    host: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{key}."))
+        else:
+            out[key] = v
+    return out
+
+
+def env_findings(run: RunData) -> list[Finding]:
+    """Keys that must agree but differ between ranks (interface names may differ by node)."""
+    if len(run.env) < 2:
+        return []
+    flat = {r: _flatten(e) for r, e in run.env.items()}
+    keys = sorted({k for f in flat.values() for k in f})
+    findings = []
+    for key in keys:
+        leaf = key.rsplit(".", 1)[-1]
+        if leaf not in MUST_AGREE and not _VERSION_KEY.search(key):
+            continue
+        values = {r: f.get(key) for r, f in flat.items()}
+        distinct = Counter(json.dumps(v, sort_keys=True) for v in values.values())
+        if len(distinct) < 2:
+            continue
+        common = distinct.most_common(1)[0][0]
+        odd = sorted(r for r, v in values.items() if json.dumps(v, sort_keys=True) != common)
+        detail = ", ".join(f"rank {r}={values[r]!r}" for r in sorted(values))
+        findings.append(Finding(
+            "error", "env_mismatch",
+            f"{key} differs between ranks ({detail}); every rank must use the same value — "
+            "re-run `dscluster check` and relaunch so all nodes source the same env files",
+            rank=odd[0] if len(odd) == 1 else None,
+            host=(run.env[odd[0]].get("host") if len(odd) == 1 else None),
+        ))
+    return findings
+
+
+def progress_findings(run: RunData) -> list[Finding]:
+    """Dead ranks, failed ranks, and the rank out of step with the others."""
+    findings: list[Finding] = []
+    stats = {s.rank: s for s in rank_stats(run)}
+    world = run.world_size or 0
+    missing = [r for r in range(world) if r not in run.ranks]
+    for r in missing:
+        env_host = run.env.get(r, {}).get("host")
+        findings.append(Finding("error", "rank_missing",
+                                f"rank {r} wrote no metrics file (world size {world}): it never started "
+                                "training or could not write to the run directory", rank=r, host=env_host))
+    for r, rm in sorted(run.ranks.items()):
+        s = stats[r]
+        last = f"last step {s.last_step}" if s.last_step is not None else "no step completed"
+        when = f", last record {_clock(rm.last_t)}" if rm.last_t else ""
+        if rm.end is None:
+            findings.append(Finding("error", "rank_died",
+                                    f"rank {r} on {rm.host or '?'} has no end record: it died or hung ({last}{when})",
+                                    rank=r, host=rm.host))
+        elif rm.end.get("status") == "failed":
+            err = rm.end.get("error") or "no error text"
+            findings.append(Finding("error", "rank_failed",
+                                    f"rank {r} on {rm.host or '?'} failed ({last}): {err}", rank=r, host=rm.host))
+    lasts = {r: (rm.last_step or 0) for r, rm in run.ranks.items()}
+    if len(lasts) >= 2 and len(set(lasts.values())) > 1:
+        counts = Counter(lasts.values())
+        majority, n = counts.most_common(1)[0]
+        unique_majority = list(counts.values()).count(n) == 1 and n > len(lasts) / 2
+        if unique_majority:
+            for r in sorted(r for r, v in lasts.items() if v != majority):
+                host = run.ranks[r].host or "?"
+                if lasts[r] < majority:
+                    msg = (f"rank {r} on {host} stopped at step {lasts[r]} while the others reached {majority}: "
+                           f"it was missing from the collective of step {lasts[r] + 1}")
+                    findings.append(Finding("error", "rank_behind", msg, rank=r, host=run.ranks[r].host))
+                else:
+                    msg = (f"rank {r} on {host} ran ahead to step {lasts[r]} while the others stopped at "
+                           f"{majority}: it skipped a collective the others waited in")
+                    findings.append(Finding("error", "rank_ahead", msg, rank=r, host=run.ranks[r].host))
+        else:
+            # No majority (e.g. 2 ranks): the brief rule is "the one behind was missing".
+            low = min(lasts.values())
+            for r in sorted(r for r, v in lasts.items() if v == low):
+                findings.append(Finding(
+                    "error", "rank_behind",
+                    f"rank {r} on {run.ranks[r].host or '?'} stopped at step {low} while others got further "
+                    f"({', '.join(f'rank {q}: {v}' for q, v in sorted(lasts.items()) if v != low)}): it was "
+                    f"missing from the collective of step {low + 1}", rank=r, host=run.ranks[r].host))
+    return findings
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """Flight-recorder dumps are pickles of plain dicts/lists; refuse anything that would run code."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a trace file")
+
+
+def read_trace(path: Path) -> dict[str, Any] | None:
+    data = path.read_bytes()
+    for parse in (lambda b: json.loads(b.decode("utf-8")), lambda b: _SafeUnpickler(__import__("io").BytesIO(b)).load()):
+        try:
+            obj = parse(data)
+        except Exception:
+            continue
+        if isinstance(obj, dict):
+            return obj
+        if isinstance(obj, list):
+            return {"entries": obj}
+    return None
+
+
+def _trace_rank(path: Path, dump: dict[str, Any]) -> int | None:
+    for key in ("rank", "global_rank"):
+        if isinstance(dump.get(key), int):
+            return dump[key]
+    m = _TRACE_RANK.search(path.name)
+    return int(m.group(1)) if m else None
+
+
+def trace_findings(run: RunData) -> tuple[list[Finding], list[dict[str, Any]]]:
+    """From flight-recorder dumps: per rank, the last collective sequence number per process
+    group; the rank whose last number is behind the others was missing from the next one."""
+    summaries, findings = [], []
+    per_pg: dict[str, dict[int, int]] = {}
+    for path in run.trace_files:
+        dump = read_trace(path)
+        rel = str(path.relative_to(run.path))
+        if dump is None:
+            summaries.append({"file": rel, "parsed": False})
+            continue
+        rank = _trace_rank(path, dump)
+        entries = [e for e in dump.get("entries", []) if isinstance(e, dict)]
+        pending = [e for e in entries if e.get("state") not in (None, "completed")]
+        summaries.append({"file": rel, "parsed": True, "rank": rank, "entries": len(entries),
+                          "not_completed": [f"{e.get('profiling_name')}#{e.get('collective_seq_id')} ({e.get('state')})"
+                                            for e in pending][:5]})
+        if rank is None:
+            continue
+        for e in entries:
+            seq = e.get("collective_seq_id")
+            if not isinstance(seq, int) or e.get("is_p2p"):
+                continue
+            pg = str(e.get("pg_id", e.get("process_group", "0")))
+            per_pg.setdefault(pg, {})
+            per_pg[pg][rank] = max(per_pg[pg].get(rank, 0), seq)
+    for pg, seqs in per_pg.items():
+        if len(seqs) < 2 or len(set(seqs.values())) < 2:
+            continue
+        top = max(seqs.values())
+        for r in sorted(r for r, s in seqs.items() if s < top):
+            findings.append(Finding(
+                "error", "trace_missing_collective",
+                f"flight recorder: rank {r} last recorded collective #{seqs[r]} in process group {pg} while "
+                f"others recorded up to #{top}: rank {r} was missing from collective #{seqs[r] + 1}",
+                rank=r, host=(run.ranks[r].host if r in run.ranks else None)))
+    return findings, summaries
+
+
+def diagnose(run: RunData) -> dict[str, Any]:
+    """Everything found, as the stable `--json` document."""
+    findings = progress_findings(run) + env_findings(run)
+    tfind, traces = trace_findings(run)
+    findings += tfind
+    if not run.ranks:
+        findings.append(Finding("error", "no_metrics", f"{run.path}: no metrics/rank-*.jsonl: training never wrote a step"))
+    if not run.summary and not findings:
+        findings.append(Finding("warning", "incomplete",
+                                "no summary.json but every rank has an end record: rank 0 did not finish writing it"))
+    if run.summary and run.summary.get("status") not in (None, "complete"):
+        fr, fh = run.summary.get("failed_rank"), run.summary.get("failed_host")
+        if not any(f.rank == fr and fr is not None for f in findings):
+            findings.append(Finding("error", "run_failed",
+                                    f"summary.json: status {run.summary.get('status')}, failed rank {fr} on {fh}: "
+                                    f"{run.summary.get('error')}", rank=fr, host=fh))
+    ranks = [{"rank": s.rank, "host": s.host, "last_step": s.last_step, "status": s.status,
+              "last_t": run.ranks[s.rank].last_t} for s in rank_stats(run)]
+    return {
+        "run_dir": str(run.path),
+        "healthy": not any(f.severity == "error" for f in findings),
+        "findings": [f.to_dict() for f in findings],
+        "ranks": ranks,
+        "traces": traces,
+        "unreadable": list(run.problems),
+    }

@@ -1,0 +1,329 @@
+"""The run's pictures, drawn with matplotlib's object API (Agg, no pyplot global state).
+
+Every plot function returns a `Plot` holding the path it wrote and the series it drew
+(label → x/y lists), so tests can check a picture shows what it must without reading
+pixels, and a panel that has nothing to show says why in words instead of staying blank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+from matplotlib.figure import Figure  # noqa: E402
+
+from dscluster.analysis.load import RunData  # noqa: E402
+from dscluster.analysis.stats import find_stragglers, rank_stats, summary_row  # noqa: E402
+from dscluster.telemetry.backends import SLOWDOWN_REASONS  # noqa: E402
+
+DPI = 80
+PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+           "#bcbd22", "#17becf", "#d62728"]
+STRAGGLER_COLOUR = "#d62728"
+LINESTYLES = ["-", "--", ":", "-."]
+
+
+@dataclass
+class Plot:
+    name: str
+    path: Path
+    title: str
+    series: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    """What the picture says in words: 'not fp16', 'no GPU data', 'run did not complete'."""
+
+
+def host_colours(run: RunData) -> dict[str, str]:
+    """One colour per node, stable across all of a run's plots."""
+    hosts = sorted({h for h in (r.host for r in run.ranks.values()) if h} | set(run.telemetry))
+    return {h: PALETTE[i % len(PALETTE)] for i, h in enumerate(hosts)}
+
+
+def _rank_style(run: RunData, rank: int, colours: dict[str, str]) -> tuple[str, str, str]:
+    """(colour of the rank's node, a line style per rank on that node, legend label)."""
+    host = run.ranks[rank].host
+    same_node = sorted(r for r in run.ranks if run.ranks[r].host == host)
+    style = LINESTYLES[same_node.index(rank) % len(LINESTYLES)]
+    return colours.get(host, "#333333"), style, f"rank {rank} ({host or '?'})"
+
+
+def _title(run: RunData, what: str) -> str:
+    suffix = "" if run.completed else " — run did not complete"
+    return f"{run.name}: {what}{suffix}"
+
+
+def _new(ncols: int = 1, width: float = 10.0, height: float = 3.8) -> tuple[Figure, list]:
+    fig = Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+    axes = fig.subplots(1, ncols, squeeze=False)[0]
+    return fig, list(axes)
+
+
+def _empty(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=11, wrap=True)
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _save(fig: Figure, plot: Plot, incomplete: bool) -> Plot:
+    if incomplete:
+        plot.notes.append("run did not complete: showing what was recorded")
+    fig.suptitle(plot.title, fontsize=11)
+    plot.path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(plot.path, dpi=DPI)
+    return plot
+
+
+def plot_utilisation(run: RunData, out: Path) -> Plot:
+    """GPU utilisation and memory per node over time, or CPU/RAM when no node has a GPU."""
+    gpu = any(h.has_gpu for h in run.telemetry.values())
+    what = "GPU utilisation and memory per node" if gpu else "CPU utilisation and RAM per node (no GPU data)"
+    plot = Plot("utilisation", out / "utilisation.png", _title(run, what))
+    fig, (ax_u, ax_m) = _new(2)
+    colours, t0 = host_colours(run), run.t0 or 0.0
+    if not run.telemetry:
+        plot.notes.append("no telemetry files")
+        _empty(ax_u, "no telemetry/*.jsonl in this run")
+        _empty(ax_m, "no telemetry/*.jsonl in this run")
+        return _save(fig, plot, not run.completed)
+    for host in sorted(run.telemetry):
+        samples = run.telemetry[host].samples
+        if gpu:
+            indices = sorted({g["index"] for s in samples for g in s["gpus"]})
+            for k, idx in enumerate(indices):
+                pts = [(s["t"] - t0, g) for s in samples for g in s["gpus"] if g["index"] == idx]
+                xs = [p[0] for p in pts]
+                util = [p[1].get("util_percent") for p in pts]
+                mem = [(p[1].get("mem_used_mb") or 0) / 1024 for p in pts]
+                label = f"{host} GPU{idx}"
+                ls = LINESTYLES[k % len(LINESTYLES)]
+                ax_u.plot(xs, util, color=colours[host], ls=ls, label=label)
+                ax_m.plot(xs, mem, color=colours[host], ls=ls, label=label)
+                plot.series[f"util {label}"] = {"x": xs, "y": util}
+                plot.series[f"mem {label}"] = {"x": xs, "y": mem}
+        else:
+            xs = [s["t"] - t0 for s in samples]
+            cpu = [s.get("cpu_percent") for s in samples]
+            ram = [(s.get("ram_used_mb") or 0) / 1024 for s in samples]
+            ax_u.plot(xs, cpu, color=colours[host], label=host)
+            ax_m.plot(xs, ram, color=colours[host], label=host)
+            plot.series[f"cpu {host}"] = {"x": xs, "y": cpu}
+            plot.series[f"ram {host}"] = {"x": xs, "y": ram}
+    if not gpu:
+        plot.notes.append("no GPU data: CPU and RAM shown")
+    ax_u.set_ylabel("GPU utilisation (%)" if gpu else "CPU utilisation (% of all cores)")
+    ax_m.set_ylabel("GPU memory used (GiB)" if gpu else "RAM used (GiB)")
+    ax_u.set_ylim(0, 105)
+    for ax in (ax_u, ax_m):
+        ax.set_xlabel("time since run start (s)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="best")
+    return _save(fig, plot, not run.completed)
+
+
+def plot_throughput(run: RunData, out: Path) -> Plot:
+    """Samples/s per rank over steps, and each rank's step-time distribution; the straggler is red."""
+    stats = rank_stats(run)
+    stragglers = find_stragglers(stats)
+    plot = Plot("throughput", out / "throughput.png", _title(run, "throughput and step time per rank"))
+    fig, (ax_t, ax_b) = _new(2)
+    colours = host_colours(run)
+    if not any(r.steps for r in run.ranks.values()):
+        plot.notes.append("no step records")
+        _empty(ax_t, "no step records in metrics/rank-*.jsonl")
+        _empty(ax_b, "no step records")
+        return _save(fig, plot, not run.completed)
+    box_data, box_labels, box_colours = [], [], []
+    for rank in sorted(run.ranks):
+        steps = run.ranks[rank].steps
+        colour, ls, label = _rank_style(run, rank, colours)
+        xs = [s["step"] for s in steps if s.get("samples_per_s") is not None]
+        ys = [s["samples_per_s"] for s in steps if s.get("samples_per_s") is not None]
+        ax_t.plot(xs, ys, color=colour, ls=ls, label=label + (" — straggler" if rank in stragglers else ""),
+                  lw=2.2 if rank in stragglers else 1.3)
+        plot.series[f"samples_per_s {label}"] = {"x": xs, "y": ys}
+        times = [s["step_time"] for s in steps[1:] or steps if isinstance(s.get("step_time"), (int, float))]
+        if times:
+            box_data.append(times)
+            box_labels.append(f"r{rank}\n{run.ranks[rank].host or '?'}")
+            box_colours.append(STRAGGLER_COLOUR if rank in stragglers else colour)
+            plot.series[f"step_time {label}"] = {"x": list(range(len(times))), "y": times}
+    ax_t.set_xlabel("optimizer step")
+    ax_t.set_ylabel("samples/s (this rank)")
+    ax_t.grid(alpha=0.3)
+    ax_t.legend(fontsize=8, loc="best")
+    if box_data:
+        bp = ax_b.boxplot(box_data, patch_artist=True, showfliers=True)
+        ax_b.set_xticks(range(1, len(box_labels) + 1), box_labels, fontsize=8)
+        for patch, c in zip(bp["boxes"], box_colours):
+            patch.set_facecolor(c)
+            patch.set_alpha(0.6)
+    ax_b.set_ylabel("step time (s)")
+    ax_b.set_title("step time per rank (first step excluded)" + (
+        f"; straggler: rank {', '.join(map(str, stragglers))}" if stragglers else "; no straggler"), fontsize=9)
+    ax_b.grid(alpha=0.3, axis="y")
+    plot.notes.append(f"stragglers: {stragglers}" if stragglers else "no straggler")
+    return _save(fig, plot, not run.completed)
+
+
+def plot_loss(run: RunData, out: Path) -> Plot:
+    """Training loss per rank and held-out accuracy over optimizer steps."""
+    plot = Plot("loss", out / "loss.png", _title(run, "training loss and held-out accuracy"))
+    fig, (ax,) = _new(1, width=8.0)
+    colours = host_colours(run)
+    for rank in sorted(run.ranks):
+        steps = [s for s in run.ranks[rank].steps if isinstance(s.get("loss"), (int, float))]
+        if not steps:
+            continue
+        colour, ls, label = _rank_style(run, rank, colours)
+        xs, ys = [s["step"] for s in steps], [s["loss"] for s in steps]
+        ax.plot(xs, ys, color=colour, ls=ls, lw=1.1, label=f"loss {label}")
+        plot.series[f"loss {label}"] = {"x": xs, "y": ys}
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss (cross-entropy)")
+    ax.grid(alpha=0.3)
+    evals = [e for e in run.evals() if isinstance(e.get("accuracy"), (int, float))]
+    ax2 = ax.twinx()
+    if evals:
+        xs = [e.get("step") for e in evals]
+        ys = [100.0 * e["accuracy"] if e["accuracy"] <= 1.0 else e["accuracy"] for e in evals]
+        ax2.plot(xs, ys, "o-", color="black", label="held-out accuracy")
+        ax2.annotate(f"{ys[-1]:.1f}%", (xs[-1], ys[-1]), textcoords="offset points", xytext=(-10, 6), fontsize=9)
+        plot.series["held-out accuracy"] = {"x": xs, "y": ys}
+    else:
+        plot.notes.append("no held-out evaluation recorded")
+    ax2.set_ylabel("held-out accuracy (%)")
+    ax2.set_ylim(0, 100)
+    if not plot.series:
+        plot.notes.append("no loss records")
+        _empty(ax, "no step records with a loss")
+    lines = ax.get_legend_handles_labels()
+    lines2 = ax2.get_legend_handles_labels()
+    if lines[0] or lines2[0]:
+        ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="center right")
+    return _save(fig, plot, not run.completed)
+
+
+def plot_loss_scale(run: RunData, out: Path) -> Plot:
+    """fp16 dynamic loss scale over steps with overflow (skipped) steps marked."""
+    plot = Plot("loss_scale", out / "loss_scale.png", _title(run, "fp16 loss scale and overflow steps"))
+    fig, (ax,) = _new(1, width=8.0)
+    rank = next((r for r in sorted(run.ranks) if run.ranks[r].steps), None)
+    steps = run.ranks[rank].steps if rank is not None else []
+    scaled = [s for s in steps if isinstance(s.get("loss_scale"), (int, float))]
+    overflow = [s for s in steps if s.get("overflow")]
+    if run.precision != "fp16" or not scaled:
+        why = f"not fp16 (precision: {run.precision or 'unknown'}): no dynamic loss scaling"
+        if run.precision == "fp16":
+            why = "fp16, but no loss_scale values were recorded"
+        plot.notes.append(why)
+        _empty(ax, f"{why}\noverflow/skipped steps: {len(overflow)} of {len(steps)}")
+        return _save(fig, plot, not run.completed)
+    xs, ys = [s["step"] for s in scaled], [s["loss_scale"] for s in scaled]
+    ax.step(xs, ys, where="post", color=PALETTE[0], label=f"loss scale (rank {rank})")
+    plot.series["loss_scale"] = {"x": xs, "y": ys}
+    if overflow:
+        ox = [s["step"] for s in overflow]
+        oy = [s.get("loss_scale") or ys[0] for s in overflow]
+        ax.plot(ox, oy, "x", color=STRAGGLER_COLOUR, ms=8, mew=2, label=f"overflow, step skipped ({len(ox)})")
+        plot.series["overflow"] = {"x": ox, "y": oy}
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss scale (log2)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    plot.notes.append(f"{len(overflow)} overflow steps of {len(steps)}")
+    return _save(fig, plot, not run.completed)
+
+
+def plot_gpu_health(run: RunData, out: Path) -> Plot:
+    """Temperature and power per GPU over time, slowdown (throttle) events marked."""
+    plot = Plot("gpu_health", out / "gpu_health.png", _title(run, "GPU temperature, power and throttling"))
+    fig, (ax_t, ax_p) = _new(2)
+    if not any(h.has_gpu for h in run.telemetry.values()):
+        backends = sorted({h.backend for h in run.telemetry.values()}) or ["no telemetry"]
+        plot.notes.append("no GPU data")
+        for ax in (ax_t, ax_p):
+            _empty(ax, f"no GPU data (telemetry backend: {', '.join(backends)})")
+        return _save(fig, plot, not run.completed)
+    colours, t0 = host_colours(run), run.t0 or 0.0
+    events = 0
+    reasons: dict[str, int] = {}
+    for host in sorted(run.telemetry):
+        samples = run.telemetry[host].samples
+        indices = sorted({g["index"] for s in samples for g in s["gpus"]})
+        for k, idx in enumerate(indices):
+            pts = [(s["t"] - t0, g) for s in samples for g in s["gpus"] if g["index"] == idx]
+            label, ls = f"{host} GPU{idx}", LINESTYLES[k % len(LINESTYLES)]
+            xs = [p[0] for p in pts]
+            temp = [p[1].get("temp_c") for p in pts]
+            power = [p[1].get("power_w") for p in pts]
+            ax_t.plot(xs, temp, color=colours[host], ls=ls, label=label)
+            ax_p.plot(xs, power, color=colours[host], ls=ls, label=label)
+            plot.series[f"temp {label}"] = {"x": xs, "y": temp}
+            plot.series[f"power {label}"] = {"x": xs, "y": power}
+            thr = [(x, g, sorted(set(g.get("throttle_reasons") or []) & SLOWDOWN_REASONS)) for x, g in pts]
+            thr = [(x, g, r) for x, g, r in thr if r]
+            for _, _, rs in thr:
+                for r in rs:
+                    reasons[r] = reasons.get(r, 0) + 1
+            if thr:
+                events += len(thr)
+                ax_t.plot([x for x, _, _ in thr], [g.get("temp_c") or 0 for _, g, _ in thr], "v",
+                          color=STRAGGLER_COLOUR, ms=6)
+                plot.series[f"throttle {label}"] = {"x": [x for x, _, _ in thr], "y": [r for _, _, r in thr]}
+    ax_t.set_ylabel("GPU temperature (°C)")
+    ax_p.set_ylabel("GPU power (W)")
+    for ax in (ax_t, ax_p):
+        ax.set_xlabel("time since run start (s)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    counted = ", ".join(f"{r} ×{n}" for r, n in sorted(reasons.items())) or "none"
+    ax_t.set_title(f"▼ samples with a slowdown reason: {events} ({counted})", fontsize=9)
+    plot.notes.append(f"{events} throttle (slowdown) samples")
+    return _save(fig, plot, not run.completed)
+
+
+def plot_scaling(runs: list[RunData], out: Path) -> Plot:
+    """Images/s against GPU (rank) count with the ideal line from the smallest run."""
+    plot = Plot("scaling", out / "scaling.png", "scaling: images/s against GPU (rank) count")
+    fig, (ax,) = _new(1, width=7.0, height=4.2)
+    points = []
+    for run in runs:
+        row = summary_row(run)
+        if row["world_size"] and row["images_per_s"]:
+            points.append((int(row["world_size"]), float(row["images_per_s"]), run.name))
+    if len({p[0] for p in points}) < 2:
+        plot.notes.append("needs runs with at least two different world sizes")
+        _empty(ax, "scaling needs runs with at least two different GPU/rank counts\n"
+                   "(pass several RUN_DIRs: python analysis/plot.py runs/a runs/b)")
+        return _save(fig, plot, False)
+    points.sort()
+    n0, r0 = points[0][0], points[0][1]
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    ideal_x = sorted(set(xs))
+    ideal = [r0 * n / n0 for n in ideal_x]
+    ax.plot(ideal_x, ideal, "--", color="#7f7f7f", label=f"ideal (linear from {n0} rank{'s' if n0 > 1 else ''})")
+    ax.plot(xs, ys, "o-", color=PALETTE[0], label="measured")
+    eff = [100.0 * y / (r0 * x / n0) for x, y in zip(xs, ys)]
+    for x, y, e in zip(xs, ys, eff):
+        ax.annotate(f"{e:.0f}%", (x, y), textcoords="offset points", xytext=(4, -12), fontsize=9)
+    plot.series["measured"] = {"x": xs, "y": ys}
+    plot.series["ideal"] = {"x": ideal_x, "y": ideal}
+    plot.series["efficiency_percent"] = {"x": xs, "y": eff}
+    ax.set_xlabel("GPUs (ranks)")
+    ax.set_ylabel("throughput (images/s)")
+    ax.set_xticks(ideal_x)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, plot, False)
+
+
+RUN_PLOTS = (plot_utilisation, plot_throughput, plot_loss, plot_loss_scale, plot_gpu_health)
+
+
+def plot_run(run: RunData, out: Path) -> list[Plot]:
+    return [fn(run, out) for fn in RUN_PLOTS]

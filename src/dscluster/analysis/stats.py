@@ -1,0 +1,136 @@
+"""Numbers derived from a loaded run: per-rank throughput, stragglers, the summary row.
+
+Kept apart from plotting so the report table, the plots and `diagnose` agree on one
+definition of "straggler" and "throughput".
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from dscluster.analysis.load import RunData
+
+STRAGGLER_FACTOR = 1.15
+"""A rank is a straggler when its median step time is this much above the median rank's.
+With synchronous data parallelism every rank waits for the slowest in the all-reduce, so
+the compute part differs less than this on healthy hardware; 15% is a visible slowdown."""
+
+
+@dataclass
+class RankStat:
+    rank: int
+    host: str | None
+    steps: int
+    last_step: int | None
+    median_step_time: float | None
+    p90_step_time: float | None
+    samples_per_s: float | None
+    """This rank's median samples/s (warm-up step excluded when there are more)."""
+    status: str
+    """complete, failed, or running/died (no end record)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _steady(steps: list[dict]) -> list[dict]:
+    """Drop the first step (JIT, allocator and communicator warm-up) when there are others."""
+    return steps[1:] if len(steps) > 2 else steps
+
+
+def _quantile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    if len(values) == 1:
+        return values[0]
+    pos = q * (len(values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+
+
+def rank_stats(run: RunData) -> list[RankStat]:
+    out = []
+    for rank in sorted(run.ranks):
+        rm = run.ranks[rank]
+        steady = _steady(rm.steps)
+        times = [float(s["step_time"]) for s in steady if isinstance(s.get("step_time"), (int, float))]
+        rates = [float(s["samples_per_s"]) for s in steady if isinstance(s.get("samples_per_s"), (int, float))]
+        if rm.end is None:
+            status = "no end record"
+        else:
+            status = str(rm.end.get("status") or "unknown")
+        out.append(RankStat(
+            rank=rank, host=rm.host, steps=len(rm.steps), last_step=rm.last_step,
+            median_step_time=statistics.median(times) if times else None,
+            p90_step_time=_quantile(times, 0.9) if times else None,
+            samples_per_s=statistics.median(rates) if rates else None,
+            status=status,
+        ))
+    return out
+
+
+def find_stragglers(stats: list[RankStat], factor: float = STRAGGLER_FACTOR) -> list[int]:
+    """Ranks whose median step time is `factor` above the median over ranks (needs ≥2 ranks)."""
+    medians = [s.median_step_time for s in stats if s.median_step_time]
+    if len(medians) < 2:
+        return []
+    typical = statistics.median(medians)
+    return [s.rank for s in stats if s.median_step_time and s.median_step_time > factor * typical]
+
+
+def throughput(run: RunData, stats: list[RankStat] | None = None) -> float | None:
+    """Images/s for the whole job: summary.json's figure when rank 0 wrote one, else the
+    sum of per-rank median rates (each rank processes its own shard)."""
+    if run.summary and isinstance(run.summary.get("images_per_s"), (int, float)):
+        return float(run.summary["images_per_s"])
+    stats = stats if stats is not None else rank_stats(run)
+    rates = [s.samples_per_s for s in stats if s.samples_per_s]
+    return sum(rates) if rates else None
+
+
+def overflow_counts(run: RunData) -> tuple[int, int]:
+    """(overflow steps, steps) on the lowest rank that logged steps: ranks agree on overflow."""
+    for rank in sorted(run.ranks):
+        steps = run.ranks[rank].steps
+        if steps:
+            return sum(1 for s in steps if s.get("overflow")), len(steps)
+    return 0, 0
+
+
+def final_accuracy(run: RunData) -> float | None:
+    if run.summary and isinstance(run.summary.get("accuracy"), (int, float)):
+        return float(run.summary["accuracy"])
+    evals = [e for e in run.evals() if isinstance(e.get("accuracy"), (int, float))]
+    return float(evals[-1]["accuracy"]) if evals else None
+
+
+def run_status(run: RunData) -> str:
+    if run.summary and run.summary.get("status"):
+        return str(run.summary["status"])
+    if any(r.end and r.end.get("status") == "failed" for r in run.ranks.values()):
+        return "failed (no summary.json)"
+    return "incomplete (no summary.json: still running or crashed)"
+
+
+def summary_row(run: RunData) -> dict[str, Any]:
+    """The report's one-line summary of a run."""
+    stats = rank_stats(run)
+    overflows, steps = overflow_counts(run)
+    hosts = sorted({s.host for s in stats if s.host} | set(run.telemetry))
+    return {
+        "run": run.name,
+        "status": run_status(run),
+        "completed": run.completed,
+        "precision": run.precision,
+        "world_size": run.world_size,
+        "hosts": hosts,
+        "steps": max((s.last_step or 0 for s in stats), default=0),
+        "images_per_s": throughput(run, stats),
+        "accuracy": final_accuracy(run),
+        "stragglers": find_stragglers(stats),
+        "overflow_steps": overflows,
+        "overflow_rate": (overflows / steps) if steps else None,
+        "wall_s": (run.summary or {}).get("wall_s"),
+    }

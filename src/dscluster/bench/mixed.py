@@ -1,0 +1,198 @@
+"""`dscluster bench balanced`: uniform vs balanced batches on ranks of unequal speed (issue 10).
+
+The heterogeneity is real, not simulated: with more ranks than GPUs, ranks that share a
+GPU each run at about half speed (5 ranks on 4 GPUs: local ranks 0 and 4 share GPU 0), and
+`--memory-cap-gb` on one rank makes it an 8 GB card beside full-memory ones. Each scenario
+runs `dscluster train` twice with the same global batch, `batching=uniform` then
+`batching=balanced`, and reports images/s, the speed-up, and the time each run needs to
+reach the same loss (the loss both runs reach; balanced batching keeps the update the
+global-batch mean, so the per-step loss curve should match).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from dscluster.bench import runner
+from dscluster.bench.vit import model_overrides
+from dscluster.errors import UsageError
+from dscluster.fsutil import atomic_write_json
+
+
+@dataclass
+class MixedBenchOptions:
+    """One `bench balanced` invocation (recorded in the result file)."""
+
+    model: str = "vit_base_patch16_224"
+    ranks: int = 5
+    gpus: int = 4
+    micro_batch: int = 64
+    precision: str = "bf16"
+    steps: int = 60
+    warmup: int = 10
+    device: str = "cuda"
+    memory_cap_gb: float | None = None
+    capped_rank: int = 0
+    scenarios: list[str] = field(default_factory=lambda: ["share-gpu"])
+    target_loss: float | None = None
+    config: str | None = None
+    out: str = "bench/results"
+    work_dir: str | None = None
+    timeout_s: float = 1800.0
+    train_overrides: list[str] = field(default_factory=list)
+
+
+SCENARIOS = ("share-gpu", "memory-cap")
+
+
+def validate(opts: MixedBenchOptions, device_count: int | None) -> None:
+    unknown = [s for s in opts.scenarios if s not in SCENARIOS]
+    if unknown or not opts.scenarios:
+        raise UsageError(f"--scenario {unknown or opts.scenarios}: choose from {', '.join(SCENARIOS)}")
+    if opts.ranks < 2 or opts.gpus < 1:
+        raise UsageError(f"--ranks {opts.ranks} --gpus {opts.gpus}: need at least 2 ranks and 1 GPU")
+    if opts.device == "cuda" and device_count is not None and opts.gpus > device_count:
+        raise UsageError(f"--gpus {opts.gpus}: this machine has {device_count} GPU(s)")
+    if "memory-cap" in opts.scenarios and not opts.memory_cap_gb:
+        raise UsageError("--scenario memory-cap needs --memory-cap-gb (e.g. 8 for an RTX 3070-sized rank)")
+    if not 0 <= opts.capped_rank < max(opts.gpus, 2):
+        raise UsageError(f"--capped-rank {opts.capped_rank}: must be a rank of the memory-cap scenario")
+    if opts.steps < 2 or opts.micro_batch < 1:
+        raise UsageError(f"--steps {opts.steps} / --micro-batch {opts.micro_batch}: need ≥ 2 steps and ≥ 1 sample")
+
+
+def train_overrides(opts: MixedBenchOptions, batching: str) -> list[str]:
+    total = opts.warmup + opts.steps
+    return model_overrides(opts.model) + [
+        f"batching={batching}",
+        f"micro_batch={opts.micro_batch}",
+        f"precision={opts.precision}",
+        f"max_steps={total}",
+        "epochs=1",
+        "data.synthetic_samples=100000000",
+        "checkpoint.every_epochs=0",
+        "checkpoint.resume=false",
+        "progress=false",
+        "optim.warmup_steps=0",
+        "optim.schedule=constant",
+        "log_every=1",  # the loss curve is part of the result
+    ] + list(opts.train_overrides)
+
+
+def scenario_layout(opts: MixedBenchOptions, scenario: str) -> tuple[int, int, dict[int, list[str]]]:
+    """(ranks, gpus, per-rank extra overrides) of a scenario."""
+    if scenario == "share-gpu":
+        return opts.ranks, opts.gpus, {}
+    ranks = max(opts.gpus, 2) if opts.device == "cuda" else opts.ranks
+    return ranks, opts.gpus, {opts.capped_rank: [f"memory_cap_gb={opts.memory_cap_gb}"]}
+
+
+def command(opts: MixedBenchOptions, scenario: str, batching: str, port: int) -> tuple[list[str], dict[str, str]]:
+    """mpirun command (one context per distinct per-rank setting) and the extra environment."""
+    ranks, gpus, extra = scenario_layout(opts, scenario)
+    base = runner.dscluster_train_module_args(opts.config, train_overrides(opts, batching))
+    contexts: list[runner.AppContext] = []
+    for rank in range(ranks):
+        argv = [sys.executable, "-m", *base, *extra.get(rank, [])]
+        if contexts and contexts[-1].argv == argv:
+            contexts[-1] = runner.AppContext(contexts[-1].np + 1, argv)
+        else:
+            contexts.append(runner.AppContext(1, argv))
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(gpus))} if opts.device == "cuda" else {}
+    argv = runner.mpirun_argv(contexts, port, as_root=runner.is_root(), mpirun=runner.which_mpirun(), exports=env)
+    return argv, env
+
+
+def run(opts: MixedBenchOptions) -> tuple[dict, Path]:
+    info = runner.device_info(opts.device)
+    validate(opts, info.get("device_count") if opts.device == "cuda" else None)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    work = Path(opts.work_dir or f"runs/bench-balanced-{stamp}").resolve()
+    scenarios = []
+    for scenario in opts.scenarios:
+        runs = {}
+        for batching in ("uniform", "balanced"):
+            run_id = f"{scenario}-{batching}"
+            argv, extra_env = command(opts, scenario, batching, runner.free_port())
+            env = runner.child_env(opts.device, {"DSCLUSTER_RUNS": str(work), "DSCLUSTER_RUN_ID": run_id,
+                                                 **extra_env})
+            job = runner.run_job(argv, env, work / f"{run_id}.log", opts.timeout_s)
+            fig = runner.read_train_run(work / run_id, opts.warmup)
+            d = fig.to_dict()
+            d.update(rc=job.rc, wall_s=round(job.wall_s, 1), log=job.log, smoothed_final_loss=runner.smoothed_final_loss(fig.losses))
+            if job.rc != 0 or fig.images_per_s is None:
+                d["status"] = "failed"
+                d["error"] = d.get("error") or ("timed out" if job.timed_out else job.tail(1500))
+            runs[batching] = (d, fig.losses)
+        scenarios.append(compare(scenario, scenario_layout(opts, scenario)[:2], runs, opts.target_loss))
+    doc = {
+        "bench": "balanced",
+        "date": time.strftime("%Y-%m-%d"),
+        "created": time.time(),
+        **info,
+        "versions": runner.versions(),
+        "options": asdict(opts),
+        "work_dir": str(work),
+        "scenarios": scenarios,
+    }
+    path = runner.result_path(Path(opts.out), doc["date"], info.get("device_name") if opts.device == "cuda" else "cpu",
+                              "-balanced")
+    atomic_write_json(path, doc)
+    return doc, path
+
+
+def compare(name: str, layout: tuple[int, int], runs: dict, target_loss: float | None) -> dict:
+    """Speed-up and time to a common loss for one scenario's uniform/balanced pair."""
+    (uni, uni_losses), (bal, bal_losses) = runs["uniform"], runs["balanced"]
+    out = {"scenario": name, "ranks": layout[0], "gpus": layout[1], "uniform": uni, "balanced": bal}
+    if uni.get("images_per_s") and bal.get("images_per_s"):
+        out["speedup"] = bal["images_per_s"] / uni["images_per_s"]
+    finals = [x for x in (uni.get("smoothed_final_loss"), bal.get("smoothed_final_loss")) if x is not None]
+    target = target_loss if target_loss is not None else (max(finals) if len(finals) == 2 else None)
+    out["target_loss"] = target
+    if target is not None:
+        uni["time_to_target_s"] = runner.time_to_loss(uni_losses, target)
+        bal["time_to_target_s"] = runner.time_to_loss(bal_losses, target)
+        if uni["time_to_target_s"] and bal["time_to_target_s"]:
+            out["time_to_target_ratio"] = uni["time_to_target_s"] / bal["time_to_target_s"]
+    # Same global batch each step: the per-step curves should agree (rank 0 logs its own share's loss,
+    # so compare running means, not single steps).
+    u = {s: loss for s, _, loss in uni_losses}
+    b = {s: loss for s, _, loss in bal_losses}
+    common = sorted(set(u) & set(b))
+    if len(common) >= 10:
+        k = 10
+        diffs = [abs(sum(u[s] for s in common[i:i + k]) - sum(b[s] for s in common[i:i + k])) / k
+                 for i in range(0, len(common) - k + 1, k)]
+        out["loss_curve_max_diff_10step_mean"] = max(diffs)
+    return out
+
+
+def failed(doc: dict) -> bool:
+    return any(s[b].get("status") == "failed" for s in doc["scenarios"] for b in ("uniform", "balanced"))
+
+
+TABLE_HEADER = ["scenario", "ranks/gpus", "batching", "status", "micro", "img/s", "speed-up", "t→loss s",
+                "final loss"]
+
+
+def table_rows(doc: dict) -> list[list[str]]:
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    rows = []
+    for s in doc["scenarios"]:
+        for batching in ("uniform", "balanced"):
+            f = s[batching]
+            micro = f.get("micro_batches") or []
+            rows.append([
+                s["scenario"], f"{s['ranks']}/{s['gpus']}", batching, f.get("status", ""),
+                "/".join(str(m) for m in micro) if micro else "-",
+                num(f.get("images_per_s"), ",.1f"),
+                num(s.get("speedup"), ".2f") + "x" if batching == "balanced" and s.get("speedup") else "",
+                num(f.get("time_to_target_s"), ".1f"), num(f.get("smoothed_final_loss"), ".4f"),
+            ])
+    return rows

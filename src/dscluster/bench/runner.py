@@ -1,0 +1,263 @@
+"""Start benchmark jobs on one host and read back what they measured.
+
+Commands are built (pure functions, exact argv) separately from running them. Both paths
+are started as separate processes exactly as a user would start them: `dscluster train`
+under torchrun or mpirun, the DDP baseline under torchrun. Throughput is read from the run
+directory `dscluster train` writes (metrics/rank-R.jsonl), never from a bench-only hook.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from dscluster.fsutil import read_jsonl
+from dscluster.runinfo import METRICS_DIR, SUMMARY_FILE
+
+LAUNCHERS = ("torchrun", "mpirun")
+
+
+def free_port() -> int:
+    """A TCP port free right now on 127.0.0.1 (each job gets its own rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_argv(nprocs: int, module_args: list[str], port: int, python: str = sys.executable) -> list[str]:
+    """`python -m torch.distributed.run` with one process per slot on this host, running `-m MODULE ...`."""
+    return [python, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nprocs),
+            "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", *module_args]
+
+
+@dataclass(frozen=True)
+class AppContext:
+    """One `-np N [-x K=V] cmd` block of an mpirun command (several blocks = MPMD)."""
+
+    np: int
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def mpirun_argv(contexts: list[AppContext], port: int, *, as_root: bool, mpirun: str | None = None,
+                exports: dict[str, str] | None = None) -> list[str]:
+    """mpirun on this host only; several contexts give different ranks different settings."""
+    exe = mpirun or str(Path(sys.executable).parent / "mpirun")
+    argv = [exe, "--bind-to", "none", "--oversubscribe"]
+    if as_root:
+        argv.append("--allow-run-as-root")
+    argv += ["--host", f"localhost:{sum(c.np for c in contexts)}"]
+    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(exports or {})}
+    for i, ctx in enumerate(contexts):
+        if i:
+            argv.append(":")
+        argv += ["-np", str(ctx.np)]
+        for key, value in {**common, **ctx.env}.items():
+            argv += ["-x", f"{key}={value}"]
+        argv += ctx.argv
+    return argv
+
+
+def dscluster_train_module_args(config: str | None, overrides: list[str]) -> list[str]:
+    """`dscluster train` as `-m dscluster train ...` (the same entry point the console script runs)."""
+    return ["dscluster", "train", *(["--config", config] if config else []), *overrides]
+
+
+@dataclass
+class JobResult:
+    """One launched job: exit status, wall time and where its log is."""
+
+    argv: list[str]
+    rc: int | None
+    wall_s: float
+    log: str
+    timed_out: bool = False
+
+    def tail(self, chars: int = 3000) -> str:
+        try:
+            return Path(self.log).read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+def run_job(argv: list[str], env: dict[str, str], log: Path, timeout: float) -> JobResult:
+    """Run one job to completion with its output in `log`; kill its process group on timeout."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    with open(log, "w") as f:
+        f.write("$ " + " ".join(argv) + "\n")
+        f.flush()
+        proc = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            rc, timed_out = None, True
+    return JobResult(argv, rc, time.monotonic() - t0, str(log), timed_out)
+
+
+@dataclass
+class TrainFigures:
+    """What one `dscluster train` run measured, from its run directory."""
+
+    run_dir: str
+    status: str
+    world_size: int | None = None
+    micro_batch: int | None = None
+    micro_batches: list[int] | None = None
+    global_batch: int | None = None
+    precision: str | None = None
+    images_per_s: float | None = None
+    timed_steps: int = 0
+    final_loss: float | None = None
+    overflow_steps: int = 0
+    peak_mem_mb: float | None = None
+    error: str | None = None
+    losses: list[tuple[int, float, float]] = field(default_factory=list)
+    """(step, seconds since the first step record, loss) from rank 0."""
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("losses")
+        return d
+
+
+def _peak_mem(records: list[dict]) -> float | None:
+    for rec in reversed(records):
+        for key in ("peak_mem_mb", "max_memory_allocated_mb"):
+            if isinstance(rec.get(key), (int, float)):
+                return float(rec[key])
+    return None
+
+
+def read_train_run(run_dir: Path, warmup: int) -> TrainFigures:
+    """Throughput over the steps after `warmup`, from the wall-clock stamps of rank 0's step records.
+
+    images/s = global batch × (steps between two records) ÷ (time between them): it counts
+    everything a training step costs (data, logging, host syncs), and works whether every
+    step or only every log_every-th step is recorded.
+    """
+    metrics = run_dir / METRICS_DIR
+    files = sorted(metrics.glob("rank-*.jsonl"), key=lambda p: int(p.stem.split("-")[1])) if metrics.is_dir() else []
+    summary = {}
+    if (run_dir / SUMMARY_FILE).is_file():
+        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+    if not files:
+        return TrainFigures(str(run_dir), summary.get("status", "missing"), error=summary.get("error") or
+                            f"no metrics in {metrics}")
+    per_rank = [read_jsonl(p) for p in files]
+    rank0 = per_rank[0]
+    starts = [next((r for r in recs if r.get("kind") == "start"), {}) for recs in per_rank]
+    steps = [r for r in rank0 if r.get("kind") == "step"]
+    end = next((r for r in reversed(rank0) if r.get("kind") == "end"), {})
+    fig = TrainFigures(
+        run_dir=str(run_dir),
+        status=summary.get("status") or end.get("status") or "unknown",
+        world_size=starts[0].get("world_size"),
+        micro_batch=starts[0].get("micro_batch"),
+        micro_batches=[s.get("micro_batch") for s in starts],
+        global_batch=starts[0].get("global_batch"),
+        precision=starts[0].get("precision"),
+        error=summary.get("error") or end.get("error"),
+        overflow_steps=sum(1 for r in steps if r.get("overflow")),
+        peak_mem_mb=max((m for m in (_peak_mem(recs) for recs in per_rank) if m is not None), default=None),
+    )
+    if steps:
+        t0 = steps[0]["t"]
+        fig.losses = [(r["step"], r["t"] - t0, r["loss"]) for r in steps if r.get("loss") is not None]
+        fig.final_loss = steps[-1].get("loss")
+    timed = [r for r in steps if r["step"] >= warmup]
+    if len(timed) >= 2 and fig.global_batch:
+        first, last = timed[0], timed[-1]
+        seconds = last["t"] - first["t"]
+        n = last["step"] - first["step"]
+        if seconds > 0:
+            fig.images_per_s = fig.global_batch * n / seconds
+            fig.timed_steps = n
+    return fig
+
+
+def time_to_loss(losses: list[tuple[int, float, float]], target: float, window: int = 5) -> float | None:
+    """Seconds until the running mean of the last `window` losses first reaches `target`."""
+    for i in range(len(losses)):
+        recent = [loss for _, _, loss in losses[max(0, i - window + 1):i + 1]]
+        if len(recent) == window and sum(recent) / window <= target:
+            return losses[i][1]
+    return None
+
+
+def smoothed_final_loss(losses: list[tuple[int, float, float]], window: int = 5) -> float | None:
+    if len(losses) < window:
+        return None
+    return sum(loss for _, _, loss in losses[-window:]) / window
+
+
+def device_info(device: str) -> dict:
+    """Card name and count, asked in a child process so this one never holds a CUDA context."""
+    if device != "cuda":
+        return {"device": "cpu", "device_name": platform.processor() or platform.machine(),
+                "device_count": os.cpu_count(), "memory_gb": None}
+    code = ("import json, torch; p = torch.cuda.get_device_properties(0); print(json.dumps({"
+            "'device_name': torch.cuda.get_device_name(0), 'device_count': torch.cuda.device_count(), "
+            "'memory_gb': round(p.total_memory / 2**30, 1), 'cuda': torch.version.cuda, "
+            "'nccl': '.'.join(map(str, torch.cuda.nccl.version()))}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        return {"device": "cuda", "device_name": None, "device_count": 0, "error": out.stderr[-500:]}
+    return {"device": "cuda", **json.loads(out.stdout.strip().splitlines()[-1])}
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "deepspeed", "timm", "dscluster"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def result_path(out_dir: Path, date: str, device_name: str | None, suffix: str = "") -> Path:
+    """bench/results/<date>-<device>[suffix].json, never overwriting an earlier result."""
+    slug = "".join(c if c.isalnum() else "-" for c in (device_name or "unknown")).strip("-").lower()
+    while "--" in slug:
+        slug = slug.replace("--", "-")
+    base = f"{date}-{slug}{suffix}"
+    path = out_dir / f"{base}.json"
+    n = 2
+    while path.exists():
+        path = out_dir / f"{base}-{n}.json"
+        n += 1
+    return path
+
+
+def child_env(device: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for a job: CPU runs hide any GPU and use one thread per rank."""
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "1")
+    env.update(extra or {})
+    return env
+
+
+def is_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def which_mpirun() -> str:
+    local = Path(sys.executable).parent / "mpirun"
+    return str(local) if local.exists() else (shutil.which("mpirun") or "mpirun")

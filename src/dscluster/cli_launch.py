@@ -1,0 +1,276 @@
+"""`dscluster launch`: start the training on every node with the launcher of your choice.
+
+It reads what `dscluster check` wrote (check.json, cluster.env), refuses to go on when that
+is missing or was made for another hostfile, builds the command with `dscluster.launch`,
+and either prints it (--dry-run) or runs it, streaming its output and returning its result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dscluster import launch as builders
+from dscluster import state
+from dscluster.errors import JobFailed, UsageError
+from dscluster.fsutil import atomic_write_text
+from dscluster.hosts import parse_hostfile
+from dscluster.runinfo import resolve_run_id, runs_root
+
+EPILOG = """examples:
+  dscluster launch --dry-run                              # print the mpirun command
+  dscluster launch --hostfile hosts.txt -- --config configs/digits.yaml epochs=5
+  dscluster launch --launcher deepspeed                   # DeepSpeed's launcher (openmpi runner)
+  dscluster launch --launcher torchrun                    # one torchrun agent per node over SSH
+  dscluster launch --launcher slurm                       # write an sbatch script, print how to submit
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "launch",
+        help="start training on every node (mpirun, deepspeed, torchrun or a Slurm script)",
+        description="Build the launch command from the hostfile and what `dscluster check` wrote, "
+        "then run it (streaming its output; the exit code is the job's) or print it with --dry-run. "
+        "Every launcher runs the same ./entry_cn.sh on each rank. Arguments after `--` go to "
+        "`dscluster train` (default: --config configs/digits.yaml).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--hostfile", help="OpenMPI hostfile (default: the one `dscluster check` used, else hosts.txt)")
+    p.add_argument("--launcher", choices=builders.LAUNCHERS, default="mpirun", help="default: mpirun")
+    p.add_argument("--dry-run", action="store_true", help="print the command (or script) and run nothing")
+    p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
+    p.add_argument("--np", type=int, help="ranks to start (default: all hostfile slots; mpirun only)")
+    p.add_argument("--bind-to", choices=["none", "core"], default="none",
+                   help="rank binding (default none: data loading threads may use every core)")
+    p.add_argument("--deepspeed-runner", choices=builders.DEEPSPEED_RUNNERS, default="openmpi",
+                   help="how DeepSpeed's launcher reaches the nodes (default openmpi)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra variable for every rank (repeatable), e.g. --env NCCL_DEBUG=INFO")
+    p.add_argument("--run-id", help="run directory name under runs/ (default: launch-<date>-<time>)")
+    p.add_argument("--script", help="slurm: where to write the sbatch script (default <state>/dscluster-train.sbatch)")
+    p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then arguments for `dscluster train`")
+    p.set_defaults(func=launch_command)
+
+
+# --- reading what `dscluster check` wrote ---------------------------------------------------
+
+@dataclass(frozen=True)
+class CheckOutput:
+    state_dir: Path
+    check: dict
+    cluster_env: dict[str, str]
+    deepspeed_env: dict[str, str]
+
+
+def sha256_file(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def load_check_json(state_dir: Path) -> dict:
+    path = state_dir / "check.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no check output yet; run `dscluster check --hostfile HOSTFILE` first "
+                         "(it writes the per-node environment that launch needs)") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise UsageError(f"{path}: unreadable check output ({e}); run `dscluster check` again") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: not a check result; run `dscluster check` again")
+    return data
+
+
+def load_check_output(state_dir: Path, hostfile: Path, check: dict) -> CheckOutput:
+    """Check output that matches this hostfile, or a UsageError that says to run check."""
+    expected = check.get("hostfile_sha256")
+    actual = sha256_file(hostfile)
+    if expected != actual:
+        made = check.get("created")
+        when = time.strftime(" at %Y-%m-%d %H:%M", time.localtime(made)) if isinstance(made, (int, float)) else ""
+        raise UsageError(
+            f"{hostfile}: does not match the hostfile `dscluster check` ran on{when} "
+            f"({check.get('hostfile', '?')}); run `dscluster check --hostfile {hostfile}` again")
+    cluster_env = state.read_env_file(state_dir / "cluster.env")
+    ds_path = state.deepspeed_env_path()
+    ds_env = state.read_deepspeed_env(ds_path) if ds_path.exists() else {}
+    return CheckOutput(state_dir=state_dir, check=check, cluster_env=cluster_env, deepspeed_env=ds_env)
+
+
+def _check_says_failed(check: dict) -> bool:
+    if check.get("ok") is False:
+        return True
+    return str(check.get("status", "")).lower() in {"fail", "failed", "error", "problems"}
+
+
+# --- building the plan ----------------------------------------------------------------------
+
+def _repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def _bin_dir() -> str | None:
+    """The running venv's bin, where the pinned mpirun/deepspeed/torchrun live (not resolved:
+    the venv's python is a symlink to the base interpreter)."""
+    bin_dir = Path(sys.executable).parent
+    return str(bin_dir) if (bin_dir / "mpirun").exists() else None
+
+
+def _train_args(raw: list[str]) -> tuple[str, ...]:
+    return tuple(raw[1:] if raw[:1] == ["--"] else raw)
+
+
+def build_plan(args: argparse.Namespace) -> tuple[builders.LaunchPlan, CheckOutput]:
+    state_dir = state.state_dir().absolute()
+    check = load_check_json(state_dir)
+    hostfile_arg = args.hostfile or check.get("hostfile") or "hosts.txt"
+    hostfile = Path(hostfile_arg).absolute()
+    hf = parse_hostfile(hostfile)
+    out = load_check_output(state_dir, hostfile, check)
+    if _check_says_failed(check):
+        print("dscluster launch: warning: the last `dscluster check` found problems; "
+              "the job may fail (see `dscluster check`)", file=sys.stderr)
+
+    np_ = hf.total_slots if args.np is None else args.np
+    if not 1 <= np_ <= hf.total_slots:
+        raise UsageError(f"--np {np_}: {hostfile} has {hf.total_slots} slots; choose 1..{hf.total_slots} "
+                         "or add slots=N to the hostfile")
+    exports: dict[str, str] = {}
+    for item in args.env:
+        key, value = builders.parse_env_assignment(item)
+        exports[key] = value
+    run_id = args.run_id or os.environ.get("DSCLUSTER_RUN_ID") or \
+        resolve_run_id({"DSCLUSTER_RUN_ID": time.strftime("launch-%Y%m%d-%H%M%S")})
+    exports.update({
+        "DSCLUSTER_RUN_ID": resolve_run_id({"DSCLUSTER_RUN_ID": run_id}),
+        "DSCLUSTER_RUNS": str(runs_root().absolute()),
+        "DSCLUSTER_STATE": str(state_dir),
+        "DSCLUSTER_HOSTFILE": str(hostfile),
+    })
+    env = out.cluster_env
+    port = env.get("MASTER_PORT") or str(builders.DEFAULT_MASTER_PORT)
+    if not port.isdigit():
+        raise UsageError(f"{state_dir / 'cluster.env'}: MASTER_PORT={port!r} is not a port; run `dscluster check` again")
+    plan = builders.LaunchPlan(
+        hostfile=str(hostfile),
+        hosts=tuple((h.name, h.slots) for h in hf.hosts),
+        repo_root=str(_repo_root()),
+        np=np_,
+        train_args=_train_args(args.train_args),
+        exports=exports,
+        btl_cidr=env.get("DSCLUSTER_BTL_TCP_IF_INCLUDE") or None,
+        master_addr=env.get("MASTER_ADDR") or None,
+        master_port=int(port),
+        as_root=os.geteuid() == 0,
+        bind_to=args.bind_to,
+        bin_dir=_bin_dir(),
+        workdir=str(Path.cwd()),
+    )
+    return plan, out
+
+
+# --- the command ---------------------------------------------------------------------------
+
+def launch_command(args: argparse.Namespace) -> int:
+    if args.json and not args.dry_run:
+        raise UsageError("--json describes the command without running it: add --dry-run")
+    plan, out = build_plan(args)
+    run_id = plan.exports["DSCLUSTER_RUN_ID"]
+    run_dir = Path(plan.exports["DSCLUSTER_RUNS"]) / run_id
+    report: dict = {"launcher": args.launcher, "run_id": run_id, "run_dir": str(run_dir), "np": plan.np,
+                    "hostfile": plan.hostfile}
+    if args.launcher == "mpirun":
+        return _run_local(args, report, builders.mpirun_argv(plan), plan, env_extra={})
+    if args.launcher == "deepspeed":
+        argv = builders.deepspeed_argv(plan, args.deepspeed_runner)
+        env_path = out.state_dir / "launch" / f"{run_id}.deepspeed_env"
+        text = builders.deepspeed_env_text(plan, out.deepspeed_env)
+        report.update(env_file=str(env_path), env_file_text=text)
+        if not args.dry_run:
+            atomic_write_text(env_path, text)
+        return _run_local(args, report, argv, plan, env_extra={"DS_ENV_FILE": str(env_path)})
+    if args.launcher == "torchrun":
+        return _run_torchrun(args, report, plan, out)
+    return _write_slurm(args, report, plan, out)
+
+
+def _run_local(args: argparse.Namespace, report: dict, argv: list[str], plan: builders.LaunchPlan,
+               env_extra: dict[str, str]) -> int:
+    from dscluster.launch_exec import launcher_env, run_streaming
+
+    report["argv"] = argv
+    report["env"] = env_extra
+    line = builders.display(argv)
+    prefix = "".join(f"{k}={shlex.quote(v)} " for k, v in env_extra.items())
+    if args.dry_run:
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            if "env_file_text" in report:
+                print(f"# {report['env_file']} (would be written):")
+                print("".join(f"#   {l}\n" for l in report["env_file_text"].splitlines()), end="")
+            print(prefix + line)
+        return 0
+    print(f"dscluster launch: run {report['run_id']} -> {report['run_dir']}", file=sys.stderr)
+    print(f"+ {prefix}{line}", file=sys.stderr, flush=True)
+    rc = run_streaming(argv, env=launcher_env(plan.bin_dir, env_extra))
+    if rc != 0:
+        raise JobFailed(f"{args.launcher} exited {rc}; per-rank logs and metrics are in {report['run_dir']}")
+    print(f"dscluster launch: done; run directory {report['run_dir']}", file=sys.stderr)
+    return 0
+
+
+def _run_torchrun(args: argparse.Namespace, report: dict, plan: builders.LaunchPlan, out: CheckOutput) -> int:
+    commands = builders.torchrun_node_commands(plan)
+    report["nodes"] = [{"host": c.host, "argv": c.argv, "shell": c.shell} for c in commands]
+    if args.dry_run:
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            for c in commands:
+                print(f"ssh {shlex.quote(c.host)} {shlex.quote(c.shell)}")
+        return 0
+    from dscluster.launch_exec import run_over_ssh
+
+    key = Path.home() / ".ssh" / "id_ed25519"
+    print(f"dscluster launch: run {report['run_id']} -> {report['run_dir']} "
+          f"(torchrun on {len(commands)} nodes, rendezvous {plan.master_addr}:{plan.master_port})", file=sys.stderr)
+    results = run_over_ssh(commands, known_hosts=out.state_dir / "known_hosts",
+                           key_filename=str(key) if key.exists() else None)
+    bad = [r for r in results if r.rc != 0]
+    for r in bad:
+        print(f"dscluster launch: {r.host}: " + (r.error or f"torchrun exited {r.rc}"), file=sys.stderr)
+    if bad:
+        raise JobFailed(f"torchrun failed on {', '.join(r.host for r in bad)}")
+    return 0
+
+
+def _write_slurm(args: argparse.Namespace, report: dict, plan: builders.LaunchPlan, out: CheckOutput) -> int:
+    # The run id of a Slurm job is its job id: drop the one launch made up.
+    exports = {k: v for k, v in plan.exports.items() if k != "DSCLUSTER_RUN_ID"}
+    if not args.run_id:
+        plan = builders.LaunchPlan(**{**plan.__dict__, "exports": exports})
+        report["run_id"] = "slurm-<job id>"
+        report["run_dir"] = str(Path(exports["DSCLUSTER_RUNS"]) / "slurm-<job id>")
+    script = builders.slurm_script(plan)
+    path = Path(args.script) if args.script else out.state_dir / "dscluster-train.sbatch"
+    report.update(script=script, script_path=str(path.absolute()), submit=builders.sbatch_argv(str(path)))
+    if args.dry_run:
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            print(script, end="")
+            print(f"# would be written to {path}; submit with: sbatch {shlex.quote(str(path))}", file=sys.stderr)
+        return 0
+    atomic_write_text(path, script, mode=0o755)
+    print(f"wrote {path}")
+    print(f"submit with: {builders.display(builders.sbatch_argv(str(path)))}")
+    return 0

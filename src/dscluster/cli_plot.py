@@ -1,0 +1,46 @@
+"""`dscluster plot RUN_DIR [RUN_DIR ...]` (same as `python analysis/plot.py`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directory runs/<id> (several: scaling plot)")
+    p.add_argument("--out", default=None, help="write pictures and report.html here "
+                   "(default: RUN_DIR/plots/ and RUN_DIR/report.html)")
+    p.add_argument("--json", action="store_true", help="print what was written and the summary as JSON")
+    p.epilog = "example: python analysis/plot.py runs/mpi-1234 runs/mpi-1300 --out /tmp/scaling"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plot",
+        help="plots and report.html for run directories",
+        description="Draw utilisation, memory, throughput per rank (stragglers), loss and accuracy, "
+        "fp16 loss scale, GPU temperature/power/throttling, and with several runs the scaling "
+        "curve; write one self-contained report.html. Reads only files; works on crashed runs.",
+    )
+    add_arguments(p)
+    p.set_defaults(func=plot_command)
+
+
+def plot_command(args: argparse.Namespace) -> int:
+    from dscluster.analysis import analyse
+
+    results = analyse(args.run_dirs, args.out)
+    if args.json:
+        print(json.dumps([{
+            "run_dir": str(r.run.path), "report": str(r.report),
+            "plots": {p.name: str(p.path) for p in r.plots}, "summary": r.summary,
+            "healthy": r.diagnosis["healthy"],
+        } for r in results], indent=2))
+        return 0
+    for r in results:
+        state = "complete" if r.run.completed else f"did NOT complete ({r.summary['status']})"
+        print(f"{r.run.path}: run {state}")
+        for p in r.plots:
+            print(f"  {p.path}" + (f"  ({'; '.join(p.notes)})" if p.notes else ""))
+        print(f"  report: {r.report}")
+    return 0

@@ -1,0 +1,81 @@
+"""`dscluster train`: what every rank runs (DeepSpeed ViT training, or fp16 loss-scale calibration)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from dscluster.errors import UsageError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="DeepSpeed ViT training on this rank (run it under mpirun/deepspeed/torchrun/srun)",
+        description="Train a ViT with DeepSpeed. Every rank of the job runs this same command; ranks are found "
+        "from RANK/LOCAL_RANK/WORLD_SIZE, OMPI_COMM_WORLD_*, PMI_*/PMIX_* or SLURM_*. Writes runs/<id>/ "
+        "(metrics/rank-R.jsonl, summary.json, config.yaml, ds_config.json, checkpoints/). "
+        "Exit 0 done, 1 the job failed (a guard stopped it), 2 bad config.",
+        epilog="examples:\n"
+        "  dscluster train --config configs/digits.yaml\n"
+        "  mpirun -np 2 dscluster train --config configs/digits.yaml epochs=5 optim.lr=0.002\n"
+        "  dscluster train --config configs/vit_tiny.yaml precision=fp16 --calibrate-loss-scale --write-config\n"
+        "  dscluster train --config configs/digits.yaml --print-config",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", metavar="YAML", help="training preset (configs/*.yaml); defaults when omitted")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="override a config key, dotted for sections: epochs=5 optim.lr=3e-4 data.limit=300")
+    p.add_argument("--calibrate-loss-scale", action="store_true",
+                   help="short fp16 run from 2^16 that records overflows and recommends fp16.initial_scale_power")
+    p.add_argument("--write-config", action="store_true",
+                   help="with --calibrate-loss-scale: write the recommendation into --config (atomically)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    p.add_argument("--json", action="store_true", help="print the outcome as one JSON object on rank 0")
+    p.set_defaults(func=train_command)
+
+
+def train_command(args: argparse.Namespace) -> int:
+    from dscluster.train.config import load_config, to_yaml
+
+    cfg = load_config(args.config, args.overrides)
+    if args.write_config and not (args.calibrate_loss_scale or cfg.calibrate_loss_scale):
+        raise UsageError("--write-config goes with --calibrate-loss-scale")
+    if args.write_config and not args.config:
+        raise UsageError("--write-config needs --config FILE to write into")
+    if args.print_config:
+        sys.stdout.write(to_yaml(cfg))
+        return 0
+    calibrate = args.calibrate_loss_scale or cfg.calibrate_loss_scale
+    from dscluster.train import dist
+    from dscluster.train.loop import train
+
+    outcome = train(cfg, calibrate=calibrate)
+    if not dist.is_primary():
+        return 0
+    result = {"status": outcome.status, "run_dir": str(outcome.run_dir), "steps": outcome.steps,
+              "accuracy": outcome.accuracy, "images_per_s": outcome.images_per_s}
+    if calibrate:
+        from dscluster.train.losscale import recommend_initial_scale_power, write_initial_scale_power
+
+        points = [(s, o) for s, o in outcome.scale_history if s is not None]
+        power = recommend_initial_scale_power(points)
+        result.update(recommended_initial_scale_power=power, overflow_steps=sum(o for _, o in points),
+                      scale_history=[s for s, _ in points])
+        if args.write_config:
+            write_initial_scale_power(args.config, power)
+            result["written_to"] = args.config
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+    elif calibrate:
+        print(f"loss-scale calibration: {result['overflow_steps']} of {len(points)} steps overflowed from 2^16; "
+              f"recommended fp16.initial_scale_power: {result['recommended_initial_scale_power']}"
+              + (f" (written to {args.config})" if args.write_config else
+                 f" (add --write-config to put it into {args.config})" if args.config else ""))
+    else:
+        acc = "n/a" if outcome.accuracy is None else f"{outcome.accuracy:.1%}"
+        ips = "n/a" if outcome.images_per_s is None else f"{outcome.images_per_s:.0f}"
+        print(f"train {outcome.status}: {outcome.steps} steps, held-out accuracy {acc}, {ips} images/s; "
+              f"run directory {outcome.run_dir}")
+    return 0

@@ -1,0 +1,281 @@
+"""Running a check: probe every node, evaluate the rules, test reachability, run the active
+tests, and write what launch needs. The rules themselves are pure (preflight.py); this is
+the part that talks to machines.
+
+Order matters for the user's time: the passive probe of all nodes runs in parallel and
+takes about one Python start per node; the mesh and master-port tests reuse the same SSH
+sessions; the active tests (mpirun hello, all-reduce) run only when nothing found so far
+would make them hang, because a hung mpirun teaches less than the finding that predicts it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dscluster import remote, state
+from dscluster.errors import UsageError
+from dscluster.facts import NodeFacts
+from dscluster.hosts import Hostfile, parse_hostfile
+from dscluster.preflight import Evaluation, Finding, evaluate, has_errors, node_envs
+from dscluster.probe import (ProbeSettings, default_key, open_session, parse_reach, probe_node,
+                             reach_script, runs_dir_for_probe, start_listener)
+
+# Findings that make an mpirun across the cluster hang or fail for a known reason.
+BLOCKING_CHECKS = {"reach", "hostname", "network", "mesh", "port", "mpi"}
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class CheckOptions:
+    hostfile: str = "hosts.txt"
+    user: str | None = None
+    timeout: float = 30.0
+    skip_active: bool = False
+    master_port: int = 29500
+    allow_deprecated_fp16: bool = False
+    show_progress: bool = True
+
+
+@dataclass
+class CheckRun:
+    hostfile: Hostfile
+    hostfile_sha256: str
+    created: float
+    facts: dict[str, NodeFacts]
+    unreachable: dict[str, str]
+    evaluation: Evaluation
+    findings: list[Finding]
+    active: dict = field(default_factory=dict)
+    wall_s: float = 0.0
+
+
+def hostfile_sha256(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def probe_all(hf: Hostfile, opts: CheckOptions, settings: ProbeSettings):
+    """Probe every node in parallel; keep the sessions for the reachability phase."""
+    targets = [remote.Target(name=h.name, host=h.name, user=opts.user) for h in hf.hosts]
+    sessions: dict[str, object] = {}
+
+    def work(t: remote.Target) -> NodeFacts:
+        client = open_session(t, settings)
+        sessions[t.name] = client
+        return probe_node(client, t, settings)
+
+    outcomes = remote.fan_out(targets, work, timeout=opts.timeout, description="probing nodes",
+                              show_progress=opts.show_progress)
+    facts, unreachable = {}, {}
+    for name, o in outcomes.items():
+        if o.ok:
+            facts[name] = o.value
+        else:
+            unreachable[name] = _reason(o.error)
+    return targets, sessions, facts, unreachable
+
+
+def _reason(err: BaseException | None) -> str:
+    if isinstance(err, remote.RemoteError):
+        fix = {"host_key_unknown": " (run `dscluster setup` to pin host keys)",
+               "auth_failed": " (run `dscluster setup` to install the key)"}.get(err.kind, "")
+        return f"{err.kind}: {err}{fix}"
+    return f"{type(err).__name__}: {err}"
+
+
+def reach_phase(hf: Hostfile, targets, sessions, facts, ev: Evaluation, opts: CheckOptions,
+                python: str) -> list[Finding]:
+    """Passwordless mesh (every node to every other) and the master port, from every node."""
+    findings: list[Finding] = []
+    head = ev.head
+    master_addr = ev.network.address.get(head)
+    listener = None
+    if head in sessions and master_addr:
+        try:
+            listener, why = start_listener(sessions[head], python, master_addr, opts.master_port,
+                                           expected=len(facts), seconds=opts.timeout)
+        except Exception as e:  # noqa: BLE001 - reported as a finding
+            listener, why = None, f"{type(e).__name__}: {e}"
+        if listener is None:
+            findings.append(Finding("error", head, "port",
+                                    f"cannot listen on {master_addr}:{opts.master_port} on the head: {why}",
+                                    f"something already uses port {opts.master_port} (a previous run still alive?): "
+                                    "stop it, or pass --master-port with a free port"))
+            master_addr = None
+    live = [h.name for h in hf.hosts if h.name in facts]
+
+    def work(t: remote.Target):
+        others = [n for n in live if n != t.name]
+        script = reach_script(python, others, master_addr, opts.master_port, min(opts.timeout, 10))
+        return parse_reach(remote.run(sessions[t.name], "bash -s", timeout=opts.timeout, input=script).stdout)
+
+    outcomes = remote.fan_out([t for t in targets if t.name in facts], work, timeout=opts.timeout + 5,
+                              description="mesh and master port", show_progress=opts.show_progress)
+    if listener is not None:
+        listener.close()
+    for name, o in outcomes.items():
+        if not o.ok:
+            findings.append(Finding("error", name, "mesh", f"could not test: {_reason(o.error)}",
+                                    "re-run check; if it persists, check the node by hand"))
+            continue
+        r = o.value
+        for other, (ok, why) in r.mesh.items():
+            if not ok:
+                findings.append(Finding("error", name, "mesh",
+                                        f"cannot ssh to {other} without a password ({why or 'failed'}): "
+                                        "mpirun starts ranks from node to node and would stall",
+                                        "run `dscluster setup` (installs keys and pins host keys on every node)"))
+        if master_addr and r.port_ok is False:
+            findings.append(Finding("error", name, "port",
+                                    f"cannot reach master {master_addr}:{opts.master_port} ({r.port_error}): "
+                                    "rendezvous would time out",
+                                    f"open TCP {opts.master_port} (and the ephemeral range) between nodes, e.g. "
+                                    f"`sudo ufw allow from {ev.network.subnet}` on {head}"))
+    return findings
+
+
+# ---------------------------------------------------------------------------- active tests
+
+def mpirun_path(python: str) -> str:
+    here = Path(python).parent / "mpirun"
+    return str(here) if here.exists() else (shutil.which("mpirun") or "mpirun")
+
+
+def active_mpirun_argv(mpirun: str, hostfile: str, np: int, cidr: str | None, program: list[str],
+                       exports: list[str], as_root: bool) -> list[str]:
+    """mpirun across the hostfile, pinned to the common subnet by CIDR (names differ per node)."""
+    argv = [mpirun, "--hostfile", hostfile, "-np", str(np), "--map-by", "slot"]
+    if as_root:
+        argv.append("--allow-run-as-root")
+    if cidr:
+        argv += ["--mca", "btl_tcp_if_include", cidr, "--mca", "oob_tcp_if_include", cidr]
+    for key in exports:
+        argv += ["-x", key]
+    return argv + program
+
+
+def hello_program(python: str) -> list[str]:
+    hello = REPO_ROOT / "setup" / "hello_mpi.py"
+    return [python, str(hello)] if hello.exists() else [python, "-m", "mpi4py.bench", "helloworld"]
+
+
+def run_active(hf: Hostfile, ev: Evaluation, opts: CheckOptions, python: str) -> tuple[dict, list[Finding]]:
+    findings: list[Finding] = []
+    np_ = hf.total_slots
+    mpirun = mpirun_path(python)
+    env = dict(os.environ)
+    exports = []
+    if ev.network.address.get(ev.head):
+        env.update(MASTER_ADDR=ev.network.address[ev.head], MASTER_PORT=str(opts.master_port))
+        exports = ["MASTER_ADDR", "MASTER_PORT"]
+    as_root = os.geteuid() == 0
+    limit = max(60.0, opts.timeout * 2)
+    active: dict = {}
+
+    argv = active_mpirun_argv(mpirun, hf.path, np_, ev.network.subnet, hello_program(python), exports, as_root)
+    ok, out, secs = _run(argv, env, limit)
+    active["mpi_hello"] = {"ok": ok, "seconds": round(secs, 2), "argv": argv, "output": out[-2000:]}
+    if not ok:
+        findings.append(Finding("error", None, "mpi", f"MPI hello over {hf.path} failed after {secs:.0f} s: "
+                                f"{_tail(out)}", "fix the errors above first; then run the printed mpirun by hand"))
+        return active, findings
+    findings.append(Finding("info", None, "mpi", f"MPI hello: {np_} ranks answered in {secs:.1f} s", "nothing to do"))
+
+    program = [python, "-m", "dscluster.allreduce_bench", "--json", "--iters", "10", "--warmup", "3",
+               "--timeout", str(int(limit))]
+    argv = active_mpirun_argv(mpirun, hf.path, np_, ev.network.subnet, program, exports, as_root)
+    ok, out, secs = _run(argv, env, limit * 2)
+    result = None
+    for line in out.splitlines():
+        if line.startswith("{") and '"busbw_GBps"' in line:
+            try:
+                result = json.loads(line)
+            except json.JSONDecodeError:
+                pass
+    active["allreduce"] = {"ok": ok and result is not None, "seconds": round(secs, 2), "argv": argv,
+                           "result": result, "output": None if result else out[-2000:]}
+    if not ok or result is None:
+        findings.append(Finding("error", None, "allreduce", f"all-reduce across {np_} ranks failed: {_tail(out)}",
+                                "check NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME and the firewall between nodes; "
+                                "NCCL_DEBUG=INFO on a re-run shows where it stops"))
+    else:
+        best = max(result["results"], key=lambda r: r["bytes"])
+        findings.append(Finding("info", None, "allreduce",
+                                f"all-reduce {result['backend']} over {result['world_size']} ranks: busbw "
+                                f"{best['busbw_GBps']:.3f} GB/s at {best['bytes'] >> 20} MiB "
+                                f"(peak {result['peak_busbw_GBps']:.3f} GB/s)", "nothing to do"))
+    return active, findings
+
+
+def _run(argv: list[str], env: dict, limit: float) -> tuple[bool, str, float]:
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=limit, stdin=subprocess.DEVNULL)
+        return p.returncode == 0, p.stdout + p.stderr, time.monotonic() - t0
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return False, out + f"\n(timed out after {limit:.0f} s)", time.monotonic() - t0
+    except OSError as e:
+        return False, f"{argv[0]}: {e}", time.monotonic() - t0
+
+
+def _tail(text: str) -> str:
+    lines = [l for l in text.strip().splitlines() if l.strip()]
+    return " | ".join(lines[-3:])[-400:] or "no output"
+
+
+# ---------------------------------------------------------------------------- everything
+
+def run_check(opts: CheckOptions) -> CheckRun:
+    t0 = time.monotonic()
+    hf = parse_hostfile(opts.hostfile)
+    if not 0 < opts.master_port < 65536:
+        raise UsageError(f"--master-port {opts.master_port}: expected a TCP port 1-65535")
+    known_hosts = state.known_hosts_path()
+    if not known_hosts.exists():
+        raise UsageError(f"{known_hosts}: no pinned host keys yet; run `dscluster setup --hostfile {opts.hostfile}` first "
+                         "(or set DSCLUSTER_STATE to the state directory setup used)")
+    python = sys.executable
+    settings = ProbeSettings(known_hosts=known_hosts, key_filename=default_key(),
+                             password=os.environ.get("DSCLUSTER_SSH_PASSWORD"), timeout=opts.timeout,
+                             python=python, runs_dir=runs_dir_for_probe())
+    created = time.time()
+    targets, sessions, facts, unreachable = probe_all(hf, opts, settings)
+    try:
+        ev = evaluate(facts, hf, unreachable=unreachable, allow_deprecated_fp16=opts.allow_deprecated_fp16)
+        findings = list(ev.findings)
+        if facts:
+            findings += reach_phase(hf, targets, sessions, facts, ev, opts, python)
+    finally:
+        for c in sessions.values():
+            c.close()
+    active: dict = {"mpi_hello": None, "allreduce": None, "skipped": None}
+    if opts.skip_active:
+        active["skipped"] = "--skip-active"
+    elif any(f.severity == "error" and f.check in BLOCKING_CHECKS for f in findings):
+        active["skipped"] = "errors above would make mpirun hang"
+        findings.append(Finding("info", None, "mpi", "active tests (MPI hello, all-reduce) skipped: the errors above "
+                                "would make them hang", "fix the errors, then re-run check"))
+    else:
+        got, more = run_active(hf, ev, opts, python)
+        active.update(got)
+        findings += more
+    return CheckRun(hostfile=hf, hostfile_sha256=hostfile_sha256(hf.path), created=created, facts=facts,
+                    unreachable=unreachable, evaluation=ev, findings=findings, active=active,
+                    wall_s=time.monotonic() - t0)
+
+
+def ok(run: CheckRun) -> bool:
+    return not has_errors(run.findings)
+
+
+def envs(run: CheckRun, master_port: int):
+    return node_envs(run.evaluation, run.facts, master_port=master_port, created=run.created,
+                     hostfile_sha256=run.hostfile_sha256)

@@ -1,0 +1,524 @@
+"""The simulated lab: N "machines" on one Linux host, for tests and the demo (root only).
+
+Each node is a network namespace on a private bridge with its own hostname, its own sshd on
+port 22 with its own host key, and its own /etc (passwd, shadow, hosts, ssh) and /home laid
+over the host's through a private mount namespace, so nothing on the host is edited. Software
+(the repository and its .venv) is visible at the same path on every node, like NFS, and so is
+`Lab.shared`, the place for run directories and state.
+
+    lab = up(nodes=3, lab="dslab")        # idempotent for the same name
+    lab.run("node1", ["hostname"])        # inside node1, as the lab user, cwd = repo root
+    down("dslab")                          # returns once no namespace, link or process is left
+
+State lives in /run/dscluster-sim/<lab>/state.json so `down`/`status` work from any process.
+The plan (names, addresses, paths) is in `sim_plan`, the namespace plumbing in `sim_ns`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import os
+import secrets
+import shutil
+import signal
+import socket
+import stat
+import string
+import subprocess
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from dscluster.errors import UsageError
+from dscluster.fsutil import atomic_write_text
+from dscluster.sim_ns import (
+    REQUIRED_TOOLS, SSHD, SimError, anchor_script, host_mounts_under, kill_and_wait, link_names,
+    netns_exists, netns_pids, nsenter_argv, pid_in_netns, read_pid, sh, start_anchor, start_sshd,
+    wait_anchor, wait_for, wait_sshd,
+)
+from dscluster.sim_plan import (
+    DECOY_CIDR, HOST_KEY_TYPES, LAB_USER, SIM_ROOT, LabState, SimNode, free_id, pick_lab_index,
+    plan_lab, render_group, render_hostfile, render_hosts, render_passwd, render_shadow,
+    render_sshd_config, validate_lab_name, validate_node_count, validate_slots,
+)
+
+__all__ = ["Lab", "SimNode", "SimError", "up", "down", "load", "status", "require_root", "repo_root"]
+
+USER_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/games"          # what Debian's sshd gives a user
+ROOT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def repo_root() -> Path:
+    """The checkout this package runs from (src layout); it is visible on every node."""
+    here = Path(__file__).resolve()
+    root = here.parents[2]
+    return root if (root / "pyproject.toml").exists() else Path.cwd()
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        raise UsageError(
+            "the simulated lab needs root (network namespaces, mounts, sshd): run it as root, "
+            "e.g. `sudo .venv/bin/dscluster sim up`"
+        )
+
+
+def _require_tools() -> None:
+    missing = [t for t in REQUIRED_TOOLS if shutil.which(t) is None]
+    if not Path(SSHD).exists():
+        missing.append(SSHD)
+    if missing:
+        raise UsageError(
+            f"missing {', '.join(missing)}: install them with "
+            "`apt-get install openssh-server openssh-client iproute2 util-linux openssl`"
+        )
+
+
+class Lab:
+    """A running simulated lab (see module docstring); a thin handle on its LabState."""
+
+    def __init__(self, state: LabState):
+        self.state = state
+
+    name = property(lambda self: self.state.name)
+    nodes = property(lambda self: self.state.nodes)
+    user = property(lambda self: self.state.user)
+    password = property(lambda self: self.state.password)
+    subnet = property(lambda self: self.state.subnet)
+    host_ip = property(lambda self: self.state.host_ip)
+    hostfile = property(lambda self: Path(self.state.hostfile))
+    shared = property(lambda self: Path(self.state.shared))
+    uid = property(lambda self: self.state.uid)
+    gid = property(lambda self: self.state.gid)
+
+    def __repr__(self) -> str:
+        return f"Lab({self.name!r}, {len(self.nodes)} nodes, {self.subnet})"
+
+    def node(self, name: str) -> SimNode:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise UsageError(f"lab {self.name!r} has no node {name!r} (nodes: {', '.join(n.name for n in self.nodes)})")
+
+    def _env(self, user: str | None, env: dict | None) -> dict[str, str]:
+        if user == "root":
+            base = {"HOME": "/root", "USER": "root", "LOGNAME": "root", "PATH": ROOT_PATH}
+        else:
+            base = {"HOME": f"/home/{self.user}", "USER": self.user, "LOGNAME": self.user, "PATH": USER_PATH}
+        base.update({"SHELL": "/bin/bash", "LANG": "C.UTF-8"})
+        base.update({k: str(v) for k, v in (env or {}).items()})
+        return base
+
+    def command(self, node_name: str, cmd: list[str] | str, *, user: str | None = None) -> list[str]:
+        """argv that runs `cmd` inside the node as `user` (lab user by default); built apart
+        from running it so callers can hand it to Popen themselves."""
+        node = self.node(node_name)
+        if node.anchor_pid is None:
+            raise SimError(f"{node.name}: not started")
+        argv = nsenter_argv(node.anchor_pid, wd=str(repo_root()))
+        if user != "root":
+            if user not in (None, self.user):
+                raise UsageError(f"user {user!r}: a lab node has only root and {self.user!r}")
+            argv += ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--init-groups", "--"]
+        return argv + (["/bin/bash", "-c", cmd] if isinstance(cmd, str) else list(cmd))
+
+    def run(
+        self,
+        node_name: str,
+        cmd: list[str] | str,
+        *,
+        user: str | None = None,
+        env: dict | None = None,
+        timeout: float = 60,
+        input: str | None = None,
+        check: bool = False,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a command inside a node (network, hostname and mounts of that node), as the lab
+        user with HOME set and cwd = repo root. On timeout the whole process group is killed."""
+        argv = self.command(node_name, cmd, user=user)
+        proc = subprocess.Popen(
+            argv, env=self._env(user, env), text=True, start_new_session=True,
+            stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )
+        try:
+            out, err = proc.communicate(input=input, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(argv, timeout, output=out, stderr=err) from None
+        res = subprocess.CompletedProcess(argv, proc.returncode, out, err)
+        if check:
+            res.check_returncode()
+        return res
+
+    # ---- fault helpers: what goes wrong in real labs --------------------------------------
+
+    def set_hostname(self, node_name: str, new: str) -> None:
+        """Rename a machine (e.g. two nodes cloned from one image share a hostname)."""
+        node = self.node(node_name)
+        self.run(node.name, f"echo '{new}' > /proc/sys/kernel/hostname && echo '{new}' > /etc/hostname",
+                 user="root", check=True)
+        node.hostname = new
+        _save_state(self.state)
+
+    def rotate_host_key(self, node_name: str) -> None:
+        """New host keys and a restarted sshd (a reinstalled machine): pinned keys must now fail."""
+        node = self.node(node_name)
+        keygen = " && ".join(
+            f"ssh-keygen -q -t {t} -N '' -C root@{node.name} -f /etc/ssh/ssh_host_{t}_key"
+            for t in HOST_KEY_TYPES
+        )
+        self.run(node.name, f"rm -f /etc/ssh/ssh_host_*_key /etc/ssh/ssh_host_*_key.pub && {keygen}",
+                 user="root", check=True)
+        _restart_sshd(self.state, node)
+
+    def disconnect(self, node_name: str) -> None:
+        """Pull the node's cable: its link goes down, connections to it time out."""
+        node = self.node(node_name)
+        sh(["ip", "link", "set", node.veth_host, "down"])
+        node.connected = False
+        _save_state(self.state)
+
+    def reconnect(self, node_name: str) -> None:
+        node = self.node(node_name)
+        sh(["ip", "link", "set", node.veth_host, "up"])
+        node.connected = True
+        _save_state(self.state)
+
+
+# ---- state file ---------------------------------------------------------------------------
+
+def _state_path(lab: str, root: Path = SIM_ROOT) -> Path:
+    return root / lab / "state.json"
+
+
+def _save_state(state: LabState) -> None:
+    # 0600: it holds the lab password.
+    atomic_write_text(Path(state.labdir) / "state.json", state.to_json(), mode=0o600)
+
+
+def _read_state(lab: str) -> LabState | None:
+    path = _state_path(lab)
+    try:
+        return LabState.from_json(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
+@contextmanager
+def _lock() -> Iterator[None]:
+    """One `up`/`down` at a time on this host: lab numbers are allocated under it."""
+    SIM_ROOT.mkdir(parents=True, exist_ok=True)
+    os.chmod(SIM_ROOT, 0o755)
+    with open(SIM_ROOT / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def load(lab: str = "dslab") -> Lab | None:
+    validate_lab_name(lab)
+    state = _read_state(lab)
+    return Lab(state) if state else None
+
+
+# ---- up -----------------------------------------------------------------------------------
+
+def _node_healthy(node: SimNode) -> bool:
+    return node.anchor_pid is not None and pid_in_netns(node.anchor_pid, node.netns)
+
+
+def _sshd_running(node: SimNode) -> bool:
+    pid = read_pid(node.sshd_pidfile)
+    return pid is not None and pid_in_netns(pid, node.netns)
+
+
+def up(nodes: int = 3, slots: int = 1, lab: str = "dslab", hostfile: str | os.PathLike | None = None) -> Lab:
+    """Build the lab, or return it if it is already up with the same number of nodes."""
+    validate_lab_name(lab)
+    validate_node_count(nodes)
+    validate_slots(slots)
+    require_root()
+    _require_tools()
+    with _lock():
+        state = _read_state(lab)
+        if state is not None:
+            if all(_node_healthy(n) for n in state.nodes):
+                if len(state.nodes) != nodes:
+                    raise UsageError(
+                        f"lab {lab!r} is already up with {len(state.nodes)} nodes; "
+                        f"run `dscluster sim down --lab {lab}` first to rebuild it with {nodes}"
+                    )
+                _refresh(state, slots, hostfile)
+                return Lab(state)
+            _teardown(state)  # half-built or broken (e.g. after a reboot): start again
+        state = _plan(lab, nodes, slots, hostfile)
+        try:
+            _build(state)
+        except BaseException:
+            _teardown(state)
+            raise
+        return Lab(state)
+
+
+def _refresh(state: LabState, slots: int, hostfile: str | os.PathLike | None) -> None:
+    for node in state.nodes:
+        if not _sshd_running(node):
+            _restart_sshd(state, node)
+    state.slots = slots
+    if hostfile is not None:
+        state.hostfile = str(Path(hostfile).absolute())
+    atomic_write_text(state.hostfile, render_hostfile(state), mode=0o644)
+    _save_state(state)
+
+
+def _plan(lab: str, nodes: int, slots: int, hostfile) -> LabState:
+    used = set()
+    for p in SIM_ROOT.glob("*/state.json"):
+        try:
+            used.add(LabState.from_json(p.read_text()).index)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    taken = [ipaddress.IPv4Interface(a).network for a in _host_ipv4_cidrs()]
+    index = pick_lab_index(used, taken)
+    ids = {int(l.split(":")[2]) for l in _read_lines("/etc/passwd") if l.count(":") >= 3}
+    ids |= {int(l.split(":")[2]) for l in _read_lines("/etc/group") if l.count(":") >= 3}
+    uid = free_id(ids)
+    alphabet = string.ascii_letters + string.digits
+    password = "".join(secrets.choice(alphabet) for _ in range(14))
+    return plan_lab(
+        lab, index=index, nodes=nodes, slots=slots, uid=uid, gid=uid, password=password,
+        created=time.time(), hostfile=str(Path(hostfile).absolute()) if hostfile else None,
+    )
+
+
+def _read_lines(path: str) -> list[str]:
+    return Path(path).read_text().splitlines()
+
+
+def _host_ipv4_cidrs() -> list[str]:
+    res = sh(["ip", "-o", "-4", "addr", "show"], check=False)
+    return [line.split()[3] for line in res.stdout.splitlines() if len(line.split()) > 3]
+
+
+def _build(state: LabState) -> None:
+    labdir = Path(state.labdir)
+    labdir.mkdir(parents=True, exist_ok=True)
+    os.chmod(labdir, 0o755)
+    _save_state(state)  # before anything exists: a crash from here on can be cleaned by `down`
+    shared = Path(state.shared)
+    shared.mkdir(exist_ok=True)
+    os.chown(shared, state.uid, state.gid)
+    os.chmod(shared, 0o755)
+    Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation directory
+
+    pw_hash = sh(["openssl", "passwd", "-6", "-stdin"], input=state.password + "\n").stdout.strip()
+    keygens = [_write_node_files(state, node, pw_hash) for node in state.nodes]
+    for proc in (p for group in keygens for p in group):
+        if proc.wait(timeout=30) != 0:
+            raise SimError(f"ssh-keygen failed: {proc.stderr.read().strip() if proc.stderr else ''}")
+
+    _build_network(state)
+    for node in state.nodes:
+        start_anchor(node.netns, Path(node.nodedir))
+    for node in state.nodes:
+        node.anchor_pid = wait_anchor(Path(node.nodedir))
+    _save_state(state)
+    for node in state.nodes:
+        start_sshd(node.anchor_pid, node.sshd_pidfile, Path(node.nodedir) / "sshd.log")
+    for node in state.nodes:
+        wait_sshd(node.sshd_pidfile, Path(node.nodedir) / "sshd.log")
+    atomic_write_text(state.hostfile, render_hostfile(state), mode=0o644)
+    _save_state(state)
+
+
+def _write_node_files(state: LabState, node: SimNode, pw_hash: str) -> list[subprocess.Popen]:
+    """Lay out the node's overlay layers and home; start its host-key generation (returned)."""
+    nd = Path(node.nodedir)
+    for sub, mode in (("etc-upper", 0o755), ("etc-work", 0o700), ("root-upper", 0o711),
+                      ("root-work", 0o700), ("home", 0o755)):
+        (nd / sub).mkdir(parents=True, exist_ok=True)
+        os.chmod(nd / sub, mode)
+    etc = nd / "etc-upper"
+    days = int(time.time() // 86400)
+    home_in_node = f"/home/{state.user}"
+    files = {
+        "passwd": (render_passwd(Path("/etc/passwd").read_text(), state.user, state.uid, state.gid, home_in_node), 0o644),
+        "group": (render_group(Path("/etc/group").read_text(), state.user, state.gid), 0o644),
+        "shadow": (render_shadow(Path("/etc/shadow").read_text(), state.user, pw_hash, days), 0o640),
+        "hosts": (render_hosts(state), 0o644),
+        "hostname": (node.hostname + "\n", 0o644),
+    }
+    for name, (text, mode) in files.items():
+        atomic_write_text(etc / name, text, mode=mode)
+    shadow_gid = os.stat("/etc/shadow").st_gid
+    os.chown(etc / "shadow", 0, shadow_gid)
+
+    ssh = etc / "ssh"
+    ssh.mkdir(exist_ok=True)
+    atomic_write_text(ssh / "sshd_config", render_sshd_config(node), mode=0o644)
+    ours = {f"ssh_host_{t}_key{suffix}" for t in HOST_KEY_TYPES for suffix in ("", ".pub")}
+    for host_key in Path("/etc/ssh").glob("ssh_host_*"):
+        if host_key.name not in ours and not (ssh / host_key.name).exists():
+            # overlay whiteout: the node must not see the host's own keys
+            os.mknod(ssh / host_key.name, stat.S_IFCHR | 0o000, os.makedev(0, 0))
+
+    home = Path(node.home)
+    if not home.exists():
+        shutil.copytree("/etc/skel", home, symlinks=True)
+    for p in [home, *home.rglob("*")]:
+        os.lchown(p, state.uid, state.gid)
+    os.chmod(home, 0o755)
+
+    atomic_write_text(nd / "anchor.sh", anchor_script(hostname=node.hostname, nodedir=nd), mode=0o755)
+    procs = []
+    for t in HOST_KEY_TYPES:
+        key = ssh / f"ssh_host_{t}_key"
+        for p in (key, key.with_name(key.name + ".pub")):
+            if p.exists():
+                p.unlink()
+        procs.append(subprocess.Popen(
+            ["ssh-keygen", "-q", "-t", t, "-N", "", "-C", f"root@{node.name}", "-f", str(key)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        ))
+    return procs
+
+
+def _build_network(state: LabState) -> None:
+    prefix = ipaddress.IPv4Network(state.subnet).prefixlen
+    if state.bridge not in link_names():
+        sh(["ip", "link", "add", "name", state.bridge, "type", "bridge", "forward_delay", "0"])
+    sh(["ip", "addr", "replace", f"{state.host_ip}/{prefix}", "dev", state.bridge])
+    sh(["ip", "link", "set", state.bridge, "up"])
+    for node in state.nodes:
+        ns = node.netns
+        if not netns_exists(ns):
+            sh(["ip", "netns", "add", ns])
+        sh(["ip", "link", "add", node.veth_host, "type", "veth", "peer", "name", node.iface, "netns", ns])
+        sh(["ip", "link", "set", node.veth_host, "master", state.bridge, "up"])
+        sh(["ip", "-n", ns, "link", "set", "lo", "up"])
+        sh(["ip", "-n", ns, "addr", "add", f"{node.ip}/{prefix}", "dev", node.iface])
+        sh(["ip", "-n", ns, "link", "set", node.iface, "up"])
+        sh(["ip", "-n", ns, "route", "add", "default", "via", state.host_ip])
+        for decoy in node.decoys:
+            sh(["ip", "-n", ns, "link", "add", decoy, "type", "bridge"])
+            sh(["ip", "-n", ns, "addr", "add", DECOY_CIDR, "dev", decoy])
+            sh(["ip", "-n", ns, "link", "set", decoy, "up"])
+
+
+def _restart_sshd(state: LabState, node: SimNode) -> None:
+    pid = read_pid(node.sshd_pidfile)
+    if pid is not None and pid_in_netns(pid, node.netns):
+        left = kill_and_wait([pid], timeout=10)
+        if left:
+            raise SimError(f"{node.name}: old sshd (pid {pid}) did not exit")
+    log = Path(node.nodedir) / "sshd.log"
+    start_sshd(node.anchor_pid, node.sshd_pidfile, log)
+    wait_sshd(node.sshd_pidfile, log)
+
+
+# ---- down ---------------------------------------------------------------------------------
+
+def down(lab: str = "dslab") -> bool:
+    """Remove the lab: processes, namespaces, links, files. False if there was no such lab."""
+    validate_lab_name(lab)
+    require_root()
+    with _lock():
+        state = _read_state(lab)
+        if state is None:
+            stray = [ns for ns in _netns_names() if ns.startswith(f"dscluster-{lab}-node")]
+            if not stray and not (SIM_ROOT / lab).exists():
+                return False
+            _teardown_netns(stray)
+            shutil.rmtree(SIM_ROOT / lab, ignore_errors=True)
+            return True
+        _teardown(state)
+        return True
+
+
+def _netns_names() -> list[str]:
+    try:
+        return sorted(os.listdir("/run/netns"))
+    except FileNotFoundError:
+        return []
+
+
+def _teardown_netns(names: list[str]) -> list[int]:
+    """Kill every process in the namespaces (until none is left), then delete them."""
+    left: list[int] = []
+    for _ in range(5):
+        pids = sorted({p for ns in names for p in netns_pids(ns)})
+        if not pids:
+            break
+        left = kill_and_wait(pids)
+    for ns in names:
+        if netns_exists(ns):
+            sh(["ip", "netns", "del", ns], check=False)
+    return left
+
+
+def _teardown(state: LabState) -> None:
+    names = [n.netns for n in state.nodes]
+    left = _teardown_netns(names)
+    links = set(link_names())
+    for name in [n.veth_host for n in state.nodes] + [state.bridge]:
+        if name in links:
+            sh(["ip", "link", "del", name], check=False)
+    # The kernel frees a namespace's veth ends asynchronously; wait for them to be gone.
+    ours = {n.veth_host for n in state.nodes} | {state.bridge}
+    wait_for(lambda: not ours & set(link_names()), 10, interval=0.05)
+    problems = []
+    if left:
+        problems.append(f"processes still running: {left}")
+    if [ns for ns in names if netns_exists(ns)]:
+        problems.append("network namespaces still present")
+    if ours & set(link_names()):
+        problems.append(f"links still present: {sorted(ours & set(link_names()))}")
+    mounts = host_mounts_under(state.labdir)
+    if mounts:
+        problems.append(f"mounts still present: {mounts}")
+    if problems:
+        raise SimError(f"lab {state.name!r} not fully removed: " + "; ".join(problems))
+    shutil.rmtree(state.labdir, ignore_errors=True)
+
+
+# ---- status -------------------------------------------------------------------------------
+
+def status(lab: str = "dslab") -> dict | None:
+    """Health of each node as a JSON-able dict (None if the lab does not exist)."""
+    validate_lab_name(lab)
+    state = _read_state(lab)
+    if state is None:
+        return None
+    nodes = []
+    for n in state.nodes:
+        alive = _node_healthy(n)
+        nodes.append({
+            "name": n.name, "hostname": n.hostname, "ip": n.ip, "iface": n.iface, "netns": n.netns,
+            "veth_host": n.veth_host,
+            "decoys": n.decoys, "connected": n.connected, "anchor_alive": alive,
+            "sshd_running": alive and _sshd_running(n),
+            "ssh_port_open": alive and n.connected and _port_open(n.ip, 22),
+        })
+    healthy = all(x["anchor_alive"] and x["sshd_running"] for x in nodes)
+    return {
+        "lab": state.name, "healthy": healthy, "subnet": state.subnet, "host_ip": state.host_ip,
+        "bridge": state.bridge, "user": state.user, "uid": state.uid, "hostfile": state.hostfile,
+        "shared": state.shared, "slots": state.slots, "created": state.created, "nodes": nodes,
+    }
+
+
+def _port_open(ip: str, port: int, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((ip, port), timeout=timeout):
+            return True
+    except OSError:
+        return False

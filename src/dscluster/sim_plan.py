@@ -1,0 +1,303 @@
+"""The simulated lab's plan: names, addresses and files, decided before anything is built.
+
+Everything here is pure (no root, no processes) so it can be unit-tested and so that `sim up`
+writes the whole plan to the state file *before* it creates the first namespace: a crash
+half-way leaves a state file that `sim down` can use to remove what was made.
+
+Address plan: lab number k (1..250) owns 10.77.k.0/24; the host end of the lab bridge is
+10.77.k.254 and node i is 10.77.k.(10+i). Kernel interface names are at most 15 characters, so
+host-side names carry the lab number, not the lab name: bridge `dsl<k>br`, veth `dsl<k>n<i>`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from dscluster.errors import UsageError
+
+SIM_ROOT = Path("/run/dscluster-sim")
+SUBNET_BASE = "10.77"
+MAX_LAB_INDEX = 250
+MAX_NODES = 32
+HOST_OCTET = 254
+NODE_OCTET_OFFSET = 10
+# Real labs name the same NIC differently on each machine (old udev, PCIe slot, onboard).
+IFACE_CYCLE = ("eth0", "enp3s0", "ens4f0")
+# What an idle Docker install leaves behind: a bridge with the same address on every machine.
+DECOY_IFACE = "docker0"
+DECOY_CIDR = "172.17.0.1/16"
+LAB_USER = "lab"
+LAB_SHELL = "/bin/bash"
+STATE_VERSION = 1
+
+_LAB_NAME_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,22}[a-z0-9])?$")
+
+
+def validate_lab_name(name: str) -> str:
+    """Lab names become directory and namespace names: keep them short and plain."""
+    if not _LAB_NAME_RE.match(name):
+        raise UsageError(
+            f"invalid lab name {name!r}: use 1-24 lowercase letters, digits and inner '-' (e.g. 'dslab')"
+        )
+    return name
+
+
+def validate_node_count(nodes: int) -> int:
+    if not 1 <= nodes <= MAX_NODES:
+        raise UsageError(f"--nodes {nodes}: a simulated lab has 1 to {MAX_NODES} nodes")
+    return nodes
+
+
+def validate_slots(slots: int) -> int:
+    if slots < 1:
+        raise UsageError(f"--slots {slots}: each node needs at least one slot")
+    return slots
+
+
+def iface_name(index: int) -> str:
+    """Interface name of node `index` (1-based): eth0, enp3s0, ens4f0, eth0, ..."""
+    return IFACE_CYCLE[(index - 1) % len(IFACE_CYCLE)]
+
+
+def has_decoy(index: int) -> bool:
+    """Every node but the head carries the decoy docker0 (so does a lab where Docker was installed
+    on the workers): the same 172.17.0.1 on several machines, never a route between them."""
+    return index != 1
+
+
+def subnet_for(lab_index: int) -> ipaddress.IPv4Network:
+    if not 1 <= lab_index <= MAX_LAB_INDEX:
+        raise ValueError(f"lab index {lab_index} outside 1..{MAX_LAB_INDEX}")
+    return ipaddress.IPv4Network(f"{SUBNET_BASE}.{lab_index}.0/24")
+
+
+def host_ip(lab_index: int) -> str:
+    return str(subnet_for(lab_index).network_address + HOST_OCTET)
+
+
+def node_ip(lab_index: int, node_index: int) -> str:
+    if not 1 <= node_index <= MAX_NODES:
+        raise ValueError(f"node index {node_index} outside 1..{MAX_NODES}")
+    return str(subnet_for(lab_index).network_address + NODE_OCTET_OFFSET + node_index)
+
+
+def bridge_name(lab_index: int) -> str:
+    return f"dsl{lab_index}br"
+
+
+def veth_name(lab_index: int, node_index: int) -> str:
+    return f"dsl{lab_index}n{node_index}"
+
+
+def netns_name(lab: str, node: str) -> str:
+    return f"dscluster-{lab}-{node}"
+
+
+def pick_lab_index(used: set[int], taken_subnets: list[ipaddress.IPv4Network] = ()) -> int:
+    """Lowest lab number not used by another lab and whose /24 overlaps nothing on the host."""
+    for k in range(1, MAX_LAB_INDEX + 1):
+        if k in used:
+            continue
+        net = subnet_for(k)
+        if any(net.overlaps(t) for t in taken_subnets):
+            continue
+        return k
+    raise UsageError(f"no free lab subnet in {SUBNET_BASE}.1-{MAX_LAB_INDEX}.0/24; run `dscluster sim down` on old labs")
+
+
+@dataclass
+class SimNode:
+    """One simulated machine: a network namespace plus private mount and UTS namespaces."""
+
+    name: str            # name in the hostfile and /etc/hosts (node1..nodeN)
+    hostname: str        # what `hostname` prints inside the node (a fault helper can change it)
+    ip: str
+    iface: str           # the node's own name for its lab NIC
+    netns: str
+    veth_host: str       # host end of the node's cable, a port of the lab bridge
+    nodedir: str         # host-side directory with this node's files
+    home: str            # host-side path of the lab user's home on this node
+    decoys: list[str] = field(default_factory=list)
+    anchor_pid: int | None = None   # process that keeps the namespaces alive; nsenter target
+    connected: bool = True
+
+    @property
+    def etc_upper(self) -> Path:
+        """Overlay upper layer of the node's /etc: its own passwd, shadow, hosts, ssh keys."""
+        return Path(self.nodedir) / "etc-upper"
+
+    @property
+    def sshd_pidfile(self) -> Path:
+        return Path(self.nodedir) / "sshd.pid"
+
+    @property
+    def anchor_pidfile(self) -> Path:
+        return Path(self.nodedir) / "anchor.pid"
+
+
+@dataclass
+class LabState:
+    """Everything `sim down`/`status`/`load` need, from any process: the state file's content."""
+
+    name: str
+    index: int
+    subnet: str
+    host_ip: str
+    bridge: str
+    labdir: str
+    shared: str
+    hostfile: str
+    slots: int
+    user: str
+    uid: int
+    gid: int
+    password: str
+    created: float
+    nodes: list[SimNode]
+    version: int = STATE_VERSION
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LabState":
+        known = {f.name for f in fields(cls)}
+        node_known = {f.name for f in fields(SimNode)}
+        kwargs = {k: v for k, v in data.items() if k in known}
+        kwargs["nodes"] = [SimNode(**{k: v for k, v in n.items() if k in node_known}) for n in data["nodes"]]
+        return cls(**kwargs)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> "LabState":
+        return cls.from_dict(json.loads(text))
+
+
+def plan_lab(
+    name: str,
+    *,
+    index: int,
+    nodes: int,
+    slots: int,
+    uid: int,
+    gid: int,
+    password: str,
+    created: float,
+    root: Path = SIM_ROOT,
+    hostfile: str | None = None,
+) -> LabState:
+    """The whole lab on paper: names, addresses and paths for `nodes` machines."""
+    validate_lab_name(name)
+    validate_node_count(nodes)
+    validate_slots(slots)
+    labdir = root / name
+    plan_nodes = []
+    for i in range(1, nodes + 1):
+        node = f"node{i}"
+        nodedir = labdir / "nodes" / node
+        plan_nodes.append(
+            SimNode(
+                name=node,
+                hostname=node,
+                ip=node_ip(index, i),
+                iface=iface_name(i),
+                netns=netns_name(name, node),
+                veth_host=veth_name(index, i),
+                nodedir=str(nodedir),
+                home=str(nodedir / "home" / LAB_USER),
+                decoys=[DECOY_IFACE] if has_decoy(i) else [],
+            )
+        )
+    return LabState(
+        name=name,
+        index=index,
+        subnet=str(subnet_for(index)),
+        host_ip=host_ip(index),
+        bridge=bridge_name(index),
+        labdir=str(labdir),
+        shared=str(labdir / "shared"),
+        hostfile=hostfile or str(labdir / "hosts.txt"),
+        slots=slots,
+        user=LAB_USER,
+        uid=uid,
+        gid=gid,
+        password=password,
+        created=created,
+        nodes=plan_nodes,
+    )
+
+
+# ---- files each node sees in its own /etc ---------------------------------------------------
+
+def render_hosts(state: LabState) -> str:
+    lines = [
+        "127.0.0.1\tlocalhost",
+        "::1\tlocalhost ip6-localhost ip6-loopback",
+        "ff02::1\tip6-allnodes",
+        "ff02::2\tip6-allrouters",
+        f"# simulated lab {state.name} ({state.subnet})",
+    ]
+    lines += [f"{n.ip}\t{n.name}" for n in state.nodes]
+    return "\n".join(lines) + "\n"
+
+
+def render_hostfile(state: LabState) -> str:
+    return "".join(f"{n.name} slots={state.slots}\n" for n in state.nodes)
+
+
+def free_id(used: set[int], start: int = 2000) -> int:
+    i = start
+    while i in used:
+        i += 1
+    return i
+
+
+def _replace_or_append(text: str, name: str, line: str) -> str:
+    out = [l for l in text.splitlines() if l.split(":", 1)[0] != name]
+    out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def render_passwd(host_passwd: str, user: str, uid: int, gid: int, home: str, shell: str = LAB_SHELL) -> str:
+    return _replace_or_append(host_passwd, user, f"{user}:x:{uid}:{gid}:dscluster lab user:{home}:{shell}")
+
+
+def render_group(host_group: str, user: str, gid: int) -> str:
+    return _replace_or_append(host_group, user, f"{user}:x:{gid}:")
+
+
+def render_shadow(host_shadow: str, user: str, password_hash: str, days_since_epoch: int) -> str:
+    return _replace_or_append(host_shadow, user, f"{user}:{password_hash}:{days_since_epoch}:0:99999:7:::")
+
+
+def render_sshd_config(node: SimNode) -> str:
+    """sshd for one node. PAM is off: pam_loginuid cannot work in a namespace and sshd checks
+    the password against the node's own /etc/shadow itself."""
+    return "\n".join([
+        f"# sshd of simulated node {node.name}",
+        "Port 22",
+        "HostKey /etc/ssh/ssh_host_ed25519_key",
+        "HostKey /etc/ssh/ssh_host_ecdsa_key",
+        "PasswordAuthentication yes",
+        "KbdInteractiveAuthentication no",
+        "PubkeyAuthentication yes",
+        "UsePAM no",
+        "PermitRootLogin no",
+        f"PidFile {node.sshd_pidfile}",
+        "PrintMotd no",
+        "AcceptEnv LANG LC_*",
+        # OpenMPI's tree launch and a parallel `check` open many sessions at once.
+        "MaxStartups 200:30:400",
+        "MaxSessions 100",
+        "Subsystem sftp /usr/lib/openssh/sftp-server",
+        "",
+    ])
+
+
+HOST_KEY_TYPES = ("ed25519", "ecdsa")

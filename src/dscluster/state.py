@@ -1,0 +1,146 @@
+"""The project state directory and the environment files that `check` writes for launch.
+
+Why files and not a database: every rank's entry script (entry_cn.sh) must pick up its own
+node's settings with nothing but a POSIX shell, so the per-node environment is a file of
+`export KEY='value'` lines it can `source`, keyed by what `hostname` prints on that node.
+
+Layout (`<state>` = $DSCLUSTER_STATE, else ./.dscluster relative to the working directory):
+    <state>/known_hosts            host keys pinned by `dscluster setup`
+    <state>/check.json             the last full `dscluster check` result
+    <state>/env/<hostname>.env     per-node environment, sourced by entry_cn.sh
+    <state>/cluster.env            the cluster-wide subset, same format
+    .deepspeed_env                 KEY=VALUE lines DeepSpeed's launcher exports to every rank
+                                   (cwd, or $DS_ENV_FILE)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from pathlib import Path
+from typing import Mapping
+
+from dscluster.errors import UsageError
+from dscluster.fsutil import atomic_write_text
+
+_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_EXPORT_RE = re.compile(r"^(?:export\s+)?(?P<key>[A-Za-z_][A-Za-z0-9_]*)=(?P<value>.*)$")
+
+
+def state_dir(env: Mapping[str, str] | None = None) -> Path:
+    env = os.environ if env is None else env
+    return Path(env.get("DSCLUSTER_STATE") or ".dscluster")
+
+
+def known_hosts_path(env: Mapping[str, str] | None = None) -> Path:
+    return state_dir(env) / "known_hosts"
+
+
+def check_json_path(env: Mapping[str, str] | None = None) -> Path:
+    return state_dir(env) / "check.json"
+
+
+def node_env_dir(env: Mapping[str, str] | None = None) -> Path:
+    return state_dir(env) / "env"
+
+
+def node_env_path(hostname: str, env: Mapping[str, str] | None = None) -> Path:
+    """Per-node env file, named after the output of `hostname` on that node."""
+    if not hostname or "/" in hostname or hostname.startswith("."):
+        raise UsageError(f"cannot name an env file after hostname {hostname!r}")
+    return node_env_dir(env) / f"{hostname}.env"
+
+
+def cluster_env_path(env: Mapping[str, str] | None = None) -> Path:
+    return state_dir(env) / "cluster.env"
+
+
+def deepspeed_env_path(env: Mapping[str, str] | None = None) -> Path:
+    """DeepSpeed's launcher reads `.deepspeed_env` from the cwd (or $DS_ENV_FILE)."""
+    env = os.environ if env is None else env
+    return Path(env.get("DS_ENV_FILE") or ".deepspeed_env")
+
+
+def _check_key(key: str) -> None:
+    if not _KEY_RE.match(key):
+        raise UsageError(f"invalid environment variable name {key!r} (letters, digits, '_')")
+
+
+def format_env_file(values: Mapping[str, object], header: str = "") -> str:
+    """`export KEY='value'` lines, values shell-quoted so `source` cannot run anything."""
+    lines = [f"# {line}" for line in header.splitlines()] if header else []
+    for key in sorted(values):
+        _check_key(key)
+        lines.append(f"export {key}={shlex.quote(str(values[key]))}")
+    return "\n".join(lines) + "\n"
+
+
+def write_env_file(path: str | os.PathLike, values: Mapping[str, object], header: str = "") -> Path:
+    return atomic_write_text(path, format_env_file(values, header))
+
+
+def parse_env_text(text: str, path: str = "<env>") -> dict[str, str]:
+    """Parse `export KEY='value'` (or `KEY=value`) lines; '#' comments and blanks skipped."""
+    out: dict[str, str] = {}
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _EXPORT_RE.match(line)
+        if not m:
+            raise UsageError(f"{path}:{lineno}: expected \"export KEY='value'\", got {raw.strip()!r}")
+        try:
+            parts = shlex.split(m.group("value"), posix=True)
+        except ValueError as e:
+            raise UsageError(f"{path}:{lineno}: cannot parse value of {m.group('key')} ({e}); quote it with '...'") from None
+        if len(parts) > 1:
+            raise UsageError(f"{path}:{lineno}: value of {m.group('key')} has unquoted spaces; quote it with '...'")
+        out[m.group("key")] = parts[0] if parts else ""
+    return out
+
+
+def read_env_file(path: str | os.PathLike) -> dict[str, str]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such env file (run `dscluster check` to write it)") from None
+    return parse_env_text(text, str(path))
+
+
+def format_deepspeed_env(values: Mapping[str, object]) -> str:
+    """DeepSpeed's launcher splits each line at the first '=' and exports the rest verbatim,
+    so values must not contain newlines; quotes would be kept literally, so none are added."""
+    lines = []
+    for key in sorted(values):
+        _check_key(key)
+        value = str(values[key])
+        if "\n" in value or "\r" in value:
+            raise UsageError(f"value of {key} contains a newline; .deepspeed_env is one KEY=VALUE per line")
+        lines.append(f"{key}={value}")
+    return "\n".join(lines) + "\n"
+
+
+def write_deepspeed_env(path: str | os.PathLike, values: Mapping[str, object]) -> Path:
+    return atomic_write_text(path, format_deepspeed_env(values))
+
+
+def parse_deepspeed_env_text(text: str, path: str = ".deepspeed_env") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or not _KEY_RE.match(key):
+            raise UsageError(f"{path}:{lineno}: expected KEY=VALUE (DeepSpeed's launcher format), got {line!r}")
+        out[key] = value
+    return out
+
+
+def read_deepspeed_env(path: str | os.PathLike) -> dict[str, str]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such file (run `dscluster check` to write it)") from None
+    return parse_deepspeed_env_text(text, str(path))

@@ -1,0 +1,115 @@
+"""DeepSpeed checkpoints whose `latest` pointer only ever names a complete checkpoint.
+
+DeepSpeed's own `latest` is written by rank 0 as soon as rank 0 is done. Here every rank
+saves, all ranks agree that every rank succeeded (one all-reduce), and only then rank 0
+writes `latest` atomically (temp file + rename). A full disk on any rank leaves the
+previous `latest` in place, removes the half-written tag, and training goes on with a
+warning: the next resume loads the last good checkpoint.
+
+What a checkpoint carries besides DeepSpeed's model/optimizer/scheduler state (client
+state): the epoch, the steps done in that epoch and the global step, so resume continues
+the step counter and the sampler skips exactly the batches already trained on.
+"""
+
+from __future__ import annotations
+
+import errno
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from dscluster.errors import UsageError
+from dscluster.fsutil import atomic_write_text
+
+LATEST = "latest"
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where training stands: `epoch` (0-based) with `step_in_epoch` of its steps done."""
+
+    epoch: int
+    step_in_epoch: int
+    global_step: int
+
+    def to_dict(self) -> dict:
+        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step}
+
+
+def tag_for(pos: Position) -> str:
+    return f"epoch{pos.epoch:04d}-step{pos.global_step:08d}"
+
+
+def find_latest(ckpt_dir: Path) -> str | None:
+    """The tag `latest` names, if it and its folder exist."""
+    p = Path(ckpt_dir) / LATEST
+    try:
+        tag = p.read_text(encoding="utf-8").strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return tag if tag and (Path(ckpt_dir) / tag).is_dir() else None
+
+
+def resume_decision(mode: str, ckpt_dir: Path) -> str | None:
+    """The tag to resume from, None for a fresh start; resume=true with nothing is an error."""
+    if mode == "false":
+        return None
+    tag = find_latest(ckpt_dir)
+    if mode == "true" and tag is None:
+        raise UsageError(
+            f"checkpoint.resume=true but {ckpt_dir} has no complete checkpoint ('{LATEST}' missing or dangling); "
+            "use checkpoint.resume=auto to start fresh when there is none, or point checkpoint.dir at the old run "
+            "(or set DSCLUSTER_RUN_ID to the old run's id)"
+        )
+    return tag
+
+
+def commit_latest(ckpt_dir: Path, tag: str) -> None:
+    atomic_write_text(Path(ckpt_dir) / LATEST, tag + "\n")
+
+
+def save(engine, ckpt_dir: Path, pos: Position, *, rank: int, fail_save: bool = False) -> tuple[bool, str]:
+    """Collective: every rank calls it. Returns (committed, message)."""
+    import torch
+    import torch.distributed as dist
+
+    tag = tag_for(pos)
+    error = ""
+    if fail_save:  # test-only fault: the storage layer reports a full disk mid-save
+        def _full(*_a, **_k):
+            raise OSError(errno.ENOSPC, "No space left on device (injected by DSCLUSTER_FAULT)")
+        engine.checkpoint_engine.save, original = _full, engine.checkpoint_engine.save
+    try:
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"position": pos.to_dict()}, save_latest=False)
+        ok = 1
+    except OSError as e:
+        ok, error = 0, f"{type(e).__name__}: {e}"
+        if dist.is_initialized():
+            dist.barrier()  # pairs with the closing barrier of save_checkpoint on the ranks that succeeded
+    finally:
+        if fail_save:
+            engine.checkpoint_engine.save = original
+    flag = torch.tensor([ok], dtype=torch.int32, device=engine.device)
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    committed = bool(flag.item())
+    if rank == 0:
+        if committed:
+            commit_latest(ckpt_dir, tag)
+        else:
+            shutil.rmtree(Path(ckpt_dir) / tag, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
+    if committed:
+        return True, f"checkpoint {tag} saved"
+    prev = find_latest(ckpt_dir)
+    return False, (f"checkpoint {tag} failed{' on this rank: ' + error if error else ' on another rank'}; "
+                   f"'{LATEST}' still points to {prev or 'nothing'}; training goes on")
+
+
+def load(engine, ckpt_dir: Path, tag: str) -> Position:
+    path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+    if path is None or not client or "position" not in client:
+        raise UsageError(f"{ckpt_dir}/{tag}: not a dscluster checkpoint (no position in its client state)")
+    p = client["position"]
+    return Position(int(p["epoch"]), int(p["step_in_epoch"]), int(p["global_step"]))

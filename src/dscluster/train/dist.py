@@ -1,0 +1,202 @@
+"""Who am I in the job, and bringing up the process group with a timeout.
+
+Launchers disagree on how they tell a process its rank: torchrun/DeepSpeed set RANK,
+mpirun sets OMPI_COMM_WORLD_*, MPICH/Intel set PMI_*, PMIx PMIX_RANK, Slurm SLURM_*.
+`detect_ranks` falls back through them in that order (pure, unit-tested per launcher);
+`init` exports the result as RANK/LOCAL_RANK/WORLD_SIZE for DeepSpeed and warns when that
+overrides a different value already in the environment.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from dscluster.errors import UsageError
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """This process's place in the job and which launcher variables told us."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    source: str
+
+
+def _int(env: dict, key: str) -> int | None:
+    value = env.get(key)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise UsageError(f"environment: {key}={value!r} is not a whole number") from None
+
+
+def detect_ranks(env: dict[str, str] | None = None) -> RankInfo:
+    """Rank, local rank and world size from whichever launcher started us (single process otherwise)."""
+    env = os.environ if env is None else env
+    candidates = (
+        ("torch", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"),
+        ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE",
+         "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        ("pmi", "PMI_RANK", "MPI_LOCALRANKID", "PMI_SIZE", "MPI_LOCALNRANKS"),
+        ("pmix", "PMIX_RANK", "PMIX_LOCAL_RANK", "PMIX_SIZE", "PMIX_LOCAL_SIZE"),
+        ("slurm", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE"),
+    )
+    for source, rk, lrk, wk, lwk in candidates:
+        rank = _int(env, rk)
+        if rank is None:
+            continue
+        world = _int(env, wk)
+        if world is None:
+            continue
+        local = _int(env, lrk)
+        local_world = None
+        if lwk == "SLURM_NTASKS_PER_NODE":
+            # Slurm writes e.g. "4" or "4(x2)"; the local count is the leading number.
+            raw = env.get(lwk, "")
+            local_world = int(raw.split("(")[0]) if raw.split("(")[0].isdigit() else None
+        else:
+            local_world = _int(env, lwk)
+        if local is None:
+            local = 0 if world == 1 else rank % (local_world or 1)
+        if not 0 <= rank < world:
+            raise UsageError(f"environment: {rk}={rank} is outside 0..{world - 1} ({wk}={world})")
+        return RankInfo(rank, local, world, local_world or (1 if world == 1 else 0), source)
+    return RankInfo(0, 0, 1, 1, "single")
+
+
+def default_master_port(run_id: str) -> int:
+    """A port every rank derives alike from the run id, so parallel jobs on one host rarely collide."""
+    return 29500 + int(hashlib.sha256(run_id.encode()).hexdigest(), 16) % 2000
+
+
+def export_env(info: RankInfo, run_id: str, env: dict | None = None, warn=None) -> list[str]:
+    """Set RANK/LOCAL_RANK/WORLD_SIZE/MASTER_* for DeepSpeed; returns the warnings it issued."""
+    env = os.environ if env is None else env
+    warnings: list[str] = []
+    wanted = {"RANK": info.rank, "LOCAL_RANK": info.local_rank, "WORLD_SIZE": info.world_size}
+    for key, value in wanted.items():
+        old = env.get(key)
+        if old is not None and old != str(value):
+            warnings.append(f"{key}={old} in the environment overridden by {key}={value} (from {info.source})")
+        env[key] = str(value)
+    if not env.get("MASTER_ADDR"):
+        if info.local_world_size == info.world_size:
+            env["MASTER_ADDR"] = "127.0.0.1"  # every rank on this host
+        else:
+            warnings.append(
+                "MASTER_ADDR is not set: falling back to DeepSpeed's MPI discovery (rank 0's first address, "
+                "which may be an unroutable docker0); run `dscluster check` to write the right one"
+            )
+    if not env.get("MASTER_PORT"):
+        env["MASTER_PORT"] = str(default_master_port(run_id))
+    for w in warnings:
+        (warn or _warn)(w)
+    return warnings
+
+
+def _warn(msg: str) -> None:
+    print(f"dscluster train: warning: {msg}", file=sys.stderr, flush=True)
+
+
+def enable_nccl_diagnostics(trace_dir: Path, env: dict | None = None) -> None:
+    """Async NCCL error handling and the flight recorder, so a hang leaves per-rank traces."""
+    env = os.environ if env is None else env
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    env.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    env.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(trace_dir / "nccl_trace_rank_"))
+
+
+def prepare_accelerator(env: dict | None = None) -> bool:
+    """Tell DeepSpeed it runs on CPU when there is no GPU (must happen before importing deepspeed)."""
+    import torch
+
+    env = os.environ if env is None else env
+    has_cuda = torch.cuda.is_available()
+    if not has_cuda:
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    return has_cuda
+
+
+def init_process_group(info: RankInfo, backend: str, timeout_s: float) -> None:
+    """deepspeed.init_distributed with an explicit backend and a bring-up-sized timeout."""
+    import deepspeed
+
+    deepspeed.init_distributed(
+        dist_backend=backend,
+        auto_mpi_discovery=not os.environ.get("MASTER_ADDR") and info.world_size > 1,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        rank=info.rank,
+        world_size=info.world_size,
+    )
+
+
+def destroy() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a broken group must not hide the real error
+            pass
+
+
+_PRIMARY: bool | None = None
+
+
+def is_primary() -> bool:
+    """The one process that logs, evaluates, writes the summary and the checkpoint pointer."""
+    if _PRIMARY is not None:
+        return _PRIMARY
+    return detect_ranks().rank == 0
+
+
+def set_primary(value: bool) -> None:
+    global _PRIMARY
+    _PRIMARY = value
+
+
+def hostname() -> str:
+    return socket.gethostname()
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_gather_ints(values: list[int], device) -> list[list[int]]:
+    """Gather a short int vector from every rank (one collective)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.long, device=device)
+    if not dist.is_initialized():
+        return [values]
+    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [o.tolist() for o in out]
+
+
+def all_gather_strings(value: str) -> list[str]:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [value]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out

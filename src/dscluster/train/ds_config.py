@@ -1,0 +1,86 @@
+"""The DeepSpeed config dict, built from the training config, the world and the precision.
+
+DeepSpeed insists that train_batch_size = micro × accumulation × world; a mismatch would
+otherwise surface as an assertion deep inside deepspeed.initialize on every rank, so the
+arithmetic is checked here first and explained.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dscluster.errors import UsageError
+from dscluster.train.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How the global batch is made: micro_batch per rank per micro-step, grad_accum micro-steps."""
+
+    micro_batch: int
+    grad_accum: int
+    world: int
+    global_batch: int
+
+
+def plan_batch(micro: int, grad_accum: int | None, global_batch: int | None, world: int) -> BatchPlan:
+    """Fill in the missing one of (grad_accum, global_batch) and check the product."""
+    if micro < 1 or world < 1:
+        raise UsageError(f"micro_batch ({micro}) and world size ({world}) must be at least 1")
+    if global_batch is None:
+        ga = grad_accum or 1
+        return BatchPlan(micro, ga, world, micro * ga * world)
+    per_step = micro * world
+    if grad_accum is None:
+        if global_batch % per_step:
+            raise UsageError(
+                f"global_batch={global_batch} is not a multiple of micro_batch × world = {micro} × {world} = "
+                f"{per_step}: gradient accumulation needs a whole number of micro-steps "
+                f"(e.g. global_batch={max(1, global_batch // per_step) * per_step} or another micro_batch)"
+            )
+        return BatchPlan(micro, global_batch // per_step, world, global_batch)
+    if micro * grad_accum * world != global_batch:
+        raise UsageError(
+            f"global_batch={global_batch} but micro_batch × grad_accum × world = {micro} × {grad_accum} × {world} = "
+            f"{micro * grad_accum * world}; DeepSpeed needs them equal (drop global_batch or grad_accum to derive it)"
+        )
+    return BatchPlan(micro, grad_accum, world, global_batch)
+
+
+def build_ds_config(cfg: TrainConfig, plan: BatchPlan, precision: str, *, on_gpu: bool,
+                    initial_scale_power: int | None = None) -> dict:
+    """DeepSpeed JSON config. The optimizer is passed as a client optimizer (fused AdamW on GPU)."""
+    bucket = int(cfg.bucket_size_mb) * 1_000_000
+    ds: dict = {
+        "train_batch_size": plan.global_batch,
+        "train_micro_batch_size_per_gpu": plan.micro_batch,
+        "gradient_accumulation_steps": plan.grad_accum,
+        "gradient_clipping": float(cfg.optim.grad_clip),
+        "steps_per_print": 10**9,          # we log ourselves; DeepSpeed's prints sync the host
+        "wall_clock_breakdown": False,
+        "zero_optimization": {"stage": int(cfg.zero_stage)},
+        "zero_allow_untested_optimizer": True,
+    }
+    if cfg.zero_stage > 0:
+        ds["zero_optimization"].update({
+            "overlap_comm": bool(cfg.overlap_comm) and on_gpu,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": bucket,
+            "reduce_scatter": True,
+        })
+    if precision == "fp16":
+        ds["fp16"] = {
+            "enabled": True,
+            "loss_scale": 0,  # 0 = dynamic
+            "initial_scale_power": int(cfg.fp16.initial_scale_power if initial_scale_power is None
+                                       else initial_scale_power),
+            "loss_scale_window": int(cfg.fp16.loss_scale_window),
+            "hysteresis": int(cfg.fp16.hysteresis),
+            "min_loss_scale": float(cfg.fp16.min_loss_scale),
+        }
+    elif precision == "bf16":
+        ds["bf16"] = {"enabled": True}
+    elif precision != "fp32":
+        raise UsageError(f"unknown precision {precision!r}")
+    return ds

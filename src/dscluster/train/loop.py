@@ -1,0 +1,347 @@
+"""The training loop every rank runs: one readable path from process group to summary.
+
+Order of events: rank detection and env → run directory (env snapshot) → process group
+(gloo on CPU, nccl on GPU, bounded timeout) → data/model/engine (setup_engine) → resume →
+per epoch: equal-step check, steps (metrics per step, loss scale guard), held-out eval on
+rank 0 between barriers, checkpoint → summary. Any exception still writes the `end`
+record and, where this rank knows the story, a failed summary.json; the process group is
+destroyed in `finally`.
+
+Host syncs: loss values stay on the device and are read back in one go every `log_every`
+steps (fp16's overflow flag and scale are host values already: DeepSpeed syncs for them).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dscluster import console, runinfo
+from dscluster.errors import DsclusterError, UsageError
+from dscluster.fsutil import atomic_write_json, atomic_write_text
+from dscluster.train import checkpoint, dist, guards
+from dscluster.train.config import TrainConfig, to_yaml
+from dscluster.train.precision import decide_here
+from dscluster.train.runlog import RunLog, summary_record
+
+
+@dataclass
+class Outcome:
+    """What a run produced; the CLI turns it into an exit code and a line of text."""
+
+    status: str
+    accuracy: float | None = None
+    steps: int = 0
+    images_per_s: float | None = None
+    run_dir: Path | None = None
+    scale_history: list[tuple[float, bool]] = field(default_factory=list)
+
+
+def loss_scale_of(engine) -> float | None:
+    opt = engine.optimizer
+    for obj in (opt, getattr(opt, "loss_scaler", None)):
+        if obj is not None and hasattr(obj, "cur_scale"):
+            return float(obj.cur_scale)
+    return None
+
+
+def grad_norm(engine) -> float | None:
+    norm = engine.get_global_grad_norm()
+    if norm is not None:
+        return float(norm)
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    if not grads:
+        return None
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+
+
+@torch.no_grad()
+def evaluate(engine, dataset, dtype, device, channels_last: bool, batch: int = 256) -> tuple[float, float, int]:
+    module = engine.module
+    was_training = module.training
+    module.eval()
+    correct, loss_sum, n = 0, 0.0, len(dataset)
+    for lo in range(0, n, batch):
+        x, y = dataset.get_batch(list(range(lo, min(n, lo + batch))), device, dtype, channels_last=channels_last)
+        out = module(x).float()
+        loss_sum += float(F.cross_entropy(out, y, reduction="sum"))
+        correct += int((out.argmax(1) == y).sum())
+    module.train(was_training)
+    return correct / n, loss_sum / n, n
+
+
+def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
+    """Run training (or an fp16 loss-scale calibration) on this rank."""
+    t0 = time.time()
+    info = dist.detect_ranks()
+    run_id = runinfo.resolve_run_id()
+    rdir = runinfo.run_dir()
+    has_cuda = dist.prepare_accelerator()
+    dist.set_primary(info.rank == 0)
+    primary = info.rank == 0
+    dist.export_env(info, run_id)
+    dist.enable_nccl_diagnostics(rdir / "nccl_trace")
+    host = dist.hostname()
+    fault = [f for f in (guards.parse_fault(t) for t in os.environ.get("DSCLUSTER_FAULT", "").split(";")) if f]
+    my_fault = {f.kind: f for f in fault if f.rank == info.rank}
+    log = RunLog(rdir, info.rank, host)
+    log.write_env()
+    out = Outcome(status="failed", run_dir=rdir)
+    facts: dict = {"run_id": run_id, "world_size": info.world_size, "hosts": [host], "model": cfg.model.name,
+                   "dataset": cfg.data.dataset, "epochs": cfg.epochs, "overflow_steps": 0}
+    try:
+        device = torch.device(f"cuda:{info.local_rank % max(1, torch.cuda.device_count())}") if has_cuda \
+            else torch.device("cpu")
+        if has_cuda:
+            torch.cuda.set_device(device)
+        backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if has_cuda else "gloo")
+        dist.init_process_group(info, backend, cfg.dist.timeout_s)
+        hosts = dist.all_gather_strings(host)
+        facts["hosts"] = sorted(set(hosts))
+        precision = decide_here(cfg.precision).precision
+        if calibrate:
+            if precision != "fp16" and not has_cuda:
+                raise UsageError("loss-scale calibration needs fp16, which needs a GPU; this rank has none")
+            precision = "fp16"
+        facts["precision"] = precision
+        decisions = dist.all_gather_strings(precision)
+        if len(set(decisions)) > 1:
+            odd = [r for r, p in enumerate(decisions) if p != decisions[0]]
+            raise guards.TrainingAborted(
+                f"ranks chose different precisions ({', '.join(f'rank {r} on {hosts[r]}: {p}' for r, p in enumerate(decisions))}); "
+                "run `dscluster check` so every node gets the cluster-wide DSCLUSTER_PRECISION, or set precision=",
+                failed_ranks=odd, failed_hosts=[hosts[r] for r in odd])
+        out = _run(cfg, info, device, precision, hosts, log, rdir, facts, my_fault, calibrate, primary)
+        log.record("end", status="complete", error=None)
+        if primary and not calibrate:
+            log.write_summary(summary_record(status="complete", wall_s=round(time.time() - t0, 3), **facts))
+        return out
+    except guards.TrainingAborted as e:
+        log.record("end", status="failed", error=str(e))
+        if primary:
+            log.write_summary(summary_record(
+                status="failed", wall_s=round(time.time() - t0, 3), failed_rank=e.failed_ranks[0],
+                failed_host=e.failed_hosts[0], error=str(e), failed_ranks=e.failed_ranks, **facts))
+        raise
+    except BaseException as e:
+        msg = f"{type(e).__name__}: {e}" if not isinstance(e, DsclusterError) else str(e)
+        log.record("end", status="failed", error=msg)
+        log.write_summary(summary_record(status="failed", wall_s=round(time.time() - t0, 3), failed_rank=info.rank,
+                                         failed_host=host, error=msg, **facts),
+                          only_if_absent_or_not_failed=not primary)
+        raise
+    finally:
+        _Progress.stop_all()
+        log.close()
+        dist.destroy()
+
+
+def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Path, facts: dict,
+         my_fault: dict, calibrate: bool, primary: bool) -> Outcome:
+    from dscluster.train.setup_engine import build
+
+    if calibrate:
+        from dscluster.train.losscale import CALIBRATION_START_POWER
+
+        cfg.fp16.initial_scale_power = CALIBRATION_START_POWER
+        cfg.max_steps = cfg.fp16.calibrate_steps
+    b = build(cfg, info, device, precision)
+    engine, sampler = b.engine, b.sampler
+    spe = sampler.steps_per_epoch
+    facts.update(global_batch=sum(b.shares) * b.plan.grad_accum, steps=0)
+    for note in b.notes:
+        if primary:
+            console.err.print(f"[dim]dscluster train: {note}[/dim]")
+    if primary:
+        atomic_write_text(rdir / runinfo.CONFIG_FILE, to_yaml(cfg))
+        atomic_write_json(rdir / runinfo.DS_CONFIG_FILE, b.ds_config)
+        if b.share_plan is not None:
+            atomic_write_json(rdir / "shares.json", b.share_plan)
+
+    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else rdir / runinfo.CHECKPOINT_DIR
+    pos = checkpoint.Position(0, 0, 0)
+    if not calibrate:
+        tag = checkpoint.resume_decision(cfg.checkpoint.resume, ckpt_dir)
+        tags = dist.all_gather_strings(tag or "")
+        if len(set(tags)) > 1:
+            raise UsageError(f"ranks see different checkpoints in {ckpt_dir} ({tags}); checkpoint.dir must be shared "
+                             "storage (same path on every node, like NFS)")
+        if tag:
+            pos = checkpoint.load(engine, ckpt_dir, tag)
+            if primary:
+                console.err.print(f"dscluster train: resumed from {ckpt_dir}/{tag} at global step {pos.global_step}")
+    epoch, start_step, global_step = pos.epoch, pos.step_in_epoch, pos.global_step
+    if start_step >= spe:
+        epoch, start_step = epoch + 1, 0
+
+    log.record("start", world_size=info.world_size, local_rank=info.local_rank, device=str(device),
+               precision=precision, micro_batch=b.shares[info.rank], grad_accum=b.plan.grad_accum,
+               global_batch=facts["global_batch"], pid=os.getpid(), params=b.params, steps_per_epoch=spe,
+               shares=b.shares, loss_weight=b.loss_weight, resumed_from_step=global_step,
+               launcher=info.source)
+    guard = None
+    if precision == "fp16" and not calibrate:
+        guard = guards.LossScaleGuard(window=cfg.fp16.guard_window, max_overflow_rate=cfg.fp16.guard_max_overflow_rate,
+                                      min_scale=cfg.fp16.min_loss_scale, min_scale_steps=cfg.fp16.guard_min_scale_steps,
+                                      rank=info.rank, host=log.host)
+    total = b.total_steps
+    gen = torch.Generator(device=device).manual_seed(cfg.seed * 7919 + info.rank * 104729 + global_step)
+    progress = _Progress(primary and cfg.progress and not calibrate, total, global_step)
+    out = Outcome(status="complete", run_dir=rdir)
+    train_seconds, steps_this_run, accuracy = 0.0, 0, None
+    pending: list[dict] = []
+    pending_loss: list[torch.Tensor] = []
+
+    def flush():
+        if not pending:
+            return
+        values = torch.stack(pending_loss).float().tolist()  # the one host sync per log window
+        for rec, v in zip(pending, values):
+            rec["loss"] = v
+            log.record("step", **rec)
+        pending.clear()
+        pending_loss.clear()
+
+    done = global_step >= total
+    while not done and epoch < cfg.epochs:
+        counts = dist.all_gather_ints([spe + (1 if "mismatch_steps" in my_fault else 0)], device)
+        guards.check_equal_steps([c[0] for c in counts], hosts, epoch)
+        window_t = time.perf_counter()
+        step_in_epoch = start_step - 1
+        for step_in_epoch, micro in enumerate(sampler.steps(epoch, start_step), start=start_step):
+            global_step += 1
+            _inject(my_fault, global_step, log, cfg)
+            t_step = time.perf_counter()
+            step_loss = torch.zeros((), device=device)
+            samples = 0
+            norm = None
+            for k, idx in enumerate(micro):
+                x, y = b.splits.train.get_batch(idx, device, b.dtype, augment=cfg.data.augment, generator=gen,
+                                                channels_last=cfg.channels_last)
+                loss = F.cross_entropy(engine(x).float(), y)
+                engine.backward(loss * b.loss_weight if b.loss_weight != 1.0 else loss)
+                if k == len(micro) - 1 and precision == "fp32" and global_step % cfg.log_every == 0:
+                    norm = grad_norm(engine)  # fp32 ZeRO-0 keeps no norm; grads are all-reduced by now
+                engine.step()
+                step_loss += loss.detach() / len(micro)
+                samples += len(idx)
+            overflow = bool(getattr(engine.optimizer, "overflow", False)) if precision == "fp16" else False
+            scale = loss_scale_of(engine) if precision == "fp16" else None
+            if norm is None and precision != "fp32" and global_step % cfg.log_every == 0:
+                norm = engine.get_global_grad_norm()
+                norm = None if norm is None or (isinstance(norm, float) and math.isnan(norm)) else float(norm)
+            dt = time.perf_counter() - t_step
+            train_seconds += dt
+            steps_this_run += 1
+            facts["overflow_steps"] += overflow
+            out.scale_history.append((scale, overflow))
+            pending.append({"step": global_step, "epoch": epoch, "lr": float(engine.get_lr()[0]),
+                            "loss_scale": scale, "overflow": overflow, "step_time": dt, "samples": samples,
+                            "samples_per_s": samples / dt if dt > 0 else None, "grad_norm": norm})
+            pending_loss.append(step_loss)
+            if len(pending) >= cfg.log_every:
+                if cfg.log_every > 1:  # asynchronous GPU work: per-step times are only right on average
+                    avg = (time.perf_counter() - window_t) / len(pending)
+                    for rec in pending:
+                        rec["step_time"], rec["samples_per_s"] = avg, rec["samples"] / avg
+                flush()
+                window_t = time.perf_counter()
+            if guard is not None:
+                guard.observe(global_step, scale, overflow)
+            progress.advance(epoch)
+            done = global_step >= total
+            every = cfg.checkpoint.every_steps
+            if every and global_step % every == 0 and step_in_epoch + 1 < spe and not calibrate:
+                _save(engine, ckpt_dir, checkpoint.Position(epoch, step_in_epoch + 1, global_step), info.rank,
+                      my_fault, progress)
+            if done:
+                break
+        flush()
+        end_of_epoch = not done or step_in_epoch + 1 >= spe
+        last = done or epoch + 1 >= cfg.epochs
+        if not calibrate and b.splits.holdout is not None and (last or (epoch + 1) % cfg.eval_every_epochs == 0):
+            dist.barrier()
+            if primary:  # rank-0-only work between barriers: the others wait instead of racing ahead
+                acc, eloss, n = evaluate(engine, b.splits.holdout, b.dtype, device, cfg.channels_last)
+                accuracy = acc
+                log.record("eval", epoch=epoch, step=global_step, accuracy=acc, loss=eloss, samples=n)
+                progress.print(f"epoch {epoch + 1}/{cfg.epochs} step {global_step}: held-out accuracy {acc:.1%} "
+                               f"loss {eloss:.3f}")
+            dist.barrier()
+        every_e = cfg.checkpoint.every_epochs
+        if not calibrate and end_of_epoch and every_e and ((epoch + 1) % every_e == 0 or last):
+            _save(engine, ckpt_dir, checkpoint.Position(epoch, spe, global_step), info.rank, my_fault, progress)
+        epoch, start_step = epoch + 1, 0
+    progress.stop()
+    gb = facts["global_batch"]
+    out.accuracy, out.steps = accuracy, global_step
+    out.images_per_s = gb * steps_this_run / train_seconds if train_seconds > 0 else None
+    facts.update(steps=global_step, images_per_s=out.images_per_s, accuracy=accuracy)
+    return out
+
+
+def _save(engine, ckpt_dir, pos, rank, my_fault, progress) -> None:
+    f = my_fault.get("disk_full")
+    ok, msg = checkpoint.save(engine, ckpt_dir, pos, rank=rank,
+                              fail_save=f is not None and f.step == pos.global_step)
+    if not ok or rank == 0:
+        (progress.print if rank == 0 else console.err.print)(
+            f"{'[yellow]warning:[/yellow] ' if not ok else ''}{msg}" + ("" if rank == 0 else f" (rank {rank})"))
+
+
+def _inject(my_fault: dict, step: int, log: RunLog, cfg: TrainConfig) -> None:
+    """Test-only faults (guards.py documents DSCLUSTER_FAULT)."""
+    f = my_fault.get("exit")
+    if f is not None and f.step == step:
+        log.record("end", status="failed", error=f"injected fault: exit before step {step}")
+        log.close()
+        os._exit(3)
+    f = my_fault.get("skip_collective")
+    if f is not None and f.step == step:
+        # stay away from this step's all-reduce: the peers must time out, not hang forever
+        deadline = time.time() + 2 * cfg.dist.timeout_s + 30
+        while time.time() < deadline:
+            time.sleep(0.5)
+        os._exit(4)
+
+
+class _Progress:
+    """rich progress bar with ETA on rank 0 (nothing elsewhere)."""
+
+    _live: list["_Progress"] = []
+
+    @classmethod
+    def stop_all(cls) -> None:
+        for p in list(cls._live):
+            p.stop()
+
+    def __init__(self, enabled: bool, total: int, done: int):
+        self.bar = None
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(TextColumn("[bold]train[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("ETA"), TimeRemainingColumn(), console=console.err, transient=False)
+            self.task = self.bar.add_task("epoch 1", total=total, completed=done)
+            self.bar.start()
+            _Progress._live.append(self)
+
+    def advance(self, epoch: int) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, description=f"epoch {epoch + 1}")
+
+    def print(self, text: str) -> None:
+        (self.bar.console if self.bar is not None else console.err).print(text)
+
+    def stop(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+            if self in _Progress._live:
+                _Progress._live.remove(self)

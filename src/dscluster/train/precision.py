@@ -1,0 +1,70 @@
+"""Which floating-point format this rank trains in, and why.
+
+The cluster-wide decision is `dscluster check`'s (DSCLUSTER_PRECISION in the per-node env):
+every rank must use the same format, and one Pascal card in a lab of Ampere cards means
+fp16 for all. Without it, each rank decides from its own GPU: bf16 needs compute
+capability 8.0 (Ampere), fp16 tensor cores 7.0 (Volta); anything else, and CPU, is fp32.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from dscluster.errors import UsageError
+
+FORMATS = ("bf16", "fp16", "fp32")
+
+
+@dataclass(frozen=True)
+class PrecisionDecision:
+    precision: str
+    reason: str
+
+
+def decide(requested: str, *, cluster: str | None, cuda: bool,
+           capability: tuple[int, int] | None) -> PrecisionDecision:
+    """Pure policy: the requested format, else the cluster's, else what this device supports."""
+    if requested not in ("auto",) + FORMATS:
+        raise UsageError(f"precision must be auto, bf16, fp16 or fp32; got {requested!r}")
+    if requested != "auto":
+        if not cuda and requested != "fp32":
+            raise UsageError(
+                f"precision={requested} needs a GPU; this rank has none (use precision=fp32 or precision=auto)"
+            )
+        if cuda and requested == "bf16" and capability is not None and capability < (8, 0):
+            raise UsageError(
+                f"precision=bf16 needs compute capability 8.0+, this GPU is {capability[0]}.{capability[1]} "
+                "(use precision=fp16)"
+            )
+        return PrecisionDecision(requested, "asked for in the config")
+    if cluster:
+        cluster = cluster.strip().lower()
+        if cluster not in FORMATS:
+            raise UsageError(f"environment: DSCLUSTER_PRECISION={cluster!r} is not one of {', '.join(FORMATS)}")
+        if not cuda and cluster != "fp32":
+            return PrecisionDecision("fp32", f"cluster decided {cluster} but this rank has no GPU")
+        return PrecisionDecision(cluster, "cluster-wide decision of `dscluster check` (DSCLUSTER_PRECISION)")
+    if not cuda:
+        return PrecisionDecision("fp32", "no GPU: CPU trains in fp32")
+    cap = capability or (0, 0)
+    if cap >= (8, 0):
+        return PrecisionDecision("bf16", f"GPU compute capability {cap[0]}.{cap[1]} supports bf16")
+    if cap >= (7, 0):
+        return PrecisionDecision("fp16", f"GPU compute capability {cap[0]}.{cap[1]}: fp16 (no bf16 before 8.0)")
+    return PrecisionDecision("fp32", f"GPU compute capability {cap[0]}.{cap[1]}: no fast half precision")
+
+
+def decide_here(requested: str) -> PrecisionDecision:
+    """`decide` with this process's environment and device."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    cap = torch.cuda.get_device_capability() if cuda else None
+    return decide(requested, cluster=os.environ.get("DSCLUSTER_PRECISION"), cuda=cuda, capability=cap)
+
+
+def torch_dtype(precision: str):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]

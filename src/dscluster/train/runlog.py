@@ -1,0 +1,66 @@
+"""Writing this rank's part of the run directory (schema in README "Run directory").
+
+metrics/rank-R.jsonl (one writer per rank, a line per record, flushed), env/rank-R.json
+(the environment that decided networking and placement), and on rank 0 config.yaml,
+ds_config.json and summary.json. Every metrics record carries kind, t, rank, host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from dscluster import runinfo
+from dscluster.fsutil import JsonlWriter, atomic_write_json
+
+_ENV_PREFIXES = ("NCCL_", "GLOO_", "MASTER_", "OMPI_COMM_WORLD_", "DSCLUSTER_", "TORCH_NCCL_", "SLURM_", "PMI_")
+_ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "PMIX_RANK", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+             "DS_ACCELERATOR", "PMIX_NAMESPACE", "OMP_NUM_THREADS")
+
+
+def effective_env(env: dict | None = None) -> dict:
+    env = os.environ if env is None else env
+    return {k: v for k, v in sorted(env.items()) if k in _ENV_KEYS or k.startswith(_ENV_PREFIXES)
+            and "PASSWORD" not in k}
+
+
+class RunLog:
+    """This rank's writers; `record(kind, **fields)` stamps t, rank and host."""
+
+    def __init__(self, run_dir: Path, rank: int, host: str):
+        self.run_dir, self.rank, self.host = Path(run_dir), rank, host
+        self.metrics = JsonlWriter(self.run_dir / runinfo.METRICS_DIR / f"rank-{rank}.jsonl")
+
+    def record(self, kind: str, **fields) -> dict:
+        rec = {"kind": kind, "t": time.time(), "rank": self.rank, "host": self.host, **fields}
+        self.metrics.write(rec)
+        return rec
+
+    def write_env(self) -> None:
+        snap = effective_env()
+        snap.update({"host": self.host, "pid": os.getpid()})
+        atomic_write_json(self.run_dir / runinfo.ENV_DIR / f"rank-{self.rank}.json", snap)
+
+    def write_summary(self, summary: dict, *, only_if_absent_or_not_failed: bool = False) -> None:
+        path = self.run_dir / runinfo.SUMMARY_FILE
+        if only_if_absent_or_not_failed and path.exists():
+            try:
+                if json.loads(path.read_text()).get("status") == "failed":
+                    return  # a better-informed rank already told the story
+            except (OSError, ValueError):
+                pass
+        atomic_write_json(path, summary)
+
+    def close(self) -> None:
+        self.metrics.close()
+
+
+def summary_record(**fields) -> dict:
+    keys = ("status", "run_id", "world_size", "hosts", "precision", "model", "dataset", "epochs", "steps",
+            "global_batch", "images_per_s", "accuracy", "wall_s", "overflow_steps", "failed_rank", "failed_host",
+            "error")
+    out = {k: fields.get(k) for k in keys}
+    out.update({k: v for k, v in fields.items() if k not in out})
+    return out

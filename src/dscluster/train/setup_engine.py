@@ -1,0 +1,164 @@
+"""Everything between "process group up" and "first step": data, model, batch plan, DeepSpeed engine.
+
+Kept apart from the step loop so the loop reads top to bottom. The optimizer is a client
+optimizer (torch AdamW, fused=True on GPU) so bf16/fp16/ZeRO all wrap the same kernel the
+plain-PyTorch baseline uses; the schedule is a LambdaLR that DeepSpeed checkpoints with
+the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from dscluster.errors import UsageError
+from dscluster.train import autofit, data as data_mod, dist
+from dscluster.train.config import TrainConfig
+from dscluster.train.ds_config import BatchPlan, build_ds_config, plan_batch
+from dscluster.train.model import build_model, count_params
+from dscluster.train.precision import torch_dtype
+from dscluster.train.sampler import BalancedStepSampler, StepSampler
+
+
+@dataclass
+class Built:
+    engine: object
+    sampler: StepSampler
+    splits: data_mod.Splits
+    plan: BatchPlan
+    shares: list[int]
+    loss_weight: float
+    ds_config: dict
+    dtype: torch.dtype
+    params: int
+    total_steps: int
+    share_plan: dict | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on biases, norms, position embeddings and the class token (standard for ViTs)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or "pos_embed" in name or "cls_token" in name else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def lr_lambda(cfg: TrainConfig, total_steps: int):
+    warm = max(0, cfg.optim.warmup_steps)
+    floor = cfg.optim.min_lr_ratio
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        if cfg.optim.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warm) / max(1, total_steps - warm))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def _auto_micro(cfg: TrainConfig, model, splits, device, dtype, notes: list[str]) -> int | None:
+    """Largest micro-batch that fits this rank's GPU (None on CPU: no memory limit to find)."""
+    if device.type != "cuda":
+        notes.append("micro_batch=auto on CPU: no GPU memory to fit, using 32")
+        return None
+
+    def make(b):
+        return splits.train.get_batch(list(range(b)), device, torch.float32)
+
+    fit = autofit.largest_fit(autofit.probe_fits(model, make, dtype, device), start=1, maximum=cfg.autofit_max)
+    micro = autofit.with_margin(fit, cfg.autofit_margin)
+    notes.append(f"auto-fit: largest micro-batch that fitted {fit}, using {micro} (margin {cfg.autofit_margin})")
+    return micro
+
+
+def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision: str) -> Built:
+    import deepspeed
+
+    notes: list[str] = []
+    torch.manual_seed(cfg.seed)  # identical init everywhere (DeepSpeed also broadcasts rank 0's weights)
+    splits = data_mod.load(cfg.data, device, seed=cfg.seed)
+    model = build_model(cfg.model, in_chans=splits.train.in_chans, num_classes=splits.train.num_classes,
+                        img_size=cfg.data.img_size).to(device)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    dtype = torch_dtype(precision)
+    autofit.set_memory_cap(cfg.memory_cap_gb, device)
+
+    fit: int | None = None
+    if cfg.micro_batch == "auto":
+        fit = _auto_micro(cfg, model, splits, device, dtype, notes)
+        if fit is None:
+            micro = 32
+        else:
+            # uniform batching: every rank takes the smallest fit; global batch kept by accumulation
+            fits = [f[0] for f in dist.all_gather_ints([fit], device)]
+            micro, accum = autofit.choose_micro_batch(min(fits), info.world_size, cfg.global_batch)
+            if cfg.global_batch is not None and cfg.grad_accum is None:
+                notes.append(f"auto-fit: micro_batch {micro} × grad_accum {accum} × world {info.world_size} "
+                             f"= global_batch {cfg.global_batch}")
+    else:
+        micro = int(cfg.micro_batch)
+
+    share_plan = None
+    if cfg.batching == "balanced":
+        shares, share_plan = _balanced_shares(cfg, info, micro, fit, model, splits, device, dtype)
+        global_micro = sum(shares)
+        accum = cfg.grad_accum or (cfg.global_batch // global_micro if cfg.global_batch else 1)
+        if cfg.global_batch is not None and global_micro * accum != cfg.global_batch:
+            raise UsageError(f"balanced shares {shares} (sum {global_micro}) × grad_accum {accum} != global_batch "
+                             f"{cfg.global_batch}")
+        nominal = max(1, global_micro // info.world_size)  # DeepSpeed's bookkeeping wants one number per rank
+        plan = BatchPlan(nominal, accum, info.world_size, nominal * accum * info.world_size)
+        from dscluster.train.balanced import loss_weight
+
+        weight = loss_weight(shares[info.rank], info.world_size, global_micro)
+        sampler = BalancedStepSampler(len(splits.train), shares, accum, info.rank, cfg.seed)
+    else:
+        plan = plan_batch(micro, cfg.grad_accum, cfg.global_batch, info.world_size)
+        shares, weight = [plan.micro_batch] * info.world_size, 1.0
+        sampler = StepSampler(len(splits.train), shares, plan.grad_accum, info.rank, cfg.seed)
+
+    spe = sampler.steps_per_epoch
+    total = spe * cfg.epochs if cfg.max_steps <= 0 else min(cfg.max_steps, spe * cfg.epochs)
+    ds_cfg = build_ds_config(cfg, plan, precision, on_gpu=device.type == "cuda")
+    fused = cfg.optim.fused == "true" or (cfg.optim.fused == "auto" and device.type == "cuda")
+    opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
+                            betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, fused=fused or None)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds_cfg,
+                                           dist_init_required=False)
+    if cfg.compile:
+        engine.compile()
+    return Built(engine=engine, sampler=sampler, splits=splits, plan=plan, shares=shares, loss_weight=weight,
+                 ds_config=ds_cfg, dtype=dtype, params=count_params(model), total_steps=total,
+                 share_plan=share_plan, notes=notes)
+
+
+def _balanced_shares(cfg, info, micro, fit, model, splits, device, dtype):
+    """Shares from the config, or measured: each rank times local forward+backward, all agree on the plan."""
+    from dscluster.train import balanced
+
+    global_micro = micro * info.world_size
+    if cfg.shares is not None:
+        if len(cfg.shares) != info.world_size:
+            raise UsageError(f"shares has {len(cfg.shares)} entries for {info.world_size} ranks; give one per rank")
+        return list(cfg.shares), {"shares": list(cfg.shares), "source": "config"}
+
+    def step_fn(b):
+        x, y = splits.train.get_batch(list(range(b)), device, torch.float32)
+        with torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    sps = balanced.calibrate(step_fn, micro, steps=3, synchronize=sync)
+    plan = balanced.plan_shares_distributed(sps, global_micro, fit)
+    return plan.shares, {**plan.to_dict(), "source": "measured"}

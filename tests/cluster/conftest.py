@@ -1,0 +1,102 @@
+"""Fixtures for cluster tests: simulated labs (real namespaces, real sshd; root only).
+
+    def test_x(lab_factory):
+        lab = lab_factory("mylab", nodes=3)          # one lab name per test module
+
+    def test_y(keyed_lab_factory):
+        lab = keyed_lab_factory("mympi", nodes=3)    # + TEST-ONLY ssh key mesh, mpirun works
+
+Labs are module-scoped: the first call builds the lab, later calls with the same name return it,
+and every lab a module made is removed when the module ends. Use a lab name of your own per
+module: several modules (and several people) may have labs up at the same time.
+
+Put run directories and state under `lab.shared` (same path on every node, writable by the lab
+user); pytest's tmp_path is mode 0700 and owned by root, so the lab user cannot use it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from dscluster import sim
+
+NEEDED = ("ip", "unshare", "nsenter", "setsid", "setpriv", "ssh-keygen", "ssh-keyscan", "openssl")
+
+
+def lab_skip_reason() -> str | None:
+    """Why a lab cannot be built here, or None. (On CI a skipped cluster test fails.)"""
+    if os.geteuid() != 0:
+        return "cluster tests build a simulated lab: run them as root"
+    missing = [t for t in NEEDED if shutil.which(t) is None]
+    if not Path("/usr/sbin/sshd").exists():
+        missing.append("sshd (apt-get install openssh-server)")
+    if missing:
+        return f"simulated lab needs {', '.join(missing)} (see .ci/run for the packages)"
+    return None
+
+
+def install_test_mesh(lab: sim.Lab) -> None:
+    """TEST FIXTURE ONLY, not how a cluster is set up (`dscluster setup` does that, with the
+    user's password and pinned host keys): give the lab user on every node one shared key pair,
+    authorize it everywhere and fill known_hosts by ssh-keyscan from inside the lab, so that
+    node-to-node ssh, and so OpenMPI's tree launch, work without a prompt."""
+    with tempfile.TemporaryDirectory() as d:
+        key = Path(d) / "id_ed25519"
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"dscluster-test-mesh@{lab.name}",
+                        "-f", str(key)], check=True)
+        private, public = key.read_bytes(), key.with_suffix(".pub").read_bytes()
+    names = [n.name for n in lab.nodes] + [n.ip for n in lab.nodes]
+    scan = lab.run(lab.nodes[0].name, ["ssh-keyscan", "-T", "5", *names], timeout=30, check=True)
+    for node in lab.nodes:
+        ssh = Path(node.home) / ".ssh"
+        ssh.mkdir(mode=0o700, exist_ok=True)
+        files = {"id_ed25519": (private, 0o600), "id_ed25519.pub": (public, 0o644),
+                 "authorized_keys": (public, 0o600), "known_hosts": (scan.stdout.encode(), 0o644)}
+        for name, (data, mode) in files.items():
+            (ssh / name).write_bytes(data)
+            os.chmod(ssh / name, mode)
+            os.chown(ssh / name, lab.uid, lab.gid)
+        os.chown(ssh, lab.uid, lab.gid)
+
+
+@pytest.fixture(scope="module")
+def lab_factory():
+    reason = lab_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    made: dict[str, sim.Lab] = {}
+
+    def make(name: str, nodes: int = 3, slots: int = 1) -> sim.Lab:
+        if name not in made:
+            made[name] = sim.up(nodes=nodes, slots=slots, lab=name)
+        return made[name]
+
+    yield make
+    for name in made:
+        sim.down(name)
+
+
+@pytest.fixture(scope="module")
+def keyed_lab_factory(lab_factory):
+    keyed: set[str] = set()
+
+    def make(name: str, nodes: int = 3, slots: int = 1) -> sim.Lab:
+        lab = lab_factory(name, nodes=nodes, slots=slots)
+        if name not in keyed:
+            install_test_mesh(lab)
+            keyed.add(name)
+        return lab
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def mesh_installer():
+    """The key-mesh installer itself, for a lab made some other way."""
+    return install_test_mesh

@@ -1,0 +1,159 @@
+"""Bench harness: command builders (exact argv), run-directory figures, naming, FLOP maths."""
+
+import argparse
+import json
+import sys
+
+import pytest
+
+from dscluster.bench import mixed, runner, vit
+from dscluster.bench.models import model_spec, peak_bf16_flops
+from dscluster.cli_bench import _gpu_counts
+from dscluster.errors import UsageError
+from dscluster.fsutil import JsonlWriter
+
+
+def test_gpu_counts_n_means_the_whole_scaling_curve():
+    assert _gpu_counts("4") == [1, 2, 3, 4]
+    assert _gpu_counts("1,4") == [1, 4]
+    with pytest.raises(argparse.ArgumentTypeError):
+        _gpu_counts("four")
+    with pytest.raises(argparse.ArgumentTypeError):
+        _gpu_counts("0")
+
+
+def test_vit_b16_costs_105_gflops_per_trained_image_and_h100_peak_is_known():
+    assert model_spec("vit_base_patch16_224").train_flops_per_image == 105e9
+    assert peak_bf16_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_bf16_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_bf16_flops("NVIDIA H200") == 989e12
+    assert peak_bf16_flops("NVIDIA GeForce RTX 3070") is None
+
+
+@pytest.mark.parametrize("model", ["tiny", "vit_base_patch16_224"])
+def test_bench_overrides_are_valid_dscluster_train_keys(model):
+    """The bench drives `dscluster train` only through its public keys; a renamed key fails here."""
+    from dscluster.train.config import load_config
+
+    opts = vit.VitBenchOptions(model=model, micro_batch="auto", memory_cap_gb=8, compile=True, zero=1)
+    cfg = load_config(None, vit.train_overrides(opts))
+    assert cfg.data.dataset == "synthetic"
+    assert cfg.micro_batch == "auto" and cfg.memory_cap_gb == 8 and cfg.compile and cfg.zero_stage == 1
+    assert cfg.max_steps == opts.warmup + opts.steps
+    bal = load_config(None, mixed.train_overrides(mixed.MixedBenchOptions(model=model), "balanced"))
+    assert bal.batching == "balanced"
+
+
+def test_ds_command_is_torchrun_on_dscluster_train():
+    opts = vit.VitBenchOptions(model="tiny", steps=3, warmup=1, config="configs/bench.yaml")
+    argv = vit.ds_command(opts, 2, 29999)
+    assert argv[:12] == [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                         "--master-addr", "127.0.0.1", "--master-port", "29999", "-m"]
+    assert argv[12:16] == ["dscluster", "train", "--config", "configs/bench.yaml"]
+    assert "max_steps=4" in argv
+
+
+def test_baseline_command_uses_the_same_model_and_batch(tmp_path):
+    opts = vit.VitBenchOptions(model="vit_base_patch16_224", steps=20, warmup=5, memory_cap_gb=8)
+    argv = vit.baseline_command(opts, 4, 192, tmp_path / "b.json", 30001)
+    tail = argv[argv.index("-m", 3) + 1:]
+    assert tail == ["dscluster.bench.ddp_baseline", "--model", "vit_base_patch16_224", "--micro-batch", "192",
+                    "--steps", "20", "--warmup", "5", "--precision", "bf16", "--device", "cuda",
+                    "--out", str(tmp_path / "b.json"), "--compile", "--memory-cap-gb", "8"]
+    assert "--nproc-per-node" in argv and argv[argv.index("--nproc-per-node") + 1] == "4"
+
+
+def test_memory_cap_scenario_caps_only_one_rank_through_an_mpmd_context(monkeypatch):
+    monkeypatch.setattr(runner, "is_root", lambda: True)
+    opts = mixed.MixedBenchOptions(model="tiny", gpus=4, memory_cap_gb=8, capped_rank=0,
+                                   scenarios=["memory-cap"])
+    argv, env = mixed.command(opts, "memory-cap", "balanced", 31000)
+    assert "--allow-run-as-root" in argv
+    assert env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    blocks = " ".join(argv).split(" : ")
+    assert len(blocks) == 2
+    assert "-np 1 " in blocks[0] and "memory_cap_gb=8" in blocks[0]
+    assert "-np 3 " in blocks[1] and "memory_cap_gb" not in blocks[1]
+    assert all("batching=balanced" in b and "MASTER_PORT=31000" in b for b in blocks)
+
+
+def test_share_gpu_scenario_runs_more_ranks_than_gpus(monkeypatch):
+    monkeypatch.setattr(runner, "is_root", lambda: False)
+    argv, env = mixed.command(mixed.MixedBenchOptions(ranks=5, gpus=4), "share-gpu", "uniform", 31001)
+    assert "--allow-run-as-root" not in argv
+    assert argv[argv.index("-np") + 1] == "5" and ":" not in argv
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+
+
+def test_validation_names_the_fix():
+    with pytest.raises(UsageError, match="has 2 GPU"):
+        vit.validate(vit.VitBenchOptions(gpu_counts=[1, 4]), device_count=2)
+    with pytest.raises(UsageError, match="auto"):
+        vit.validate(vit.VitBenchOptions(micro_batch="big"), device_count=8)
+    with pytest.raises(UsageError, match="--memory-cap-gb"):
+        mixed.validate(mixed.MixedBenchOptions(scenarios=["memory-cap"]), device_count=4)
+
+
+def _fake_run(run_dir, step_times, world=2, micro=8, status="complete"):
+    """A run directory as `dscluster train` writes it (metrics contract)."""
+    for rank in range(world):
+        with JsonlWriter(run_dir / "metrics" / f"rank-{rank}.jsonl") as w:
+            w.write({"kind": "start", "t": 0.0, "rank": rank, "host": "h", "world_size": world, "local_rank": rank,
+                     "device": "cpu", "precision": "fp32", "micro_batch": micro, "grad_accum": 1,
+                     "global_batch": micro * world, "pid": 1})
+            for i, t in enumerate(step_times, start=1):
+                w.write({"kind": "step", "t": t, "rank": rank, "host": "h", "step": i, "epoch": 0,
+                         "loss": 3.0 - 0.1 * i, "lr": 1e-3, "loss_scale": None, "overflow": i == 2,
+                         "step_time": 0.1, "samples": micro, "samples_per_s": 80.0, "grad_norm": None})
+            w.write({"kind": "end", "t": step_times[-1] + 1, "rank": rank, "host": "h", "status": status,
+                     "error": None, **({"peak_mem_mb": 1000.0 + rank} if rank else {})})
+    (run_dir / "summary.json").write_text(json.dumps({"status": status, "error": None}))
+
+
+def test_throughput_counts_only_steps_after_warmup(tmp_path):
+    # Step 1 is slow (compile); steps 2..6 take 0.5 s each for 16 images.
+    _fake_run(tmp_path, [10.0, 10.5, 11.0, 11.5, 12.0, 12.5])
+    fig = runner.read_train_run(tmp_path, warmup=2)
+    assert fig.images_per_s == pytest.approx(16 * 4 / 2.0)
+    assert fig.timed_steps == 4
+    assert fig.status == "complete" and fig.world_size == 2 and fig.micro_batches == [8, 8]
+    assert fig.overflow_steps == 1
+    assert fig.peak_mem_mb == 1001.0
+    assert fig.final_loss == pytest.approx(2.4)
+
+
+def test_missing_metrics_is_reported_not_crashed(tmp_path):
+    fig = runner.read_train_run(tmp_path / "nothing", warmup=1)
+    assert fig.images_per_s is None and "no metrics" in fig.error
+
+
+def test_time_to_loss_uses_a_running_mean():
+    losses = [(i, float(i), loss) for i, loss in enumerate([5, 4, 1, 4, 3, 2, 2, 2])]
+    assert runner.time_to_loss(losses, 2.5, window=3) == 6.0
+    assert runner.time_to_loss(losses, 0.5, window=3) is None
+
+
+def test_result_files_are_named_by_date_and_device_and_never_overwritten(tmp_path):
+    p1 = runner.result_path(tmp_path, "2026-01-02", "NVIDIA H100 80GB HBM3")
+    assert p1.name == "2026-01-02-nvidia-h100-80gb-hbm3.json"
+    p1.write_text("{}")
+    assert runner.result_path(tmp_path, "2026-01-02", "NVIDIA H100 80GB HBM3").name == \
+        "2026-01-02-nvidia-h100-80gb-hbm3-2.json"
+
+
+def test_scaling_efficiency_and_mfu():
+    f = vit._rates({"images_per_s": 11600.0}, 4, 3000.0, 105e9, 989e12)
+    assert f["images_per_s_per_gpu"] == 2900.0
+    assert f["scaling_efficiency"] == pytest.approx(11600 / 12000)
+    assert f["mfu"] == pytest.approx(11600 * 105e9 / (4 * 989e12))
+
+
+def test_balanced_comparison_reports_speedup_and_time_to_common_loss():
+    curve = [(i, i * 1.0, 3.0 - 0.05 * i) for i in range(1, 41)]
+    fast = [(s, t / 1.3, loss) for s, t, loss in curve]
+    runs = {"uniform": ({"images_per_s": 100.0, "smoothed_final_loss": 1.1}, curve),
+            "balanced": ({"images_per_s": 130.0, "smoothed_final_loss": 1.1}, fast)}
+    out = mixed.compare("share-gpu", (5, 4), runs, None)
+    assert out["speedup"] == pytest.approx(1.3)
+    assert out["time_to_target_ratio"] == pytest.approx(1.3)
+    assert out["loss_curve_max_diff_10step_mean"] == pytest.approx(0.0)

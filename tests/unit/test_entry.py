@@ -1,0 +1,223 @@
+"""entry_cn.sh: what one rank does before and around `dscluster train`.
+
+The script runs for real (bash, the repo's python for the run id). Only the `dscluster`
+command it ends in is a recording stand-in (DSCLUSTER_VENV points at a venv whose
+`dscluster` logs its arguments and environment), because a real training run takes minutes;
+the cluster tests run the real one under mpirun.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENTRY = ROOT / "entry_cn.sh"
+
+FAKE_DSCLUSTER = r"""#!/usr/bin/env bash
+log="$FAKE_LOG"
+case "$1" in
+  telemetry)
+    echo "telemetry pid=$$ args=${*:2}" >> "$log"
+    trap 'echo "telemetry-stopped pid=$$" >> "$log"; exit 0' TERM
+    while true; do sleep 0.05; done ;;
+  train)
+    echo "train pid=$$ args=${*:2}" >> "$log"
+    env | grep -E '^(CUDA_VISIBLE_DEVICES|DSCLUSTER_|NCCL_|GLOO_|MASTER_)' | sort | sed 's/^/env /' >> "$log"
+    if [ -n "${FAKE_TRAIN_SLEEP:-}" ]; then
+      trap 'echo train-got-term >> "$log"; exit 143' TERM
+      sleep "$FAKE_TRAIN_SLEEP" & wait
+    fi
+    exit "${FAKE_TRAIN_RC:-0}" ;;
+esac
+exit 99
+"""
+
+
+@pytest.fixture
+def rig(tmp_path):
+    """A stand-in venv, a log, a clean environment and a working directory."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    fake = venv / "bin" / "dscluster"
+    fake.write_text(FAKE_DSCLUSTER)
+    fake.chmod(0o755)
+    py = venv / "bin" / "python"
+    py.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    py.chmod(0o755)
+    work = tmp_path / "work"
+    work.mkdir()
+    log = tmp_path / "log"
+    log.touch()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMIX_", "PMI_", "SLURM_", "DSCLUSTER_", "MASTER_", "NCCL_", "GLOO_"))
+           and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "CUDA_VISIBLE_DEVICES")}
+    env.update(DSCLUSTER_VENV=str(venv), FAKE_LOG=str(log), DSCLUSTER_RUNS=str(tmp_path / "runs"))
+    return {"tmp": tmp_path, "work": work, "log": log, "env": env, "venv": venv}
+
+
+def run_entry(rig, *args, extra=None, timeout=60):
+    env = dict(rig["env"], **(extra or {}))
+    return subprocess.run([str(ENTRY), *args], cwd=rig["work"], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def log_lines(rig):
+    return rig["log"].read_text().splitlines()
+
+
+def env_seen(rig):
+    return dict(l[4:].split("=", 1) for l in log_lines(rig) if l.startswith("env "))
+
+
+def under_mpirun(local_rank=0, rank=0):
+    return {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_RANK": str(local_rank),
+            "OMPI_COMM_WORLD_SIZE": "2", "PMIX_NAMESPACE": "prterun-head-4242@1"}
+
+
+def write_node_env(rig, text):
+    env_dir = rig["work"] / ".dscluster" / "env"
+    env_dir.mkdir(parents=True, exist_ok=True)
+    (env_dir / f"{socket.gethostname()}.env").write_text(text)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0); it is not running
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"
+
+
+def test_outside_mpirun_trains_as_one_process_with_default_config(rig):
+    out = run_entry(rig)
+    assert out.returncode == 0, out.stderr
+    assert "not under mpirun: training as a single process" in out.stderr
+    train = [l for l in log_lines(rig) if l.startswith("train ")]
+    assert len(train) == 1 and train[0].endswith(f"args=--config {ROOT}/configs/digits.yaml")
+    assert env_seen(rig)["DSCLUSTER_RUN_ID"].startswith("run-")
+
+
+def test_train_arguments_and_exit_code_pass_through(rig):
+    out = run_entry(rig, "--config", "x.yaml", "epochs=2", extra={"FAKE_TRAIN_RC": "3"})
+    assert out.returncode == 3
+    assert any(l.endswith("args=--config x.yaml epochs=2") for l in log_lines(rig))
+
+
+def test_under_mpirun_without_check_output_stops_with_exit_2(rig):
+    out = run_entry(rig, extra=under_mpirun())
+    assert out.returncode == 2
+    assert "run 'dscluster check" in out.stderr
+    assert f"{socket.gethostname()}.env" in out.stderr
+    assert not any(l.startswith(("train", "telemetry")) for l in log_lines(rig))
+
+
+def test_node_env_is_loaded_and_the_mpi_run_id_is_shared(rig):
+    write_node_env(rig, "export GLOO_SOCKET_IFNAME='enp3s0'\nexport NCCL_SOCKET_IFNAME='enp3s0'\n"
+                        "export MASTER_ADDR='10.77.1.1'\nexport MASTER_PORT='29500'\n")
+    out = run_entry(rig, extra=under_mpirun(local_rank=1, rank=1))
+    assert out.returncode == 0, out.stderr
+    seen = env_seen(rig)
+    assert seen["GLOO_SOCKET_IFNAME"] == "enp3s0" and seen["NCCL_SOCKET_IFNAME"] == "enp3s0"
+    assert seen["MASTER_ADDR"] == "10.77.1.1"
+    # every rank of one mpirun job derives the same id from PMIX_NAMESPACE
+    assert seen["DSCLUSTER_RUN_ID"] == "mpi-prterun-head-4242-1"
+    assert seen["DSCLUSTER_LOCAL_RANK"] == "1"
+    assert "not under mpirun" not in out.stderr
+
+
+def test_launcher_rendezvous_wins_over_check_values(rig):
+    write_node_env(rig, "export MASTER_ADDR='10.77.1.1'\nexport MASTER_PORT='29500'\n")
+    out = run_entry(rig, extra={"RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "10.0.0.9", "MASTER_PORT": "4000"})
+    assert out.returncode == 0, out.stderr
+    assert env_seen(rig)["MASTER_ADDR"] == "10.0.0.9" and env_seen(rig)["MASTER_PORT"] == "4000"
+
+
+def test_changed_hostfile_warns_but_runs(rig):
+    hostfile = rig["work"] / "hosts.txt"
+    hostfile.write_text("node1 slots=1\n")
+    write_node_env(rig, "export DSCLUSTER_HOSTFILE_SHA256='0000'\n")
+    out = run_entry(rig, extra=dict(under_mpirun(), DSCLUSTER_HOSTFILE=str(hostfile)))
+    assert out.returncode == 0
+    assert "changed since 'dscluster check'" in out.stderr
+
+
+def fake_nvidia_smi(rig, count):
+    bindir = rig["tmp"] / "gpubin"
+    bindir.mkdir(exist_ok=True)
+    smi = bindir / "nvidia-smi"
+    lines = "".join(f"echo 'GPU {i}: NVIDIA GeForce RTX 3070 (UUID: GPU-{i})'\n" for i in range(count))
+    smi.write_text("#!/bin/sh\n" + lines)
+    smi.chmod(0o755)
+    return {"PATH": f"{bindir}{os.pathsep}{rig['env']['PATH']}"}
+
+
+def test_local_rank_gets_its_own_gpu(rig):
+    write_node_env(rig, "export NCCL_SOCKET_IFNAME='eth0'\n")
+    out = run_entry(rig, extra={**under_mpirun(local_rank=1, rank=3), **fake_nvidia_smi(rig, 2)})
+    assert out.returncode == 0, out.stderr
+    assert env_seen(rig)["CUDA_VISIBLE_DEVICES"] == "1"
+    assert env_seen(rig)["DSCLUSTER_CUDA_MAPPED"] == "1"
+
+
+def test_users_cuda_visible_devices_is_kept(rig):
+    write_node_env(rig, "export NCCL_SOCKET_IFNAME='eth0'\n")
+    out = run_entry(rig, extra={**under_mpirun(local_rank=1), **fake_nvidia_smi(rig, 2), "CUDA_VISIBLE_DEVICES": "0"})
+    assert out.returncode == 0, out.stderr
+    assert env_seen(rig)["CUDA_VISIBLE_DEVICES"] == "0"
+    assert "DSCLUSTER_CUDA_MAPPED" not in env_seen(rig)
+
+
+def test_local_rank_0_runs_one_sampler_and_stops_it(rig):
+    write_node_env(rig, "export NCCL_SOCKET_IFNAME='eth0'\n")
+    out = run_entry(rig, extra=dict(under_mpirun(), FAKE_TRAIN_SLEEP="0.5"))
+    assert out.returncode == 0, out.stderr
+    started = [l for l in log_lines(rig) if l.startswith("telemetry ")]
+    assert len(started) == 1
+    run_dir = rig["tmp"] / "runs" / "mpi-prterun-head-4242-1"
+    assert f"--run-dir {run_dir} --parent-pid " in started[0]
+    pid = int(started[0].split()[1].split("=")[1])
+    assert f"telemetry-stopped pid={pid}" in log_lines(rig)
+    assert not pid_alive(pid)
+
+
+def test_other_local_ranks_start_no_sampler(rig):
+    write_node_env(rig, "export NCCL_SOCKET_IFNAME='eth0'\n")
+    out = run_entry(rig, extra=under_mpirun(local_rank=1, rank=1))
+    assert out.returncode == 0, out.stderr
+    assert not any(l.startswith("telemetry ") for l in log_lines(rig))
+
+
+def test_sigterm_stops_training_and_sampler(rig):
+    write_node_env(rig, "export NCCL_SOCKET_IFNAME='eth0'\n")
+    env = dict(rig["env"], **under_mpirun(), FAKE_TRAIN_SLEEP="60")
+    proc = subprocess.Popen([str(ENTRY)], cwd=rig["work"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        lines = log_lines(rig)
+        if any(l.startswith("train ") for l in lines) and any(l.startswith("telemetry ") for l in lines):
+            break
+        time.sleep(0.05)
+    else:
+        proc.kill()
+        pytest.fail("training and sampler did not start")
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=15)
+    assert time.monotonic() - t0 < 5
+    assert rc == 143
+    lines = log_lines(rig)
+    assert "train-got-term" in lines
+    train_pid = int([l for l in lines if l.startswith("train ")][0].split()[1].split("=")[1])
+    sampler_pid = int([l for l in lines if l.startswith("telemetry ")][0].split()[1].split("=")[1])
+    assert any(l.startswith("telemetry-stopped") for l in lines)
+    assert not pid_alive(train_pid) and not pid_alive(sampler_pid)

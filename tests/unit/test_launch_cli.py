@@ -1,0 +1,100 @@
+"""`dscluster launch` front end: check output gate, --dry-run/--json, Slurm script file."""
+
+import hashlib
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from dscluster.cli import main
+
+HOSTS = "node1 slots=2\nnode2 slots=1\n"
+
+
+@pytest.fixture
+def lab_dir(tmp_path, monkeypatch):
+    """A working directory with a hostfile and the files `dscluster check` leaves behind."""
+    monkeypatch.chdir(tmp_path)
+    for key in ("DSCLUSTER_STATE", "DSCLUSTER_RUN_ID", "DSCLUSTER_RUNS", "DS_ENV_FILE"):
+        monkeypatch.delenv(key, raising=False)
+    (tmp_path / "hosts.txt").write_text(HOSTS)
+    return tmp_path
+
+
+def write_check(root, hostfile_text=HOSTS):
+    state = root / ".dscluster"
+    (state / "env").mkdir(parents=True)
+    (state / "check.json").write_text(json.dumps({
+        "created": time.time(), "hostfile": str(root / "hosts.txt"),
+        "hostfile_sha256": hashlib.sha256(hostfile_text.encode()).hexdigest()}))
+    (state / "cluster.env").write_text(
+        "# cluster-wide\nexport MASTER_ADDR='10.9.0.1'\nexport MASTER_PORT='29511'\n"
+        "export DSCLUSTER_BTL_TCP_IF_INCLUDE='10.9.0.0/24'\nexport DSCLUSTER_PRECISION='fp32'\n")
+    return state
+
+
+def test_no_check_output_says_run_check(lab_dir, capsys):
+    assert main(["launch", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "check.json" in err and "dscluster check" in err
+
+
+def test_hostfile_changed_since_check_says_run_check_again(lab_dir, capsys):
+    write_check(lab_dir)
+    (lab_dir / "hosts.txt").write_text(HOSTS + "node3 slots=1\n")
+    assert main(["launch", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "does not match" in err and "dscluster check --hostfile" in err
+
+
+def test_dry_run_json_describes_the_mpirun_command(lab_dir, capsys):
+    write_check(lab_dir)
+    rc = main(["launch", "--dry-run", "--json", "--run-id", "r1", "--env", "NCCL_DEBUG=INFO",
+               "--", "--config", "configs/digits.yaml", "epochs=1"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    argv = report["argv"]
+    assert report["run_id"] == "r1" and report["np"] == 3
+    assert argv[argv.index("-np") + 1] == "3"
+    assert argv[argv.index("--hostfile") + 1] == str(lab_dir / "hosts.txt")
+    assert "DSCLUSTER_RUN_ID=r1" in argv and "NCCL_DEBUG=INFO" in argv
+    assert f"DSCLUSTER_STATE={lab_dir / '.dscluster'}" in argv
+    assert argv[argv.index("btl_tcp_if_include") + 1] == "10.9.0.0/24"
+    assert argv[-4:] == [argv[-4], "--config", "configs/digits.yaml", "epochs=1"]
+    assert argv[-4].endswith("/entry_cn.sh") and os.access(argv[-4], os.X_OK)
+    assert ("--allow-run-as-root" in argv) == (os.geteuid() == 0)
+
+
+def test_deepspeed_dry_run_uses_check_master_and_writes_nothing(lab_dir, capsys):
+    write_check(lab_dir)
+    assert main(["launch", "--launcher", "deepspeed", "--dry-run", "--run-id", "r2"]) == 0
+    out = capsys.readouterr().out
+    assert "--master_addr 10.9.0.1 --master_port 29511" in out
+    assert "DS_ENV_FILE=" in out and "DSCLUSTER_RUN_ID=r2" in out
+    assert not (lab_dir / ".dscluster" / "launch").exists()
+
+
+def test_np_beyond_hostfile_slots_is_a_usage_error(lab_dir, capsys):
+    write_check(lab_dir)
+    assert main(["launch", "--dry-run", "--np", "4"]) == 2
+    assert "3 slots" in capsys.readouterr().err
+
+
+def test_json_without_dry_run_is_refused(lab_dir, capsys):
+    write_check(lab_dir)
+    assert main(["launch", "--json"]) == 2
+
+
+def test_slurm_writes_an_executable_script_and_prints_how_to_submit(lab_dir, capsys):
+    write_check(lab_dir)
+    assert main(["launch", "--launcher", "slurm", "--script", "job.sbatch", "--", "epochs=2"]) == 0
+    out = capsys.readouterr().out
+    path = lab_dir / "job.sbatch"
+    assert "sbatch job.sbatch" in out
+    assert os.access(path, os.X_OK)
+    text = path.read_text()
+    assert "srun --kill-on-bad-exit=1 --export=ALL " in text and text.rstrip().endswith("entry_cn.sh epochs=2")
+    assert "slurm-${SLURM_JOB_ID}" in text
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
