@@ -47,6 +47,13 @@ if [ -z "$GLOBAL_RANK" ]; then
     source "$NODE_ENV"
   fi
 else
+  WORLD="${OMPI_COMM_WORLD_SIZE:-${WORLD_SIZE:-${PMIX_SIZE:-${SLURM_NTASKS:-}}}}"
+  LOCAL_WORLD="${OMPI_COMM_WORLD_LOCAL_SIZE:-${LOCAL_WORLD_SIZE:-}}"
+  if [ ! -r "$NODE_ENV" ] && [ -n "$WORLD" ] && [ "$WORLD" = "$LOCAL_WORLD" ]; then
+    # Every rank on this one machine: they meet over loopback, no interface to choose.
+    [ "$LOCAL_RANK_ID" != 0 ] || say "no check output ($NODE_ENV), but all $WORLD ranks are on this host: using loopback"
+    NODE_ENV=/dev/null
+  fi
   if [ ! -r "$NODE_ENV" ]; then
     say "no check output for this node ($NODE_ENV): run 'dscluster check --hostfile HOSTFILE' on the head first"
     exit 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from rich.console import Console
 from rich.table import Table
 
 from dscluster import console
@@ -109,8 +110,10 @@ def _print(doc: dict, path, header: list[str], rows: list[list[str]], title: str
         table.add_column(h, justify="left" if h in ("path", "status", "scenario", "batching") else "right")
     for r in rows:
         table.add_row(*r)
-    console.out.print(table)
-    console.out.print(f"result: {path}")
+    # Piped or logged output keeps whole numbers and names instead of shrinking columns to 80 chars.
+    out = console.out if console.out.is_terminal else Console(highlight=False, width=200)
+    out.print(table)
+    out.print(f"result: {path}")
 
 
 def vit_command(args: argparse.Namespace) -> int:

@@ -151,6 +151,10 @@ def plan_network(
         return (-hits, -network.prefixlen, str(network))
 
     ordered = sorted(common, key=score)
+    if not ordered and len(nets) == 1:
+        # One machine (e.g. a localhost hostfile on a multi-GPU host): loopback is the network.
+        node = next(iter(nets))
+        return NetworkPlan("127.0.0.0/8", ["127.0.0.0/8"], {node: "lo"}, {node: "127.0.0.1"})
     if not ordered:
         return NetworkPlan(None, [], {}, {}, missing={n: sorted(v) for n, v in nets.items()})
     subnet = ordered[0]

@@ -19,11 +19,11 @@ from __future__ import annotations
 import fcntl
 import ipaddress
 import os
+import re
 import secrets
 import shutil
 import signal
 import socket
-import stat
 import string
 import subprocess
 import time
@@ -33,15 +33,15 @@ from typing import Iterator
 
 from dscluster.errors import UsageError
 from dscluster.fsutil import atomic_write_text
+from dscluster.hosts import is_valid_host
+from dscluster.sim_build import build, restart_sshd, save_state
 from dscluster.sim_ns import (
-    REQUIRED_TOOLS, SSHD, SimError, anchor_script, host_mounts_under, kill_and_wait, link_names,
-    netns_exists, netns_pids, nsenter_argv, pid_in_netns, read_pid, sh, start_anchor, start_sshd,
-    wait_anchor, wait_for, wait_sshd,
+    REQUIRED_TOOLS, SSHD, SimError, host_mounts_under, kill_and_wait, link_names, netns_exists,
+    netns_pids, nsenter_argv, pid_in_netns, read_pid, sh, wait_for,
 )
 from dscluster.sim_plan import (
-    DECOY_CIDR, HOST_KEY_TYPES, LAB_USER, SIM_ROOT, LabState, SimNode, free_id, pick_lab_index,
-    plan_lab, render_group, render_hostfile, render_hosts, render_passwd, render_shadow,
-    render_sshd_config, validate_lab_name, validate_node_count, validate_slots,
+    HOST_KEY_TYPES, SIM_ROOT, LabState, SimNode, free_id, pick_lab_index, plan_lab,
+    render_hostfile, validate_lab_name, validate_node_count, validate_slots,
 )
 
 __all__ = ["Lab", "SimNode", "SimError", "up", "down", "load", "status", "require_root", "repo_root"]
@@ -115,8 +115,10 @@ class Lab:
         """argv that runs `cmd` inside the node as `user` (lab user by default); built apart
         from running it so callers can hand it to Popen themselves."""
         node = self.node(node_name)
-        if node.anchor_pid is None:
-            raise SimError(f"{node.name}: not started")
+        # A dead anchor's pid may belong to another process by now: never nsenter blindly.
+        if node.anchor_pid is None or not pid_in_netns(node.anchor_pid, node.netns):
+            raise SimError(f"{node.name} of lab {self.name!r} is not running; "
+                           f"`dscluster sim up --lab {self.name}` rebuilds it")
         argv = nsenter_argv(node.anchor_pid, wd=str(repo_root()))
         if user != "root":
             if user not in (None, self.user):
@@ -162,10 +164,12 @@ class Lab:
     def set_hostname(self, node_name: str, new: str) -> None:
         """Rename a machine (e.g. two nodes cloned from one image share a hostname)."""
         node = self.node(node_name)
+        if not is_valid_host(new) or len(new) > 64:
+            raise UsageError(f"invalid hostname {new!r}: letters, digits, '-' and '.', at most 64 characters")
         self.run(node.name, f"echo '{new}' > /proc/sys/kernel/hostname && echo '{new}' > /etc/hostname",
                  user="root", check=True)
         node.hostname = new
-        _save_state(self.state)
+        save_state(self.state)
 
     def rotate_host_key(self, node_name: str) -> None:
         """New host keys and a restarted sshd (a reinstalled machine): pinned keys must now fail."""
@@ -176,31 +180,26 @@ class Lab:
         )
         self.run(node.name, f"rm -f /etc/ssh/ssh_host_*_key /etc/ssh/ssh_host_*_key.pub && {keygen}",
                  user="root", check=True)
-        _restart_sshd(self.state, node)
+        restart_sshd(self.state, node)
 
     def disconnect(self, node_name: str) -> None:
         """Pull the node's cable: its link goes down, connections to it time out."""
         node = self.node(node_name)
         sh(["ip", "link", "set", node.veth_host, "down"])
         node.connected = False
-        _save_state(self.state)
+        save_state(self.state)
 
     def reconnect(self, node_name: str) -> None:
         node = self.node(node_name)
         sh(["ip", "link", "set", node.veth_host, "up"])
         node.connected = True
-        _save_state(self.state)
+        save_state(self.state)
 
 
 # ---- state file ---------------------------------------------------------------------------
 
 def _state_path(lab: str, root: Path = SIM_ROOT) -> Path:
     return root / lab / "state.json"
-
-
-def _save_state(state: LabState) -> None:
-    # 0600: it holds the lab password.
-    atomic_write_text(Path(state.labdir) / "state.json", state.to_json(), mode=0o600)
 
 
 def _read_state(lab: str) -> LabState | None:
@@ -260,9 +259,11 @@ def up(nodes: int = 3, slots: int = 1, lab: str = "dslab", hostfile: str | os.Pa
                 _refresh(state, slots, hostfile)
                 return Lab(state)
             _teardown(state)  # half-built or broken (e.g. after a reboot): start again
+        else:
+            _teardown_netns(_stray_netns(lab))  # namespaces of a lab whose state was lost
         state = _plan(lab, nodes, slots, hostfile)
         try:
-            _build(state)
+            build(state)
         except BaseException:
             _teardown(state)
             raise
@@ -270,14 +271,19 @@ def up(nodes: int = 3, slots: int = 1, lab: str = "dslab", hostfile: str | os.Pa
 
 
 def _refresh(state: LabState, slots: int, hostfile: str | os.PathLike | None) -> None:
+    """`up` on a lab that is up: undo what fault helpers or crashes left (a pulled cable,
+    a dead sshd) and rewrite the hostfile; the nodes, keys and homes stay as they are."""
     for node in state.nodes:
+        if not node.connected:
+            sh(["ip", "link", "set", node.veth_host, "up"])
+            node.connected = True
         if not _sshd_running(node):
-            _restart_sshd(state, node)
+            restart_sshd(state, node)
     state.slots = slots
     if hostfile is not None:
         state.hostfile = str(Path(hostfile).absolute())
     atomic_write_text(state.hostfile, render_hostfile(state), mode=0o644)
-    _save_state(state)
+    save_state(state)
 
 
 def _plan(lab: str, nodes: int, slots: int, hostfile) -> LabState:
@@ -309,122 +315,6 @@ def _host_ipv4_cidrs() -> list[str]:
     return [line.split()[3] for line in res.stdout.splitlines() if len(line.split()) > 3]
 
 
-def _build(state: LabState) -> None:
-    labdir = Path(state.labdir)
-    labdir.mkdir(parents=True, exist_ok=True)
-    os.chmod(labdir, 0o755)
-    _save_state(state)  # before anything exists: a crash from here on can be cleaned by `down`
-    shared = Path(state.shared)
-    shared.mkdir(exist_ok=True)
-    os.chown(shared, state.uid, state.gid)
-    os.chmod(shared, 0o755)
-    Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation directory
-
-    pw_hash = sh(["openssl", "passwd", "-6", "-stdin"], input=state.password + "\n").stdout.strip()
-    keygens = [_write_node_files(state, node, pw_hash) for node in state.nodes]
-    for proc in (p for group in keygens for p in group):
-        if proc.wait(timeout=30) != 0:
-            raise SimError(f"ssh-keygen failed: {proc.stderr.read().strip() if proc.stderr else ''}")
-
-    _build_network(state)
-    for node in state.nodes:
-        start_anchor(node.netns, Path(node.nodedir))
-    for node in state.nodes:
-        node.anchor_pid = wait_anchor(Path(node.nodedir))
-    _save_state(state)
-    for node in state.nodes:
-        start_sshd(node.anchor_pid, node.sshd_pidfile, Path(node.nodedir) / "sshd.log")
-    for node in state.nodes:
-        wait_sshd(node.sshd_pidfile, Path(node.nodedir) / "sshd.log")
-    atomic_write_text(state.hostfile, render_hostfile(state), mode=0o644)
-    _save_state(state)
-
-
-def _write_node_files(state: LabState, node: SimNode, pw_hash: str) -> list[subprocess.Popen]:
-    """Lay out the node's overlay layers and home; start its host-key generation (returned)."""
-    nd = Path(node.nodedir)
-    for sub, mode in (("etc-upper", 0o755), ("etc-work", 0o700), ("root-upper", 0o711),
-                      ("root-work", 0o700), ("home", 0o755)):
-        (nd / sub).mkdir(parents=True, exist_ok=True)
-        os.chmod(nd / sub, mode)
-    etc = nd / "etc-upper"
-    days = int(time.time() // 86400)
-    home_in_node = f"/home/{state.user}"
-    files = {
-        "passwd": (render_passwd(Path("/etc/passwd").read_text(), state.user, state.uid, state.gid, home_in_node), 0o644),
-        "group": (render_group(Path("/etc/group").read_text(), state.user, state.gid), 0o644),
-        "shadow": (render_shadow(Path("/etc/shadow").read_text(), state.user, pw_hash, days), 0o640),
-        "hosts": (render_hosts(state), 0o644),
-        "hostname": (node.hostname + "\n", 0o644),
-    }
-    for name, (text, mode) in files.items():
-        atomic_write_text(etc / name, text, mode=mode)
-    shadow_gid = os.stat("/etc/shadow").st_gid
-    os.chown(etc / "shadow", 0, shadow_gid)
-
-    ssh = etc / "ssh"
-    ssh.mkdir(exist_ok=True)
-    atomic_write_text(ssh / "sshd_config", render_sshd_config(node), mode=0o644)
-    ours = {f"ssh_host_{t}_key{suffix}" for t in HOST_KEY_TYPES for suffix in ("", ".pub")}
-    for host_key in Path("/etc/ssh").glob("ssh_host_*"):
-        if host_key.name not in ours and not (ssh / host_key.name).exists():
-            # overlay whiteout: the node must not see the host's own keys
-            os.mknod(ssh / host_key.name, stat.S_IFCHR | 0o000, os.makedev(0, 0))
-
-    home = Path(node.home)
-    if not home.exists():
-        shutil.copytree("/etc/skel", home, symlinks=True)
-    for p in [home, *home.rglob("*")]:
-        os.lchown(p, state.uid, state.gid)
-    os.chmod(home, 0o755)
-
-    atomic_write_text(nd / "anchor.sh", anchor_script(hostname=node.hostname, nodedir=nd), mode=0o755)
-    procs = []
-    for t in HOST_KEY_TYPES:
-        key = ssh / f"ssh_host_{t}_key"
-        for p in (key, key.with_name(key.name + ".pub")):
-            if p.exists():
-                p.unlink()
-        procs.append(subprocess.Popen(
-            ["ssh-keygen", "-q", "-t", t, "-N", "", "-C", f"root@{node.name}", "-f", str(key)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        ))
-    return procs
-
-
-def _build_network(state: LabState) -> None:
-    prefix = ipaddress.IPv4Network(state.subnet).prefixlen
-    if state.bridge not in link_names():
-        sh(["ip", "link", "add", "name", state.bridge, "type", "bridge", "forward_delay", "0"])
-    sh(["ip", "addr", "replace", f"{state.host_ip}/{prefix}", "dev", state.bridge])
-    sh(["ip", "link", "set", state.bridge, "up"])
-    for node in state.nodes:
-        ns = node.netns
-        if not netns_exists(ns):
-            sh(["ip", "netns", "add", ns])
-        sh(["ip", "link", "add", node.veth_host, "type", "veth", "peer", "name", node.iface, "netns", ns])
-        sh(["ip", "link", "set", node.veth_host, "master", state.bridge, "up"])
-        sh(["ip", "-n", ns, "link", "set", "lo", "up"])
-        sh(["ip", "-n", ns, "addr", "add", f"{node.ip}/{prefix}", "dev", node.iface])
-        sh(["ip", "-n", ns, "link", "set", node.iface, "up"])
-        sh(["ip", "-n", ns, "route", "add", "default", "via", state.host_ip])
-        for decoy in node.decoys:
-            sh(["ip", "-n", ns, "link", "add", decoy, "type", "bridge"])
-            sh(["ip", "-n", ns, "addr", "add", DECOY_CIDR, "dev", decoy])
-            sh(["ip", "-n", ns, "link", "set", decoy, "up"])
-
-
-def _restart_sshd(state: LabState, node: SimNode) -> None:
-    pid = read_pid(node.sshd_pidfile)
-    if pid is not None and pid_in_netns(pid, node.netns):
-        left = kill_and_wait([pid], timeout=10)
-        if left:
-            raise SimError(f"{node.name}: old sshd (pid {pid}) did not exit")
-    log = Path(node.nodedir) / "sshd.log"
-    start_sshd(node.anchor_pid, node.sshd_pidfile, log)
-    wait_sshd(node.sshd_pidfile, log)
-
-
 # ---- down ---------------------------------------------------------------------------------
 
 def down(lab: str = "dslab") -> bool:
@@ -434,7 +324,7 @@ def down(lab: str = "dslab") -> bool:
     with _lock():
         state = _read_state(lab)
         if state is None:
-            stray = [ns for ns in _netns_names() if ns.startswith(f"dscluster-{lab}-node")]
+            stray = _stray_netns(lab)
             if not stray and not (SIM_ROOT / lab).exists():
                 return False
             _teardown_netns(stray)
@@ -442,6 +332,10 @@ def down(lab: str = "dslab") -> bool:
             return True
         _teardown(state)
         return True
+
+
+def _stray_netns(lab: str) -> list[str]:
+    return [ns for ns in _netns_names() if re.fullmatch(rf"dscluster-{re.escape(lab)}-node[0-9]+", ns)]
 
 
 def _netns_names() -> list[str]:

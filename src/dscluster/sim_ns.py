@@ -49,12 +49,27 @@ def pid_alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists()
 
 
-def pid_is_zombie(pid: int) -> bool:
+def _stat_fields(pid: int) -> list[str]:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
+        return []
+    return stat.rsplit(")", 1)[1].split()   # [state, ppid, ...]; the name may contain spaces
+
+
+def pid_is_zombie(pid: int) -> bool:
+    f = _stat_fields(pid)
+    return bool(f) and f[0] == "Z"
+
+
+def _awaiting_reaper(pid: int) -> bool:
+    """Alive, or a zombie that PID 1 will reap (slowly, here). A zombie whose parent is some
+    other live process (a caller that never waited) has released its namespaces already; only
+    its parent can reap it, so waiting for it would be waiting forever."""
+    f = _stat_fields(pid)
+    if not f:
         return False
-    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+    return f[0] != "Z" or f[1] == "1"
 
 
 def netns_exists(name: str) -> bool:
@@ -71,7 +86,7 @@ def netns_pids(name: str) -> list[int]:
 
 def kill_and_wait(pids: list[int], *, grace: float = 1.0, timeout: float = 15.0) -> list[int]:
     """SIGTERM, SIGKILL whatever still runs after `grace`, then wait until every pid is gone
-    from /proc (reaped, not only dead). Returns the pids still present after `timeout`."""
+    from /proc (reaped, not only dead). Returns the pids still running after `timeout`."""
 
     def send(sig: int, targets: list[int]) -> None:
         for pid in targets:
@@ -83,8 +98,8 @@ def kill_and_wait(pids: list[int], *, grace: float = 1.0, timeout: float = 15.0)
     send(signal.SIGTERM, pids)
     wait_for(lambda: all(not pid_alive(p) or pid_is_zombie(p) for p in pids), grace)
     send(signal.SIGKILL, [p for p in pids if pid_alive(p) and not pid_is_zombie(p)])
-    wait_for(lambda: not any(pid_alive(p) for p in pids), timeout, interval=0.05)
-    return [p for p in pids if pid_alive(p)]
+    wait_for(lambda: not any(_awaiting_reaper(p) for p in pids), timeout, interval=0.05)
+    return [p for p in pids if pid_alive(p) and not pid_is_zombie(p)]
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.02) -> bool:

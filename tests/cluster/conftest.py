@@ -74,6 +74,7 @@ def lab_factory():
 
     def make(name: str, nodes: int = 3, slots: int = 1) -> sim.Lab:
         if name not in made:
+            sim.down(name)  # a lab left over from an interrupted run: start clean
             made[name] = sim.up(nodes=nodes, slots=slots, lab=name)
         return made[name]
 

@@ -83,13 +83,13 @@ def test_two_nodes_sharing_a_hostname_are_flagged_before_any_launch(lab):
 def test_a_node_with_a_different_deepspeed_is_flagged(lab):
     # The probe reads versions from package metadata, the same lookup pip and importlib do.
     # A dist-info of another version earlier on that node's sys.path (PYTHONPATH set in the
-    # node's ~/.bashrc, which ssh-started shells -- and so mpirun's ranks -- read) is what a
+    # top of the node's ~/.bashrc, above the non-interactive return, which ssh-started shells -- and so mpirun's ranks -- read) is what a
     # second, different DeepSpeed install on that machine looks like to everything that asks
     # "which DeepSpeed is this", without needing a second real install in the test.
     setup = (
         "mkdir -p ~/shadow/deepspeed-0.14.0.dist-info && "
         "printf 'Metadata-Version: 2.1\\nName: deepspeed\\nVersion: 0.14.0\\n' > ~/shadow/deepspeed-0.14.0.dist-info/METADATA && "
-        "cp ~/.bashrc ~/.bashrc.before-check-test && echo 'export PYTHONPATH=$HOME/shadow' >> ~/.bashrc"
+        "cp ~/.bashrc ~/.bashrc.before-check-test && sed -i '1i export PYTHONPATH=$HOME/shadow' ~/.bashrc"
     )
     lab.run("node2", setup, check=True)
     try:

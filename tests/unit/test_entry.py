@@ -76,8 +76,10 @@ def env_seen(rig):
 
 
 def under_mpirun(local_rank=0, rank=0):
+    """A rank of a 4-rank job on two machines (two ranks here)."""
     return {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_RANK": str(local_rank),
-            "OMPI_COMM_WORLD_SIZE": "2", "PMIX_NAMESPACE": "prterun-head-4242@1"}
+            "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            "PMIX_NAMESPACE": "prterun-head-4242@1"}
 
 
 def write_node_env(rig, text):
@@ -117,6 +119,14 @@ def test_under_mpirun_without_check_output_stops_with_exit_2(rig):
     assert "run 'dscluster check" in out.stderr
     assert f"{socket.gethostname()}.env" in out.stderr
     assert not any(l.startswith(("train", "telemetry")) for l in log_lines(rig))
+
+
+def test_single_host_job_needs_no_check_output(rig):
+    extra = dict(under_mpirun(), OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_LOCAL_SIZE="2")
+    out = run_entry(rig, extra=extra)
+    assert out.returncode == 0, out.stderr
+    assert "all 2 ranks are on this host: using loopback" in out.stderr
+    assert any(l.startswith("train ") for l in log_lines(rig))
 
 
 def test_node_env_is_loaded_and_the_mpi_run_id_is_shared(rig):

@@ -91,3 +91,11 @@ def test_probe_cut_off_keeps_what_came_and_failing_sections_are_problems():
 
 def test_clock_offset_uses_the_midpoint_of_the_round_trip():
     assert clock_offset(1002.0, 1000.0, 1000.2) == 1002.0 - 1000.1
+
+
+def test_real_two_h200_host_reports_nvlink_and_keeps_p2p():
+    f = node_facts("gpu", (DATA / "h200x2-probe" / "probe.txt").read_text())
+    assert [g.name for g in f.gpus] == ["NVIDIA H200", "NVIDIA H200"]
+    assert f.topology.pairs() == [("GPU0", "GPU1", "NV18")]
+    assert f.topology.nvlink() and not f.topology.only_host_bridge()
+    assert f.python.nccl == "2.28.9" and f.python.cuda_available is True

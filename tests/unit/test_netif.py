@@ -48,3 +48,8 @@ def test_prefers_the_subnet_ssh_used_when_two_are_shared():
 def test_iface_for_master_address():
     assert iface_for_address(lab()["node2"], "192.168.10.11") == "enp3s0"
     assert iface_for_address(lab()["node2"], "8.8.8.8") is None
+
+
+def test_single_host_without_a_network_uses_loopback():
+    plan = plan_network({"localhost": []})
+    assert (plan.subnet, plan.iface, plan.address) == ("127.0.0.0/8", {"localhost": "lo"}, {"localhost": "127.0.0.1"})

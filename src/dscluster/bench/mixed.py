@@ -189,7 +189,7 @@ def table_rows(doc: dict) -> list[list[str]]:
             f = s[batching]
             micro = f.get("micro_batches") or []
             rows.append([
-                s["scenario"], f"{s['ranks']}/{s['gpus']}", batching, f.get("status", ""),
+                s["scenario"], f"{s['ranks']}/{s['gpus'] if doc.get('device') == 'cuda' else 'cpu'}", batching, f.get("status", ""),
                 "/".join(str(m) for m in micro) if micro else "-",
                 num(f.get("images_per_s"), ",.1f"),
                 num(s.get("speedup"), ".2f") + "x" if batching == "balanced" and s.get("speedup") else "",

@@ -140,12 +140,13 @@ def _peak_mem(records: list[dict]) -> float | None:
     return None
 
 
-def read_train_run(run_dir: Path, warmup: int) -> TrainFigures:
+def read_train_run(run_dir: Path, warmup: int, log_every: int = 1) -> TrainFigures:
     """Throughput over the steps after `warmup`, from the wall-clock stamps of rank 0's step records.
 
     images/s = global batch × (steps between two records) ÷ (time between them): it counts
-    everything a training step costs (data, logging, host syncs), and works whether every
-    step or only every log_every-th step is recorded.
+    everything a training step costs (data, logging, host syncs). With log_every = L the
+    trainer writes L records at once after one host sync, so only every L-th record's stamp
+    is the true end of its step; the others are ignored for timing.
     """
     metrics = run_dir / METRICS_DIR
     files = sorted(metrics.glob("rank-*.jsonl"), key=lambda p: int(p.stem.split("-")[1])) if metrics.is_dir() else []
@@ -176,7 +177,7 @@ def read_train_run(run_dir: Path, warmup: int) -> TrainFigures:
         t0 = steps[0]["t"]
         fig.losses = [(r["step"], r["t"] - t0, r["loss"]) for r in steps if r.get("loss") is not None]
         fig.final_loss = steps[-1].get("loss")
-    timed = [r for r in steps if r["step"] >= warmup]
+    timed = [r for r in steps if r["step"] >= warmup and r["step"] % log_every == 0]
     if len(timed) >= 2 and fig.global_batch:
         first, last = timed[0], timed[-1]
         seconds = last["t"] - first["t"]

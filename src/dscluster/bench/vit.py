@@ -77,11 +77,17 @@ def train_overrides(opts: VitBenchOptions) -> list[str]:
         "progress=false",
         "optim.warmup_steps=0",
         "optim.schedule=constant",
-        f"log_every={max(1, min(10, opts.steps // 3))}",
+        f"log_every={log_every(opts)}",
     ]
     if opts.memory_cap_gb:
         ov.append(f"memory_cap_gb={opts.memory_cap_gb}")
     return ov + list(opts.train_overrides)
+
+
+def log_every(opts: VitBenchOptions) -> int:
+    """Host syncs only every L steps (no sync inside the step); L divides warmup and steps so the
+    timed window starts and ends on a logged step (records are stamped when a window is flushed)."""
+    return next(L for L in (10, 5, 2, 1) if opts.warmup % L == 0 and opts.steps % L == 0)
 
 
 def ds_command(opts: VitBenchOptions, gpus: int, port: int) -> list[str]:
@@ -147,7 +153,7 @@ def run(opts: VitBenchOptions) -> tuple[dict, Path]:
         run_id = f"ds-g{gpus}"
         env = runner.child_env(opts.device, {"DSCLUSTER_RUNS": str(work), "DSCLUSTER_RUN_ID": run_id})
         job = runner.run_job(ds_command(opts, gpus, runner.free_port()), env, work / f"{run_id}.log", opts.timeout_s)
-        fig = runner.read_train_run(work / run_id, opts.warmup).to_dict()
+        fig = runner.read_train_run(work / run_id, opts.warmup, log_every(opts)).to_dict()
         fig.update(rc=job.rc, wall_s=round(job.wall_s, 1), log=job.log)
         if job.rc != 0 or fig.get("images_per_s") is None:
             fig["status"] = "failed"

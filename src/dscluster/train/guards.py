@@ -36,10 +36,11 @@ def check_equal_steps(counts: list[int], hosts: list[str], epoch: int) -> None:
     """Raise naming the odd ranks when ranks would run different numbers of steps."""
     if len(set(counts)) <= 1:
         return
-    majority = collections.Counter(counts).most_common(1)[0][0]
-    odd = [r for r, c in enumerate(counts) if c != majority]
-    if len(odd) == len(counts) - len(odd):  # no majority: name everyone
-        odd = list(range(len(counts)))
+    # the odd ones out: ranks that differ from the most common count (ties: from rank 0's)
+    tally = collections.Counter(counts)
+    top = max(tally.values())
+    reference = counts[0] if tally[counts[0]] == top else tally.most_common(1)[0][0]
+    odd = [r for r, c in enumerate(counts) if c != reference]
     detail = ", ".join(f"rank {r} on {hosts[r]}: {counts[r]}" for r in range(len(counts)))
     raise TrainingAborted(
         f"epoch {epoch}: ranks disagree on steps per epoch ({detail}); rank(s) {', '.join(map(str, odd))} differ. "

@@ -83,6 +83,9 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
     run_id = runinfo.resolve_run_id()
     rdir = runinfo.run_dir()
     has_cuda = dist.prepare_accelerator()
+    if not has_cuda and not os.environ.get("OMP_NUM_THREADS"):
+        # ranks sharing a host share its cores; oversubscribed OpenMP threads spin and crawl
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, info.local_world_size)))
     dist.set_primary(info.rank == 0)
     primary = info.rank == 0
     dist.export_env(info, run_id)

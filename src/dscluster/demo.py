@@ -1,0 +1,283 @@
+"""`make demo`: the whole journey, timed step by step.
+
+As root, on a simulated three-node lab (different interface names, a decoy docker0):
+    sim up -> dscluster setup -> dscluster check -> mpirun -np 3 --hostfile H entry_cn.sh
+    -> python analysis/plot.py RUN_DIR -> sim down (always)
+Not root, on this machine's own slots:
+    dscluster check (if it can) -> mpirun -np 2 --oversubscribe entry_cn.sh -> plots
+
+Cluster commands run inside node1 as the lab's non-root user, from a working directory on
+the lab's shared disk (like a user's NFS home): that is where `dscluster check` leaves its
+state and where the run directory is written; mpirun starts every rank in that same
+directory, so the ranks find both without any exported variable. The run directory is
+copied into the repository's runs/ before the lab is torn down.
+
+A step whose module is not in this checkout is skipped with "not available yet".
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dscluster import console
+
+LAB = "dslab"
+NODES = 3
+TRAIN_TIMEOUT_S = 900
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def available(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+@dataclass
+class Step:
+    name: str
+    status: str = "pending"   # ok | failed | skipped
+    seconds: float = 0.0
+    note: str = ""
+
+
+@dataclass
+class Journey:
+    """The steps so far, printed as they finish and as a table at the end."""
+
+    mode: str
+    steps: list[Step] = field(default_factory=list)
+    t0: float = field(default_factory=time.monotonic)
+
+    def start(self, name: str) -> Step:
+        step = Step(name)
+        self.steps.append(step)
+        console.out.print(f"\n[bold]== {name}[/bold]  [dim](+{time.monotonic() - self.t0:.0f} s)[/dim]")
+        step._t = time.monotonic()  # type: ignore[attr-defined]
+        return step
+
+    def done(self, step: Step, status: str, note: str = "") -> None:
+        step.status, step.note = status, note
+        step.seconds = time.monotonic() - step._t  # type: ignore[attr-defined]
+        colour = {"ok": "green", "failed": "red", "skipped": "yellow"}[status]
+        console.out.print(f"[{colour}]{status}[/{colour}] {step.name} in {step.seconds:.1f} s" + (f": {note}" if note else ""))
+
+    def skip(self, name: str, why: str) -> None:
+        self.done(self.start(name), "skipped", why)
+
+    def summary(self) -> None:
+        from rich.table import Table
+
+        table = Table(title=f"dscluster demo ({self.mode}) in {time.monotonic() - self.t0:.0f} s")
+        for col in ("step", "result", "seconds", "note"):
+            table.add_column(col, justify="right" if col == "seconds" else "left")
+        for s in self.steps:
+            table.add_row(s.name, s.status, f"{s.seconds:.1f}", s.note)
+        console.out.print(table)
+
+    @property
+    def ok(self) -> bool:
+        return all(s.status != "failed" for s in self.steps)
+
+
+def stream(argv: list[str], env: dict[str, str] | None = None, cwd: str | None = None,
+           timeout: float = TRAIN_TIMEOUT_S, prefix: str = "  ") -> int:
+    """Run argv, echoing its output as it comes (training takes minutes: show progress)."""
+    proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, bufsize=1, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(prefix + line)
+            sys.stdout.flush()
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(argv, timeout)
+        return proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except BaseException:
+        try:
+            os.killpg(proc.pid, 15)
+            proc.wait(timeout=15)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, 9)
+        raise
+
+
+def show(result: subprocess.CompletedProcess, tail: int = 40) -> None:
+    text = (result.stdout or "") + (result.stderr or "")
+    for line in text.rstrip().splitlines()[-tail:]:
+        console.out.print("  " + line, markup=False)
+
+
+def newest_run(runs: Path, before: set[str]) -> Path | None:
+    if not runs.is_dir():
+        return None
+    new = [p for p in runs.iterdir() if p.is_dir() and p.name not in before]
+    return max(new, key=lambda p: p.stat().st_mtime) if new else None
+
+
+def copy_run(src: Path, dest_root: Path) -> Path:
+    """Copy a run directory out of the lab, without checkpoints (the plots do not need them)."""
+    dest = dest_root / src.name
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("checkpoints"))
+    return dest
+
+
+def plot(journey: Journey, run_dir: Path | None) -> Path | None:
+    script = repo_root() / "analysis" / "plot.py"
+    if not script.exists():
+        journey.skip("plots", "not available yet (analysis/plot.py)")
+        return None
+    step = journey.start(f"python analysis/plot.py {run_dir}")
+    if run_dir is None:
+        journey.done(step, "skipped", "no run directory")
+        return None
+    rc = stream([sys.executable, str(script), str(run_dir)], timeout=300)
+    pictures = run_dir / "plots"
+    journey.done(step, "ok" if rc == 0 else "failed", f"{pictures}" if rc == 0 else f"exit {rc}")
+    return pictures if rc == 0 else None
+
+
+# --- root: the simulated lab ------------------------------------------------------------------
+
+def lab_env(lab) -> dict[str, str]:
+    """What a login on a node gives the lab user; used to stream commands run inside node1."""
+    return {"HOME": f"/home/{lab.user}", "USER": lab.user, "LOGNAME": lab.user, "SHELL": "/bin/bash",
+            "LANG": "C.UTF-8", "PATH": "/usr/local/bin:/usr/bin:/bin"}
+
+
+def lab_demo(journey: Journey, lab_name: str = LAB) -> int:
+    from dscluster import sim
+
+    repo = repo_root()
+    dscluster = f"{repo}/.venv/bin/dscluster"
+    run_dir_local: Path | None = None
+    step = journey.start(f"sim up --nodes {NODES}")
+    lab = sim.up(nodes=NODES, slots=1, lab=lab_name)
+    journey.done(step, "ok", ", ".join(f"{n.name}={n.ip} ({n.iface})" for n in lab.nodes))
+    try:
+        work = lab.shared / "work"
+        work.mkdir(parents=True, exist_ok=True)
+        os.chown(work, lab.uid, lab.gid)
+        hostfile = str(lab.hostfile)
+        in_work = f"cd {work} && "
+
+        if available("dscluster.cli_setup"):
+            step = journey.start("dscluster setup --trust-new-hosts (as the lab user in node1)")
+            r = lab.run("node1", in_work + f"{dscluster} setup --hostfile {hostfile} --trust-new-hosts --fix-path",
+                        env={"DSCLUSTER_SSH_PASSWORD": lab.password}, timeout=300)
+            show(r, tail=8)
+            journey.done(step, "ok" if r.returncode == 0 else "failed", f"exit {r.returncode}")
+            if r.returncode != 0:
+                return 1
+        else:
+            journey.skip("dscluster setup", "not available yet (dscluster.cli_setup)")
+
+        if available("dscluster.cli_check"):
+            step = journey.start("dscluster check")
+            r = lab.run("node1", in_work + f"{dscluster} check --hostfile {hostfile}", timeout=300)
+            show(r, tail=25)
+            journey.done(step, "ok" if r.returncode == 0 else "failed", f"exit {r.returncode}")
+        else:
+            journey.skip("dscluster check", "not available yet (dscluster.cli_check)")
+
+        if not available("dscluster.cli_train"):
+            journey.skip("mpirun ... entry_cn.sh", "not available yet (dscluster.cli_train)")
+        else:
+            runs = work / "runs"
+            before = {p.name for p in runs.iterdir()} if runs.is_dir() else set()
+            cmd = f"{repo}/.venv/bin/mpirun -np {NODES} --hostfile {hostfile} {repo}/entry_cn.sh"
+            step = journey.start(f"{cmd}  (in node1, cwd {work})")
+            rc = stream(lab.command("node1", in_work + cmd), env=lab_env(lab))
+            found = newest_run(runs, before)
+            if found is not None:
+                run_dir_local = copy_run(found, repo / "runs")
+            journey.done(step, "ok" if rc == 0 else "failed",
+                         f"exit {rc}; run directory {run_dir_local or 'not created'}")
+    finally:
+        step = journey.start(f"sim down {lab_name}")
+        sim.down(lab_name)
+        journey.done(step, "ok")
+    pictures = plot(journey, run_dir_local)
+    return finish(journey, run_dir_local, pictures)
+
+
+# --- not root: this machine's own slots -------------------------------------------------------
+
+def local_demo(journey: Journey) -> int:
+    repo = repo_root()
+    bin_dir = Path(sys.executable).parent
+    hostfile = repo / "runs" / "demo-localhost.txt"
+    hostfile.parent.mkdir(parents=True, exist_ok=True)
+    hostfile.write_text("localhost slots=2\n")
+    journey.skip("sim up / dscluster setup", "need root: running on localhost slots instead")
+    if available("dscluster.cli_check"):
+        step = journey.start(f"dscluster check --hostfile {hostfile}")
+        rc = stream([str(bin_dir / "dscluster"), "check", "--hostfile", str(hostfile)], cwd=str(repo), timeout=300)
+        # A failed check is not fatal here: two ranks on one host meet over loopback.
+        journey.done(step, "ok" if rc == 0 else "skipped",
+                     "" if rc == 0 else f"exit {rc}; continuing, both ranks are on this host")
+    else:
+        journey.skip("dscluster check", "not available yet (dscluster.cli_check)")
+    run_dir: Path | None = None
+    if not available("dscluster.cli_train"):
+        journey.skip("mpirun ... entry_cn.sh", "not available yet (dscluster.cli_train)")
+    else:
+        runs = repo / "runs"
+        before = {p.name for p in runs.iterdir()}
+        argv = [str(bin_dir / "mpirun"), "-np", "2", "--oversubscribe", "./entry_cn.sh"]
+        step = journey.start(" ".join(argv))
+        rc = stream(argv, cwd=str(repo))
+        run_dir = newest_run(runs, before)
+        journey.done(step, "ok" if rc == 0 else "failed", f"exit {rc}; run directory {run_dir}")
+    pictures = plot(journey, run_dir)
+    return finish(journey, run_dir, pictures)
+
+
+def finish(journey: Journey, run_dir: Path | None, pictures: Path | None) -> int:
+    journey.summary()
+    if run_dir is not None:
+        console.out.print(f"run directory: {run_dir}")
+        summary = run_dir / "summary.json"
+        if summary.exists():
+            import json
+
+            s = json.loads(summary.read_text())
+            acc = s.get("accuracy")
+            console.out.print(f"result: {s.get('status')}, world size {s.get('world_size')}, "
+                              f"held-out accuracy {acc:.1%}" if isinstance(acc, float) else f"result: {s}")
+    if pictures is not None:
+        console.out.print(f"pictures: {pictures}" + (f"  report: {pictures.parent / 'report.html'}"
+                                                    if (pictures.parent / "report.html").exists() else ""))
+    return 0 if journey.ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m dscluster.demo", description=__doc__.split("\n")[0],
+                                     epilog="example: make demo")
+    parser.add_argument("--lab", default=LAB, help=f"simulated lab name (default {LAB})")
+    lab_name = parser.parse_args(argv).lab
+    if os.geteuid() == 0 and available("dscluster.sim"):
+        journey = Journey(mode=f"simulated {NODES}-node lab, as root")
+        console.out.print(f"dscluster demo: {journey.mode}")
+        return lab_demo(journey, lab_name)
+    why = "not root" if os.geteuid() != 0 else "the simulated lab is not available yet"
+    journey = Journey(mode=f"localhost slots ({why})")
+    console.out.print(f"dscluster demo: {journey.mode}")
+    return local_demo(journey)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Building a simulated lab's nodes: files, host keys, network, anchors, sshd.
+
+Split from `sim` (the public API): this is the part that runs once per `sim up`, in stages
+over all nodes at once (all host keys, then all links, then all anchors, then all sshds), so
+a 5-node lab comes up in about as long as a 1-node one.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import shutil
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+from dscluster.fsutil import atomic_write_text
+from dscluster.sim_ns import (
+    SimError, anchor_script, kill_and_wait, link_names, netns_exists, pid_in_netns, read_pid, sh,
+    start_anchor, start_sshd, wait_anchor, wait_sshd,
+)
+from dscluster.sim_plan import (
+    DECOY_CIDR, HOST_KEY_TYPES, LabState, SimNode, render_group, render_hostfile, render_hosts,
+    render_passwd, render_shadow, render_sshd_config,
+)
+
+
+def save_state(state: LabState) -> None:
+    # 0600: it holds the lab password.
+    atomic_write_text(Path(state.labdir) / "state.json", state.to_json(), mode=0o600)
+
+
+def build(state: LabState) -> None:
+    labdir = Path(state.labdir)
+    labdir.mkdir(parents=True, exist_ok=True)
+    os.chmod(labdir, 0o755)
+    save_state(state)  # before anything exists: a crash from here on can be cleaned by `down`
+    shared = Path(state.shared)
+    shared.mkdir(exist_ok=True)
+    os.chown(shared, state.uid, state.gid)
+    os.chmod(shared, 0o755)
+    Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation directory
+
+    pw_hash = sh(["openssl", "passwd", "-6", "-stdin"], input=state.password + "\n").stdout.strip()
+    keygens = [write_node_files(state, node, pw_hash) for node in state.nodes]
+    for proc in (p for group in keygens for p in group):
+        if proc.wait(timeout=30) != 0:
+            raise SimError(f"ssh-keygen failed: {proc.stderr.read().strip() if proc.stderr else ''}")
+
+    build_network(state)
+    for node in state.nodes:
+        start_anchor(node.netns, Path(node.nodedir))
+    for node in state.nodes:
+        node.anchor_pid = wait_anchor(Path(node.nodedir))
+    save_state(state)
+    for node in state.nodes:
+        start_sshd(node.anchor_pid, node.sshd_pidfile, Path(node.nodedir) / "sshd.log")
+    for node in state.nodes:
+        wait_sshd(node.sshd_pidfile, Path(node.nodedir) / "sshd.log")
+    atomic_write_text(state.hostfile, render_hostfile(state), mode=0o644)
+    save_state(state)
+
+
+def write_node_files(state: LabState, node: SimNode, pw_hash: str) -> list[subprocess.Popen]:
+    """Lay out the node's overlay layers and home; start its host-key generation (returned)."""
+    nd = Path(node.nodedir)
+    for sub, mode in (("etc-upper", 0o755), ("etc-work", 0o700), ("root-upper", 0o711),
+                      ("root-work", 0o700), ("home", 0o755)):
+        (nd / sub).mkdir(parents=True, exist_ok=True)
+        os.chmod(nd / sub, mode)
+    etc = nd / "etc-upper"
+    days = int(time.time() // 86400)
+    home_in_node = f"/home/{state.user}"
+    files = {
+        "passwd": (render_passwd(Path("/etc/passwd").read_text(), state.user, state.uid, state.gid, home_in_node), 0o644),
+        "group": (render_group(Path("/etc/group").read_text(), state.user, state.gid), 0o644),
+        "shadow": (render_shadow(Path("/etc/shadow").read_text(), state.user, pw_hash, days), 0o640),
+        "hosts": (render_hosts(state), 0o644),
+        "hostname": (node.hostname + "\n", 0o644),
+        # No DNS server is reachable from the lab; without this every name not in /etc/hosts
+        # (and getent's AAAA-first lookups) waits out resolver timeouts. Port 53 on the node's
+        # own lo is closed, so lookups fail at once, as with a DNS server that answers NXDOMAIN.
+        "resolv.conf": ("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n", 0o644),
+    }
+    for name, (text, mode) in files.items():
+        atomic_write_text(etc / name, text, mode=mode)
+    shadow_gid = os.stat("/etc/shadow").st_gid
+    os.chown(etc / "shadow", 0, shadow_gid)
+
+    ssh = etc / "ssh"
+    ssh.mkdir(exist_ok=True)
+    atomic_write_text(ssh / "sshd_config", render_sshd_config(node), mode=0o644)
+    ours = {f"ssh_host_{t}_key{suffix}" for t in HOST_KEY_TYPES for suffix in ("", ".pub")}
+    for host_key in Path("/etc/ssh").glob("ssh_host_*"):
+        if host_key.name not in ours and not (ssh / host_key.name).exists():
+            # overlay whiteout: the node must not see the host's own keys
+            os.mknod(ssh / host_key.name, stat.S_IFCHR | 0o000, os.makedev(0, 0))
+
+    home = Path(node.home)
+    if not home.exists():
+        shutil.copytree("/etc/skel", home, symlinks=True)
+    for p in [home, *home.rglob("*")]:
+        os.lchown(p, state.uid, state.gid)
+    os.chmod(home, 0o755)
+
+    atomic_write_text(nd / "anchor.sh", anchor_script(hostname=node.hostname, nodedir=nd), mode=0o755)
+    procs = []
+    for t in HOST_KEY_TYPES:
+        key = ssh / f"ssh_host_{t}_key"
+        for p in (key, key.with_name(key.name + ".pub")):
+            if p.exists():
+                p.unlink()
+        procs.append(subprocess.Popen(
+            ["ssh-keygen", "-q", "-t", t, "-N", "", "-C", f"root@{node.name}", "-f", str(key)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        ))
+    return procs
+
+
+def build_network(state: LabState) -> None:
+    prefix = ipaddress.IPv4Network(state.subnet).prefixlen
+    if state.bridge not in link_names():
+        sh(["ip", "link", "add", "name", state.bridge, "type", "bridge", "forward_delay", "0"])
+    sh(["ip", "addr", "replace", f"{state.host_ip}/{prefix}", "dev", state.bridge])
+    sh(["ip", "link", "set", state.bridge, "up"])
+    for node in state.nodes:
+        ns = node.netns
+        if not netns_exists(ns):
+            sh(["ip", "netns", "add", ns])
+        sh(["ip", "link", "add", node.veth_host, "type", "veth", "peer", "name", node.iface, "netns", ns])
+        sh(["ip", "link", "set", node.veth_host, "master", state.bridge, "up"])
+        sh(["ip", "-n", ns, "link", "set", "lo", "up"])
+        sh(["ip", "-n", ns, "addr", "add", f"{node.ip}/{prefix}", "dev", node.iface])
+        sh(["ip", "-n", ns, "link", "set", node.iface, "up"])
+        sh(["ip", "-n", ns, "route", "add", "default", "via", state.host_ip])
+        for decoy in node.decoys:
+            sh(["ip", "-n", ns, "link", "add", decoy, "type", "bridge"])
+            sh(["ip", "-n", ns, "addr", "add", DECOY_CIDR, "dev", decoy])
+            sh(["ip", "-n", ns, "link", "set", decoy, "up"])
+
+
+def restart_sshd(state: LabState, node: SimNode) -> None:
+    pid = read_pid(node.sshd_pidfile)
+    if pid is not None and pid_in_netns(pid, node.netns):
+        left = kill_and_wait([pid], timeout=10)
+        if left:
+            raise SimError(f"{node.name}: old sshd (pid {pid}) did not exit")
+    log = Path(node.nodedir) / "sshd.log"
+    start_sshd(node.anchor_pid, node.sshd_pidfile, log)
+    wait_sshd(node.sshd_pidfile, log)

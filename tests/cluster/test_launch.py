@@ -1,0 +1,197 @@
+"""The launch path on a simulated 3-node lab: real sshd, `dscluster setup`/`check`, mpirun,
+DeepSpeed's launcher and DeepSpeed training on gloo, each node with its own interface name.
+
+Cluster commands run in node1 as the lab user from a working directory on the lab's shared
+disk (like an NFS home): `dscluster check` leaves .dscluster/ there, and mpirun starts every
+rank in that directory, so the literal `mpirun -np 3 --hostfile H entry_cn.sh` needs no
+exported variable to find the check output or the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from dscluster.fsutil import read_jsonl
+from dscluster.sim_ns import netns_pids, pid_is_zombie
+
+pytestmark = pytest.mark.cluster
+
+REPO = Path(__file__).resolve().parents[2]
+DSCLUSTER = f"{REPO}/.venv/bin/dscluster"
+MPIRUN = f"{REPO}/.venv/bin/mpirun"
+ENTRY = f"{REPO}/entry_cn.sh"
+TRAIN_TIMEOUT_S = 900
+
+
+@dataclass
+class Cluster:
+    lab: object
+    work: Path
+    hostfile: str
+
+    def sh(self, cmd: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        """Run a shell line in node1 as the lab user, from the shared working directory."""
+        return self.lab.run("node1", f"cd {shlex.quote(str(self.work))} && {cmd}", timeout=timeout)
+
+    def popen(self, cmd: str) -> subprocess.Popen:
+        env = {"HOME": f"/home/{self.lab.user}", "USER": self.lab.user, "PATH": "/usr/local/bin:/usr/bin:/bin",
+               "LANG": "C.UTF-8"}
+        argv = self.lab.command("node1", f"cd {shlex.quote(str(self.work))} && {cmd}")
+        return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+
+    @property
+    def runs(self) -> Path:
+        return self.work / "runs"
+
+    def run_names(self) -> set[str]:
+        return {p.name for p in self.runs.iterdir()} if self.runs.is_dir() else set()
+
+
+def explain(res: subprocess.CompletedProcess, tail: int = 4000) -> str:
+    return f"exit {res.returncode}\n--- stdout\n{res.stdout[-tail:]}\n--- stderr\n{res.stderr[-tail:]}"
+
+
+@pytest.fixture(scope="module")
+def cluster(lab_factory):
+    lab = lab_factory("launchlab", nodes=3, slots=1)
+    work = lab.shared / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    os.chown(work, lab.uid, lab.gid)
+    c = Cluster(lab=lab, work=work, hostfile=str(lab.hostfile))
+    setup = lab.run("node1", f"cd {work} && DSCLUSTER_SSH_PASSWORD={shlex.quote(lab.password)} "
+                    f"{DSCLUSTER} setup --hostfile {c.hostfile} --trust-new-hosts --fix-path", timeout=300)
+    assert setup.returncode == 0, explain(setup)
+    check = c.sh(f"{DSCLUSTER} check --hostfile {c.hostfile}", timeout=300)
+    assert check.returncode == 0, explain(check)
+    assert (work / ".dscluster" / "check.json").exists()
+    return c
+
+
+def test_literal_mpirun_trains_digits_with_telemetry_and_per_node_interfaces(cluster):
+    before = cluster.run_names()
+    res = cluster.sh(f"{MPIRUN} -np 3 --hostfile {cluster.hostfile} {ENTRY}", timeout=TRAIN_TIMEOUT_S)
+    assert res.returncode == 0, explain(res)
+    new = cluster.run_names() - before
+    assert len(new) == 1, new
+    run = cluster.runs / new.pop()
+    assert run.name.startswith("mpi-")  # every rank derived the same id from the job
+
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "complete" and summary["world_size"] == 3
+    assert summary["accuracy"] >= 0.90, summary
+
+    nodes = {n.hostname: n for n in cluster.lab.nodes}
+    telemetry = sorted(p.name for p in (run / "telemetry").glob("*.jsonl"))
+    assert telemetry == [f"{h}.jsonl" for h in sorted(nodes)]
+    for name in telemetry:
+        samples = [r for r in read_jsonl(run / "telemetry" / name) if r.get("kind", "sample") == "sample"]
+        assert samples, f"{name}: no samples"
+
+    ifaces = set()
+    for rank in range(3):
+        env = json.loads((run / "env" / f"rank-{rank}.json").read_text())
+        node = nodes[env["host"]]
+        assert env["GLOO_SOCKET_IFNAME"] == node.iface, (rank, env["host"], env["GLOO_SOCKET_IFNAME"])
+        assert env["NCCL_SOCKET_IFNAME"] == node.iface
+        assert env["MASTER_ADDR"] == cluster.lab.nodes[0].ip
+        ifaces.add(env["GLOO_SOCKET_IFNAME"])
+    assert len(ifaces) == 3  # the lab's nodes name their NIC differently
+
+
+def test_deepspeed_launcher_trains_on_the_same_lab(cluster):
+    res = cluster.sh(f"{DSCLUSTER} launch --launcher deepspeed --run-id ds-launch -- "
+                     f"--config {REPO}/configs/digits.yaml epochs=1", timeout=TRAIN_TIMEOUT_S)
+    assert res.returncode == 0, explain(res)
+    run = cluster.runs / "ds-launch"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "complete" and summary["world_size"] == 3
+    assert sorted(summary["hosts"]) == sorted(n.hostname for n in cluster.lab.nodes)
+    assert sorted(p.name for p in (run / "metrics").glob("rank-*.jsonl")) == [f"rank-{r}.jsonl" for r in range(3)]
+
+
+def test_slurm_dry_run_script_parses_and_runs_the_same_training(cluster, tmp_path):
+    args = f"-- --config {REPO}/configs/digits.yaml epochs=2"
+    slurm = cluster.sh(f"{DSCLUSTER} launch --launcher slurm --dry-run {args}")
+    assert slurm.returncode == 0, explain(slurm)
+    script = tmp_path / "job.sbatch"
+    script.write_text(slurm.stdout)
+    parsed = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert parsed.returncode == 0, parsed.stderr
+    mpirun = cluster.sh(f"{DSCLUSTER} launch --dry-run --json {args}")
+    assert mpirun.returncode == 0, explain(mpirun)
+    tail = json.loads(mpirun.stdout)["argv"][-4:]
+    assert tail[0] == ENTRY
+    srun = [l for l in slurm.stdout.splitlines() if l.startswith("srun ")]
+    assert len(srun) == 1 and srun[0].endswith(shlex.join(tail))
+
+
+def _lab_pids(lab) -> dict[str, set[int]]:
+    return {n.name: {p for p in netns_pids(n.netns) if not pid_is_zombie(p)} for n in lab.nodes}
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode("utf-8", "replace").split("\0") if "=" in item)
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode("utf-8", "replace").split("\0")
+    except OSError:
+        return []
+
+
+def test_a_killed_rank_tears_the_job_down_everywhere(cluster):
+    lab = cluster.lab
+    baseline = _lab_pids(lab)
+    run = cluster.runs / "kill-rank"
+    proc = cluster.popen(f"{DSCLUSTER} launch --run-id kill-rank -- --config {REPO}/configs/digits.yaml epochs=50")
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            metrics = run / "metrics" / "rank-1.jsonl"
+            if metrics.exists() and any(r.get("kind") == "step" for r in read_jsonl(metrics)):
+                break
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(1)
+        else:
+            pytest.fail("rank 1 made no training step within 300 s")
+        victims = [pid for pids in _lab_pids(lab).values() for pid in pids
+                   if _environ(pid).get("DSCLUSTER_RUN_ID") == "kill-rank"
+                   and _environ(pid).get("OMPI_COMM_WORLD_RANK") == "1"
+                   and "train" in _cmdline(pid) and "python" in os.path.basename(_cmdline(pid)[0])]
+        assert len(victims) == 1, victims
+        t0 = time.monotonic()
+        os.kill(victims[0], signal.SIGKILL)
+        proc.wait(timeout=60)
+        teardown_s = time.monotonic() - t0
+        assert proc.returncode != 0
+        assert teardown_s < 30, f"mpirun took {teardown_s:.1f} s to end the job"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    # PID 1 reaps orphans slowly here: give leftovers a few seconds before calling them strays.
+    deadline = time.monotonic() + 20
+    while True:
+        left = {node: pids - baseline[node] for node, pids in _lab_pids(lab).items()}
+        left = {node: sorted(p) for node, p in left.items() if p}
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    described = {node: [" ".join(_cmdline(p))[:120] for p in pids] for node, pids in left.items()}
+    assert not left, f"processes left on the nodes after the job ended: {described}"
+    assert list((run / "telemetry").glob("*.jsonl")), "no sampler ran"

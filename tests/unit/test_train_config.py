@@ -1,0 +1,82 @@
+"""Training config: YAML with line-numbered errors, typed overrides, batch arithmetic."""
+
+from pathlib import Path
+
+import pytest
+
+from dscluster.errors import UsageError
+from dscluster.train.config import load_config, to_yaml
+from dscluster.train.ds_config import build_ds_config, plan_batch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_unknown_key_names_file_line_and_valid_keys(tmp_path):
+    p = write(tmp_path, "epochs: 3\noptim:\n  lr: 0.001\n  learning_rate: 0.1\n")
+    with pytest.raises(UsageError) as e:
+        load_config(p)
+    msg = str(e.value)
+    assert f"{p}:4:" in msg and "'optim.learning_rate'" in msg
+    assert "lr, weight_decay" in msg
+
+
+def test_bad_type_names_line(tmp_path):
+    p = write(tmp_path, "model:\n  depth: 4\nepochs: many\n")
+    with pytest.raises(UsageError, match=r"c\.yaml:3: epochs must be a whole number"):
+        load_config(p)
+
+
+def test_bad_choice_and_yaml_syntax(tmp_path):
+    with pytest.raises(UsageError, match=r":1: precision must be one of auto, bf16, fp16, fp32"):
+        load_config(write(tmp_path, "precision: fp8\n"))
+    with pytest.raises(UsageError, match=r"c\.yaml:2: not valid YAML"):
+        load_config(write(tmp_path, "epochs: 3\n  bad: [\n"))
+
+
+def test_overrides_are_typed_and_dotted(tmp_path):
+    cfg = load_config(write(tmp_path, "epochs: 3\n"), ["optim.lr=3e-4", "epochs=7", "compile=true",
+                                                       "shares=[5, 11, 16]", "micro_batch=auto"])
+    assert cfg.optim.lr == pytest.approx(3e-4) and cfg.epochs == 7 and cfg.compile is True
+    assert cfg.shares == [5, 11, 16] and cfg.micro_batch == "auto"
+    with pytest.raises(UsageError, match="override 'optim.lrr=1': unknown key 'optim.lrr'; valid keys in optim"):
+        load_config(None, ["optim.lrr=1"])
+    with pytest.raises(UsageError, match="override 'epochs=two'"):
+        load_config(None, ["epochs=two"])
+    with pytest.raises(UsageError, match="expected key=value"):
+        load_config(None, ["epochs"])
+
+
+def test_presets_load_and_resolved_config_round_trips(tmp_path):
+    for preset in ("digits", "vit_tiny", "vit_small", "vit_base", "bench_vit_base"):
+        cfg = load_config(ROOT / "configs" / f"{preset}.yaml")
+        again = write(tmp_path, to_yaml(cfg))
+        assert load_config(again) == cfg
+
+
+def test_batch_arithmetic():
+    assert plan_batch(32, None, None, 2).global_batch == 64
+    p = plan_batch(16, None, 256, 4)
+    assert (p.micro_batch, p.grad_accum, p.global_batch) == (16, 4, 256)
+    with pytest.raises(UsageError, match=r"global_batch=100 is not a multiple of micro_batch × world = 16 × 4 = 64"):
+        plan_batch(16, None, 100, 4)
+    with pytest.raises(UsageError, match=r"16 × 2 × 4 = 128"):
+        plan_batch(16, 2, 256, 4)
+
+
+def test_ds_config_per_precision():
+    cfg = load_config(None, ["fp16.initial_scale_power=12", "zero_stage=2"])
+    plan = plan_batch(8, 2, None, 3)
+    ds = build_ds_config(cfg, plan, "fp16", on_gpu=True)
+    assert ds["train_batch_size"] == 48 and ds["gradient_accumulation_steps"] == 2
+    assert ds["fp16"]["initial_scale_power"] == 12 and ds["fp16"]["loss_scale"] == 0
+    assert ds["zero_optimization"]["stage"] == 2 and ds["zero_optimization"]["overlap_comm"] is True
+    assert "fp16" not in build_ds_config(cfg, plan, "bf16", on_gpu=True)
+    assert build_ds_config(cfg, plan, "bf16", on_gpu=True)["bf16"] == {"enabled": True}
+    fp32 = build_ds_config(load_config(None), plan, "fp32", on_gpu=False)
+    assert "fp16" not in fp32 and "bf16" not in fp32
