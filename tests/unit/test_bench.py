@@ -157,3 +157,16 @@ def test_balanced_comparison_reports_speedup_and_time_to_common_loss():
     assert out["speedup"] == pytest.approx(1.3)
     assert out["time_to_target_ratio"] == pytest.approx(1.3)
     assert out["loss_curve_max_diff_10step_mean"] == pytest.approx(0.0)
+
+
+def test_throughput_with_batched_log_records_uses_window_ends(tmp_path):
+    # log_every=2: records of steps 1-2 stamped together at 11.0, 3-4 at 12.0, 5-6 at 13.0.
+    _fake_run(tmp_path, [11.0, 11.0, 12.0, 12.0, 13.0, 13.0])
+    fig = runner.read_train_run(tmp_path, warmup=2, log_every=2)
+    assert fig.images_per_s == pytest.approx(16 * 4 / 2.0)
+
+
+def test_bench_log_window_divides_warmup_and_steps():
+    assert vit.log_every(vit.VitBenchOptions(warmup=10, steps=30)) == 10
+    assert vit.log_every(vit.VitBenchOptions(warmup=1, steps=3)) == 1
+    assert vit.log_every(vit.VitBenchOptions(warmup=4, steps=6)) == 2
