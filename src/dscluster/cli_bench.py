@@ -68,23 +68,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     b = bs.add_parser(
         "balanced", help="uniform vs balanced batches on ranks of unequal speed (issue 10)",
         description="Run `dscluster train` twice per scenario, batching=uniform and batching=balanced, with "
-        "the same global batch. share-gpu: more ranks than GPUs (two ranks share a GPU, each about half "
-        "speed). memory-cap: one rank capped to --memory-cap-gb beside full-memory ranks.",
-        epilog="examples:\n  dscluster bench balanced --ranks 5 --gpus 4\n"
+        "the same global batch. busy-gpu: one rank per GPU, one GPU also busy with another process (that rank "
+        "at about half speed). share-gpu: more ranks than devices (CPU only: NCCL refuses two ranks on one "
+        "GPU). memory-cap: one rank capped to --memory-cap-gb beside full-memory ranks.",
+        epilog="examples:\n  dscluster bench balanced --gpus 4                  # GPU 3 shared with a busy neighbour\n"
         "  dscluster bench balanced --gpus 4 --scenario memory-cap --memory-cap-gb 8\n"
         "  dscluster bench balanced --device cpu --model tiny --ranks 3 --steps 3   # smoke test",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     b.add_argument("--model", default="vit_base_patch16_224")
-    b.add_argument("--ranks", type=int, default=5, help="processes in the share-gpu scenario")
+    b.add_argument("--ranks", type=int, default=5, help="processes in the share-gpu scenario (CPU)")
     b.add_argument("--gpus", type=int, default=4, help="GPUs they share")
     b.add_argument("--micro-batch", type=int, default=64, help="uniform per-rank batch; balanced keeps ranks × it")
     b.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default=None)
     b.add_argument("--steps", type=int, default=60)
     b.add_argument("--warmup", type=int, default=10)
     b.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    b.add_argument("--scenario", dest="scenarios", action="append", choices=["share-gpu", "memory-cap"],
-                   help="repeatable; default share-gpu")
+    b.add_argument("--scenario", dest="scenarios", action="append", choices=["busy-gpu", "share-gpu", "memory-cap"],
+                   help="repeatable; default busy-gpu on GPU, share-gpu on CPU")
+    b.add_argument("--busy-gpu", type=int, default=None, help="GPU given the busy neighbour (default the last)")
     b.add_argument("--memory-cap-gb", type=float, default=None)
     b.add_argument("--capped-rank", type=int, default=0)
     b.add_argument("--target-loss", type=float, default=None, help="default: the loss both runs reach")
@@ -143,7 +145,7 @@ def balanced_command(args: argparse.Namespace) -> int:
         model=args.model, ranks=args.ranks, gpus=args.gpus, micro_batch=args.micro_batch,
         precision=_default_precision(args), steps=args.steps, warmup=args.warmup, device=args.device,
         memory_cap_gb=args.memory_cap_gb, capped_rank=args.capped_rank,
-        scenarios=args.scenarios or ["share-gpu"], target_loss=args.target_loss, config=args.config,
+        scenarios=args.scenarios or (["busy-gpu"] if args.device == "cuda" else ["share-gpu"]), busy_gpu=args.busy_gpu, target_loss=args.target_loss, config=args.config,
         out=args.out, work_dir=args.work_dir, timeout_s=args.timeout, train_overrides=list(args.overrides),
     )
     _check_overrides(args.overrides)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -39,6 +40,20 @@ def repo_root() -> Path:
 
 def available(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
+
+
+@dataclass(frozen=True)
+class Options:
+    lab: str = LAB
+    """Simulated lab name (root mode)."""
+    runs_dir: Path | None = None
+    """Where the run directory ends up (default: the repository's runs/)."""
+    train_args: tuple[str, ...] = ()
+    """Passed to entry_cn.sh (empty: the digits preset)."""
+
+    @property
+    def runs(self) -> Path:
+        return self.runs_dir or repo_root() / "runs"
 
 
 @dataclass
@@ -150,20 +165,24 @@ def plot(journey: Journey, run_dir: Path | None) -> Path | None:
 
 # --- root: the simulated lab ------------------------------------------------------------------
 
+class _Stop(Exception):
+    """A step failed in a way that makes the next ones pointless."""
+
+
 def lab_env(lab) -> dict[str, str]:
     """What a login on a node gives the lab user; used to stream commands run inside node1."""
     return {"HOME": f"/home/{lab.user}", "USER": lab.user, "LOGNAME": lab.user, "SHELL": "/bin/bash",
             "LANG": "C.UTF-8", "PATH": "/usr/local/bin:/usr/bin:/bin"}
 
 
-def lab_demo(journey: Journey, lab_name: str = LAB) -> int:
+def lab_demo(journey: Journey, opts: Options) -> int:
     from dscluster import sim
 
     repo = repo_root()
     dscluster = f"{repo}/.venv/bin/dscluster"
     run_dir_local: Path | None = None
     step = journey.start(f"sim up --nodes {NODES}")
-    lab = sim.up(nodes=NODES, slots=1, lab=lab_name)
+    lab = sim.up(nodes=NODES, slots=1, lab=opts.lab)
     journey.done(step, "ok", ", ".join(f"{n.name}={n.ip} ({n.iface})" for n in lab.nodes))
     try:
         work = lab.shared / "work"
@@ -179,7 +198,7 @@ def lab_demo(journey: Journey, lab_name: str = LAB) -> int:
             show(r, tail=8)
             journey.done(step, "ok" if r.returncode == 0 else "failed", f"exit {r.returncode}")
             if r.returncode != 0:
-                return 1
+                raise _Stop()
         else:
             journey.skip("dscluster setup", "not available yet (dscluster.cli_setup)")
 
@@ -197,16 +216,20 @@ def lab_demo(journey: Journey, lab_name: str = LAB) -> int:
             runs = work / "runs"
             before = {p.name for p in runs.iterdir()} if runs.is_dir() else set()
             cmd = f"{repo}/.venv/bin/mpirun -np {NODES} --hostfile {hostfile} {repo}/entry_cn.sh"
+            if opts.train_args:
+                cmd += " " + shlex.join(opts.train_args)
             step = journey.start(f"{cmd}  (in node1, cwd {work})")
             rc = stream(lab.command("node1", in_work + cmd), env=lab_env(lab))
             found = newest_run(runs, before)
             if found is not None:
-                run_dir_local = copy_run(found, repo / "runs")
+                run_dir_local = copy_run(found, opts.runs)
             journey.done(step, "ok" if rc == 0 else "failed",
                          f"exit {rc}; run directory {run_dir_local or 'not created'}")
+    except _Stop:
+        pass  # the failed step says why; still tear the lab down and show the table
     finally:
-        step = journey.start(f"sim down {lab_name}")
-        sim.down(lab_name)
+        step = journey.start(f"sim down {opts.lab}")
+        sim.down(opts.lab)
         journey.done(step, "ok")
     pictures = plot(journey, run_dir_local)
     return finish(journey, run_dir_local, pictures)
@@ -214,10 +237,10 @@ def lab_demo(journey: Journey, lab_name: str = LAB) -> int:
 
 # --- not root: this machine's own slots -------------------------------------------------------
 
-def local_demo(journey: Journey) -> int:
+def local_demo(journey: Journey, opts: Options) -> int:
     repo = repo_root()
     bin_dir = Path(sys.executable).parent
-    hostfile = repo / "runs" / "demo-localhost.txt"
+    hostfile = opts.runs / "demo-localhost.txt"
     hostfile.parent.mkdir(parents=True, exist_ok=True)
     hostfile.write_text("localhost slots=2\n")
     journey.skip("sim up / dscluster setup", "need root: running on localhost slots instead")
@@ -233,11 +256,12 @@ def local_demo(journey: Journey) -> int:
     if not available("dscluster.cli_train"):
         journey.skip("mpirun ... entry_cn.sh", "not available yet (dscluster.cli_train)")
     else:
-        runs = repo / "runs"
+        runs = opts.runs
         before = {p.name for p in runs.iterdir()}
-        argv = [str(bin_dir / "mpirun"), "-np", "2", "--oversubscribe", "./entry_cn.sh"]
-        step = journey.start(" ".join(argv))
-        rc = stream(argv, cwd=str(repo))
+        argv = [str(bin_dir / "mpirun"), "-np", "2", "--oversubscribe", "-x", "DSCLUSTER_RUNS",
+                "./entry_cn.sh", *opts.train_args]
+        step = journey.start(shlex.join(argv))
+        rc = stream(argv, cwd=str(repo), env={**os.environ, "DSCLUSTER_RUNS": str(runs)})
         run_dir = newest_run(runs, before)
         journey.done(step, "ok" if rc == 0 else "failed", f"exit {rc}; run directory {run_dir}")
     pictures = plot(journey, run_dir)
@@ -268,15 +292,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dscluster.demo", description=__doc__.split("\n")[0],
                                      epilog="example: make demo")
     parser.add_argument("--lab", default=LAB, help=f"simulated lab name (default {LAB})")
-    lab_name = parser.parse_args(argv).lab
+    parser.add_argument("--runs-dir", type=Path, help="where to put the run directory (default: runs/)")
+    parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then arguments for dscluster train")
+    args = parser.parse_args(argv)
+    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    opts = Options(lab=args.lab, runs_dir=args.runs_dir.absolute() if args.runs_dir else None,
+                   train_args=tuple(train_args))
     if os.geteuid() == 0 and available("dscluster.sim"):
         journey = Journey(mode=f"simulated {NODES}-node lab, as root")
         console.out.print(f"dscluster demo: {journey.mode}")
-        return lab_demo(journey, lab_name)
+        return lab_demo(journey, opts)
     why = "not root" if os.geteuid() != 0 else "the simulated lab is not available yet"
     journey = Journey(mode=f"localhost slots ({why})")
     console.out.print(f"dscluster demo: {journey.mode}")
-    return local_demo(journey)
+    return local_demo(journey, opts)
 
 
 if __name__ == "__main__":

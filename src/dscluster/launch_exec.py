@@ -82,7 +82,9 @@ def run_over_ssh(commands: list[NodeCommand], *, known_hosts: Path, key_filename
         clients.append(client)
         chan = client.get_transport().open_session()
         chan.get_pty()
-        chan.exec_command(cmd.shell)
+        # The pty is only for hang-up on close: TERM=dumb keeps progress bars from redrawing
+        # into the prefixed log.
+        chan.exec_command("export TERM=dumb; " + cmd.shell)
         with lock:
             channels[cmd.host] = chan
         buf = b""

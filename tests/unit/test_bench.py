@@ -77,12 +77,28 @@ def test_memory_cap_scenario_caps_only_one_rank_through_an_mpmd_context(monkeypa
     assert all("batching=balanced" in b and "MASTER_PORT=31000" in b for b in blocks)
 
 
-def test_share_gpu_scenario_runs_more_ranks_than_gpus(monkeypatch):
+def test_share_scenario_on_cpu_runs_more_ranks_than_devices(monkeypatch):
     monkeypatch.setattr(runner, "is_root", lambda: False)
-    argv, env = mixed.command(mixed.MixedBenchOptions(ranks=5, gpus=4), "share-gpu", "uniform", 31001)
+    opts = mixed.MixedBenchOptions(ranks=5, gpus=1, device="cpu", scenarios=["share-gpu"])
+    mixed.validate(opts, None)
+    argv, env = mixed.command(opts, "share-gpu", "uniform", 31001)
     assert "--allow-run-as-root" not in argv
     assert argv[argv.index("-np") + 1] == "5" and ":" not in argv
-    assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert env == {}
+
+
+def test_two_ranks_on_one_gpu_is_refused_with_the_alternative():
+    # NCCL rejects two ranks of one communicator on one GPU ("Duplicate GPU detected").
+    with pytest.raises(UsageError, match="busy-gpu"):
+        mixed.validate(mixed.MixedBenchOptions(ranks=5, gpus=4, scenarios=["share-gpu"]), device_count=4)
+
+
+def test_busy_gpu_scenario_is_one_rank_per_gpu(monkeypatch):
+    monkeypatch.setattr(runner, "is_root", lambda: True)
+    opts = mixed.MixedBenchOptions(gpus=4)
+    mixed.validate(opts, device_count=4)
+    argv, env = mixed.command(opts, "busy-gpu", "balanced", 31002)
+    assert argv[argv.index("-np") + 1] == "4" and env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
 
 
 def test_validation_names_the_fix():
@@ -120,6 +136,13 @@ def test_throughput_counts_only_steps_after_warmup(tmp_path):
     assert fig.overflow_steps == 1
     assert fig.peak_mem_mb == 1001.0
     assert fig.final_loss == pytest.approx(2.4)
+    assert [s for s, _, _ in fig.losses] == [1, 2, 3, 4, 5, 6]
+
+
+def test_loss_curve_is_the_sample_weighted_global_batch_loss():
+    recs = [[{"kind": "step", "step": 1, "t": 5.0, "loss": 1.0, "samples": 3}],
+            [{"kind": "step", "step": 1, "t": 5.1, "loss": 3.0, "samples": 1}]]
+    assert runner.global_losses(recs, 4.0) == [(1, 1.0, 1.5)]
 
 
 def test_missing_metrics_is_reported_not_crashed(tmp_path):
@@ -156,7 +179,7 @@ def test_balanced_comparison_reports_speedup_and_time_to_common_loss():
     out = mixed.compare("share-gpu", (5, 4), runs, None)
     assert out["speedup"] == pytest.approx(1.3)
     assert out["time_to_target_ratio"] == pytest.approx(1.3)
-    assert out["loss_curve_max_diff_10step_mean"] == pytest.approx(0.0)
+    assert out["loss_curve_max_abs_diff"] == pytest.approx(0.0)
 
 
 def test_throughput_with_batched_log_records_uses_window_ends(tmp_path):

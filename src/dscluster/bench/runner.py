@@ -124,7 +124,7 @@ class TrainFigures:
     peak_mem_mb: float | None = None
     error: str | None = None
     losses: list[tuple[int, float, float]] = field(default_factory=list)
-    """(step, seconds since the first step record, loss) from rank 0."""
+    """(step, seconds since rank 0's first step record, global-batch loss over all ranks)."""
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -174,9 +174,8 @@ def read_train_run(run_dir: Path, warmup: int, log_every: int = 1) -> TrainFigur
         peak_mem_mb=max((m for m in (_peak_mem(recs) for recs in per_rank) if m is not None), default=None),
     )
     if steps:
-        t0 = steps[0]["t"]
-        fig.losses = [(r["step"], r["t"] - t0, r["loss"]) for r in steps if r.get("loss") is not None]
-        fig.final_loss = steps[-1].get("loss")
+        fig.losses = global_losses(per_rank, steps[0]["t"])
+        fig.final_loss = fig.losses[-1][2] if fig.losses else None
     timed = [r for r in steps if r["step"] >= warmup and r["step"] % log_every == 0]
     if len(timed) >= 2 and fig.global_batch:
         first, last = timed[0], timed[-1]
@@ -186,6 +185,31 @@ def read_train_run(run_dir: Path, warmup: int, log_every: int = 1) -> TrainFigur
             fig.images_per_s = fig.global_batch * n / seconds
             fig.timed_steps = n
     return fig
+
+
+def global_losses(per_rank: list[list[dict]], t0: float) -> list[tuple[int, float, float]]:
+    """Per step, the loss over the whole global batch: each rank's mean loss weighted by its samples.
+
+    Rank 0's own loss covers only its share, which differs between uniform and balanced
+    batching; the sample-weighted mean over all ranks is the same quantity in both, so the
+    two runs' curves can be compared step by step. Time is rank 0's stamp since t0.
+    """
+    by_step: dict[int, list[tuple[float, int]]] = {}
+    stamp: dict[int, float] = {}
+    for rank, recs in enumerate(per_rank):
+        for r in recs:
+            if r.get("kind") != "step" or r.get("loss") is None:
+                continue
+            by_step.setdefault(r["step"], []).append((float(r["loss"]), int(r.get("samples") or 1)))
+            if rank == 0:
+                stamp[r["step"]] = r["t"] - t0
+    out = []
+    for step in sorted(stamp):
+        parts = by_step[step]
+        if len(parts) == len(per_rank):
+            total = sum(n for _, n in parts)
+            out.append((step, stamp[step], sum(loss * n for loss, n in parts) / total))
+    return out
 
 
 def time_to_loss(losses: list[tuple[int, float, float]], target: float, window: int = 5) -> float | None:

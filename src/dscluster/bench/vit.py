@@ -60,6 +60,12 @@ def model_overrides(model: str) -> list[str]:
             f"data.num_classes={spec.num_classes}", "data.augment=false"]
 
 
+def synthetic_samples(total_steps: int, micro_batch: str | int, ranks: int, autofit_max: int = 1024) -> int:
+    """Enough synthetic samples for one epoch to outlast the run (the sampler shuffles them all)."""
+    micro = int(micro_batch) if str(micro_batch).isdigit() else autofit_max
+    return (total_steps + 1) * micro * ranks
+
+
 def train_overrides(opts: VitBenchOptions) -> list[str]:
     """The `dscluster train` key=value list for one benchmark run (no bench-only switches)."""
     total = opts.warmup + opts.steps
@@ -71,7 +77,7 @@ def train_overrides(opts: VitBenchOptions) -> list[str]:
         f"max_steps={total}",
         "epochs=1",
         # One epoch longer than the run: no epoch-end eval or checkpoint inside the timing.
-        "data.synthetic_samples=100000000",
+        f"data.synthetic_samples={synthetic_samples(total, opts.micro_batch, max(opts.gpu_counts))}",
         "checkpoint.every_epochs=0",
         "checkpoint.resume=false",
         "progress=false",

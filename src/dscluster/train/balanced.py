@@ -174,21 +174,29 @@ class BalancedBatchSampler:
     def __len__(self) -> int:
         return self.dataset_len // self.global_batch
 
-    def order(self) -> list[int]:
-        """The shared order of this epoch (identical on every rank)."""
-        if not self.shuffle:
-            return list(range(self.dataset_len))
+    def order_tensor(self):
+        """The shared order of this epoch as a tensor (identical on every rank).
+
+        Kept as an int64 tensor and sliced per step: a Python list of a large epoch (a
+        synthetic benchmark set of millions of indices) would cost ~36 bytes per index.
+        """
         import torch
 
+        if not self.shuffle:
+            return torch.arange(self.dataset_len)
         g = torch.Generator()
         g.manual_seed(self.seed * 1_000_003 + self.epoch)
-        return torch.randperm(self.dataset_len, generator=g).tolist()
+        return torch.randperm(self.dataset_len, generator=g)
+
+    def order(self) -> list[int]:
+        """The shared order of this epoch as a list (for inspection and tests)."""
+        return self.order_tensor().tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
-        order = self.order()
+        order = self.order_tensor()
         for step in range(len(self)):
             start = step * self.global_batch + self.offset
-            yield order[start:start + self.share]
+            yield order[start:start + self.share].tolist()
 
 
 def calibrate(step_fn: Callable[[int], object], micro_batches: int | Sequence[int], steps: int, *,

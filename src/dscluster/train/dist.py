@@ -200,3 +200,27 @@ def all_gather_strings(value: str) -> list[str]:
     out: list = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
+
+
+def apply_timeout_everywhere(timeout_s: float) -> int:
+    """Give every process group the job's timeout; returns how many groups were set.
+
+    DeepSpeed creates its data-parallel groups with torch's default timeout (30 minutes for
+    gloo), so without this a rank missing a gradient all-reduce hangs its peers for half an
+    hour instead of dist.timeout_s.
+    """
+    import torch.distributed as tdist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not tdist.is_initialized():
+        return 0
+    td = datetime.timedelta(seconds=timeout_s)
+    setter = getattr(tdist, "set_timeout", None) or getattr(c10d, "_set_pg_timeout")
+    count = 0
+    for group in list(c10d._world.pg_map.keys()):
+        try:
+            setter(td, group)
+            count += 1
+        except (ValueError, RuntimeError):
+            continue  # not a member, or a backend that cannot change it
+    return count

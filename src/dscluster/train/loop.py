@@ -13,8 +13,10 @@ steps (fp16's overflow flag and scale are host values already: DeepSpeed syncs f
 
 from __future__ import annotations
 
+import faulthandler
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +81,8 @@ def evaluate(engine, dataset, dtype, device, channels_last: bool, batch: int = 2
 def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
     """Run training (or an fp16 loss-scale calibration) on this rank."""
     t0 = time.time()
+    if hasattr(faulthandler, "register"):  # `kill -USR1 <pid>` prints every thread's stack: where a hang waits
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     info = dist.detect_ranks()
     run_id = runinfo.resolve_run_id()
     rdir = runinfo.run_dir()

@@ -134,6 +134,7 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds_cfg,
                                            dist_init_required=False)
+    dist.apply_timeout_everywhere(cfg.dist.timeout_s)
     if cfg.compile:
         engine.compile()
     return Built(engine=engine, sampler=sampler, splits=splits, plan=plan, shares=shares, loss_weight=weight,

