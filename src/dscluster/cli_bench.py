@@ -34,7 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Train a ViT on synthetic data with `dscluster train` and with a plain PyTorch DDP "
         "baseline, on 1 and N GPUs, in one invocation. Reports img/s, img/s per GPU, scaling efficiency, MFU, "
         "peak memory and the dscluster/baseline ratio.",
-        epilog="examples:\n  dscluster bench vit --gpus 4 --precision bf16 --compile     # 1, 2, 3 and 4 GPUs, both paths\n"
+        epilog="examples:\n"
+        "  dscluster bench vit --gpus 4 --precision bf16 --compile   # 1, 2, 3 and 4 GPUs, both paths\n"
         "  dscluster bench vit --gpus 1 --memory-cap-gb 8 --micro-batch auto\n"
         "  dscluster bench vit --device cpu --model tiny --steps 3 --gpus 2   # smoke test without a GPU",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -145,7 +146,8 @@ def balanced_command(args: argparse.Namespace) -> int:
         model=args.model, ranks=args.ranks, gpus=args.gpus, micro_batch=args.micro_batch,
         precision=_default_precision(args), steps=args.steps, warmup=args.warmup, device=args.device,
         memory_cap_gb=args.memory_cap_gb, capped_rank=args.capped_rank,
-        scenarios=args.scenarios or (["busy-gpu"] if args.device == "cuda" else ["share-gpu"]), busy_gpu=args.busy_gpu, target_loss=args.target_loss, config=args.config,
+        scenarios=args.scenarios or (["busy-gpu"] if args.device == "cuda" else ["share-gpu"]),
+        busy_gpu=args.busy_gpu, target_loss=args.target_loss, config=args.config,
         out=args.out, work_dir=args.work_dir, timeout_s=args.timeout, train_overrides=list(args.overrides),
     )
     _check_overrides(args.overrides)

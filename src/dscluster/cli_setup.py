@@ -71,10 +71,16 @@ def build_options(args: argparse.Namespace) -> SetupOptions:
     hf = parse_hostfile(args.hostfile)
     user = args.user or getpass.getuser()
     key = Path.home() / ".ssh" / "id_ed25519"
+    password = _password(user, interactive=True)
+    if password is None and not key.exists():
+        raise UsageError(
+            f"no SSH password: set {PASSWORD_ENV} (never read from the command line) or run "
+            f"`dscluster setup` in a terminal to be asked once; {key} does not exist yet"
+        )
     return SetupOptions(
         targets=[Target(name=h.name, host=h.name, port=22, user=user) for h in hf.hosts],
         known_hosts=known_hosts_path(),
-        password=_password(user, interactive=True),
+        password=password,
         key_filename=str(key) if key.exists() else None,
         trust_new_hosts=args.trust_new_hosts,
         shell=args.shell,

@@ -111,16 +111,16 @@ def parse_hostfile_text(text: str, path: str = "<hostfile>") -> Hostfile:
                 raise UsageError(f"{where}: unknown key {k!r}; OpenMPI hostfiles accept slots=N and max_slots=N")
             if k == "slots":
                 if slots is not None:
-                    raise UsageError(f"{where}: slots given twice")
+                    raise UsageError(f"{where}: slots given twice (keep one slots=N on the line)")
                 slots = _positive_int(v, where, k)
             else:
                 if max_slots is not None:
-                    raise UsageError(f"{where}: max_slots given twice")
+                    raise UsageError(f"{where}: max_slots given twice (keep one max_slots=N on the line)")
                 max_slots = _positive_int(v, where, "max_slots")
         if slots is None:
             slots = 1
         if max_slots is not None and max_slots < slots:
-            raise UsageError(f"{where}: max_slots={max_slots} is below slots={slots}")
+            raise UsageError(f"{where}: max_slots={max_slots} is below slots={slots} (raise max_slots or lower slots)")
         seen[key] = lineno
         hosts.append(Host(name=name, slots=slots, max_slots=max_slots, line=lineno))
     if not hosts:

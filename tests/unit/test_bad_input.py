@@ -215,9 +215,7 @@ CASES = [
     Case("sim-zero-slots", ["sim", "up", "--slots", "0", "--lab", "badinput"], {},
          ("--slots 0", "slot", "at least one")),
     Case("setup-no-password", ["setup", "--hostfile", "hosts.txt", "--timeout", "2"], {"hosts.txt": GOOD_HOSTS},
-         ("DSCLUSTER_SSH_PASSWORD", "password"), runner="proc",
-         xfail="setup with no password, no key and no terminal goes on to contact every node (exit 1 with "
-               "per-node errors) instead of saying how to give the password (exit 2)"),
+         ("DSCLUSTER_SSH_PASSWORD", "password"), runner="proc"),
     Case("telemetry-period-zero", ["telemetry", "--run-dir", "runs/x", "--period", "0"], {},
          ("--period 0", "between 0.05 and 3600", "1.0")),
     Case("telemetry-run-dir-file", ["telemetry", "--run-dir", "hosts.txt", "--duration", "1"],

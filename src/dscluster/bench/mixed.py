@@ -165,7 +165,8 @@ def run(opts: MixedBenchOptions) -> tuple[dict, Path]:
                 job = runner.run_job(argv, env, work / f"{run_id}.log", opts.timeout_s)
             fig = runner.read_train_run(work / run_id, opts.warmup)
             d = fig.to_dict()
-            d.update(rc=job.rc, wall_s=round(job.wall_s, 1), log=job.log, smoothed_final_loss=runner.smoothed_final_loss(fig.losses))
+            d.update(rc=job.rc, wall_s=round(job.wall_s, 1), log=job.log,
+                     smoothed_final_loss=runner.smoothed_final_loss(fig.losses))
             if job.rc != 0 or fig.images_per_s is None:
                 d["status"] = "failed"
                 d["error"] = d.get("error") or ("timed out" if job.timed_out else job.tail(1500))
@@ -229,8 +230,9 @@ def table_rows(doc: dict) -> list[list[str]]:
         for batching in ("uniform", "balanced"):
             f = s[batching]
             micro = f.get("micro_batches") or []
+            where = s["gpus"] if doc.get("device") == "cuda" else "cpu"
             rows.append([
-                s["scenario"], f"{s['ranks']}/{s['gpus'] if doc.get('device') == 'cuda' else 'cpu'}", batching, f.get("status", ""),
+                s["scenario"], f"{s['ranks']}/{where}", batching, f.get("status", ""),
                 "/".join(str(m) for m in micro) if micro else "-",
                 num(f.get("images_per_s"), ",.1f"),
                 num(s.get("speedup"), ".2f") + "x" if batching == "balanced" and s.get("speedup") else "",

@@ -251,6 +251,10 @@ def versions() -> dict:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             out[pkg] = None
+    if out["dscluster"] is None:  # run from a checkout on PYTHONPATH, not installed
+        from dscluster import __version__
+
+        out["dscluster"] = __version__
     return out
 
 

@@ -11,6 +11,8 @@ auto-fit chose, so both see the same batch.
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -100,8 +102,6 @@ def ds_command(opts: VitBenchOptions, gpus: int, port: int) -> list[str]:
     module_args = runner.dscluster_train_module_args(opts.config, train_overrides(opts))
     if opts.launcher == "torchrun":
         return runner.torchrun_argv(gpus, module_args, port)
-    import sys
-
     ctx = runner.AppContext(gpus, [sys.executable, "-m", *module_args])
     return runner.mpirun_argv([ctx], port, as_root=runner.is_root(), mpirun=runner.which_mpirun())
 
@@ -174,8 +174,6 @@ def run(opts: VitBenchOptions) -> tuple[dict, Path]:
                                   runner.child_env(opts.device), work / f"baseline-g{gpus}.log", opts.timeout_s)
             base = {"status": "complete", "log": bjob.log, "wall_s": round(bjob.wall_s, 1)}
             if bjob.rc == 0 and out_json.is_file():
-                import json
-
                 base.update(json.loads(out_json.read_text()))
             else:
                 base.update(status="failed", error="timed out" if bjob.timed_out else bjob.tail(1500))
