@@ -1,0 +1,120 @@
+"""Loss-scale guard on a recorded overflow sequence, calibration, step-count guard, faults, checkpoint pointer."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from dscluster.errors import JobFailed, UsageError
+from dscluster.train.checkpoint import commit_latest, find_latest, resume_decision
+from dscluster.train.config import load_config
+from dscluster.train.guards import LossScaleGuard, TrainingAborted, check_equal_steps, parse_fault
+from dscluster.train.losscale import recommend_initial_scale_power, replay_dynamic_scaler, write_initial_scale_power
+
+# Recorded by tests/unit/record_loss_scale.py: 60 healthy steps, then lr=5 makes the model diverge.
+RECORDED = json.loads((Path(__file__).parent / "data" / "fp16_scale_sequence.json").read_text())["points"]
+
+
+def guard(**kw):
+    args = dict(window=20, max_overflow_rate=0.5, min_scale=1.0, min_scale_steps=10, rank=1, host="node2")
+    args.update(kw)
+    return LossScaleGuard(**args)
+
+
+def test_guard_stops_the_recorded_divergence_with_a_clear_message():
+    g = guard()
+    with pytest.raises(TrainingAborted) as e:
+        for p in RECORDED:
+            g.observe(p["step"], p["scale"], p["overflow"])
+    msg = str(e.value)
+    stopped_at = int(msg.split(" at step ")[1].split(":")[0])
+    assert 60 < stopped_at < len(RECORDED), "must not fire in the healthy phase, must fire in the divergence"
+    assert "rank 1 (node2)" in msg and "overflowed" in msg
+    assert "Recent scales" in msg and "!" in msg
+    for hint in ("precision=bf16", "lower optim.lr", "precision=fp32", "--calibrate-loss-scale"):
+        assert hint in msg
+    assert e.value.failed_ranks == [1] and e.value.failed_hosts == ["node2"]
+
+
+def test_guard_stops_when_the_scale_sits_at_its_minimum():
+    g = guard(max_overflow_rate=1.0, min_scale_steps=5)
+    with pytest.raises(TrainingAborted, match="sat at its minimum 1 for 5 steps") as e:
+        for p in RECORDED:
+            g.observe(p["step"], p["scale"], p["overflow"])
+    first_at_min = next(p["step"] for p in RECORDED if p["scale"] <= 1.0)
+    assert f"at step {first_at_min + 4}:" in str(e.value)
+
+
+def test_guard_is_quiet_on_a_healthy_run_and_without_fp16():
+    g = guard()
+    for p in RECORDED[:60]:
+        g.observe(p["step"], p["scale"], p["overflow"])
+    g.observe(61, None, False)  # bf16/fp32: no scale, nothing to judge
+
+
+def test_recorded_sequence_is_what_deepspeeds_scaler_does():
+    scales = replay_dynamic_scaler([p["overflow"] for p in RECORDED], init_power=16, window=20, hysteresis=2)
+    assert scales == [p["scale"] for p in RECORDED]
+
+
+def test_calibration_recommends_the_scale_that_stopped_overflowing():
+    # the field case: from 2^16 the first steps overflow (hysteresis 2), then training is stable
+    flags = [True] * 7 + [False] * 30
+    scales = replay_dynamic_scaler(flags, init_power=16, window=1000, hysteresis=2)
+    power = recommend_initial_scale_power(list(zip(scales, flags)))
+    assert power == int(math.log2(scales[7])) == 10
+    # a later overflow at a lower scale lowers the recommendation
+    assert recommend_initial_scale_power([(1024.0, True), (512.0, False), (512.0, True), (256.0, False)]) == 8
+    with pytest.raises(JobFailed, match="all 3 steps overflowed"):
+        recommend_initial_scale_power([(4.0, True), (2.0, True), (1.0, True)])
+
+
+def test_write_initial_scale_power_keeps_comments(tmp_path):
+    p = tmp_path / "a.yaml"
+    p.write_text("# preset\nepochs: 2\nfp16:\n  initial_scale_power: 16  # was the default\n  hysteresis: 2\n")
+    write_initial_scale_power(p, 11)
+    text = p.read_text()
+    assert "initial_scale_power: 11  # was the default" in text and text.startswith("# preset")
+    assert load_config(p).fp16.initial_scale_power == 11
+    p.write_text("fp16:\n    hysteresis: 3\nepochs: 2\n")
+    write_initial_scale_power(p, 9)
+    cfg = load_config(p)
+    assert cfg.fp16.initial_scale_power == 9 and cfg.fp16.hysteresis == 3 and cfg.epochs == 2
+    p.write_text("epochs: 2")
+    write_initial_scale_power(p, 12)
+    assert load_config(p).fp16.initial_scale_power == 12
+
+
+def test_equal_steps_guard_names_ranks_hosts_and_counts():
+    check_equal_steps([22, 22, 22], ["a", "b", "c"], 0)
+    with pytest.raises(TrainingAborted) as e:
+        check_equal_steps([22, 23, 22], ["node1", "node2", "node3"], 4)
+    msg = str(e.value)
+    assert "epoch 4" in msg and "rank 1 on node2: 23" in msg and "rank(s) 1 differ" in msg
+    assert e.value.failed_ranks == [1] and e.value.failed_hosts == ["node2"]
+    with pytest.raises(TrainingAborted) as e:
+        check_equal_steps([22, 23], ["node1", "node2"], 0)
+    assert e.value.failed_ranks == [1]
+
+
+def test_fault_injection_parsing():
+    assert parse_fault(None) is None
+    f = parse_fault("exit:rank=1,step=5")
+    assert (f.kind, f.rank, f.step) == ("exit", 1, 5)
+    assert parse_fault("mismatch_steps:rank=0").step is None
+    for bad in ("explode:rank=1", "exit:rank=1", "exit:step=3", "skip_collective:rank=x,step=1"):
+        with pytest.raises(UsageError, match="DSCLUSTER_FAULT"):
+            parse_fault(bad)
+
+
+def test_resume_decision_and_latest_pointer(tmp_path):
+    assert resume_decision("auto", tmp_path) is None
+    with pytest.raises(UsageError, match="checkpoint.resume=true but .* has no complete checkpoint"):
+        resume_decision("true", tmp_path)
+    commit_latest(tmp_path, "epoch0001-step00000044")
+    assert find_latest(tmp_path) is None  # dangling: the folder is not there
+    (tmp_path / "epoch0001-step00000044").mkdir()
+    assert resume_decision("true", tmp_path) == "epoch0001-step00000044"
+    assert resume_decision("false", tmp_path) is None
+    assert not [f for f in tmp_path.iterdir() if f.name.startswith(".")], "temp file left behind"
