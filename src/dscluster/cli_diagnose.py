@@ -42,7 +42,7 @@ def diagnose_command(args: argparse.Namespace) -> int:
     for t in result["traces"]:
         if t.get("parsed"):
             console.out.print(escape(f"trace {t['file']}: rank {t.get('rank')}, {t['entries']} entries"
-                              + (f", not completed: {', '.join(t['not_completed'])}" if t["not_completed"] else "")))
+                              + (f", last collective {t['last_collective']}" if t["last_collective"] else "")))
         else:
             console.out.print(escape(f"trace {t['file']}: not a format dscluster reads (listed only)"))
     if not result["findings"]:

@@ -125,3 +125,17 @@ def test_unknown_trace_files_are_listed_not_fatal(tmp_path):
 def test_bad_run_dir_is_exit_2(tmp_path):
     out = _diag_cli(tmp_path / "nope")
     assert out.returncode == 2 and "nope" in out.stderr
+
+
+def test_real_gloo_flight_recorder_dumps_name_the_rank_that_skipped(tmp_path):
+    run = make_run(tmp_path, world=2, stop_at={0: 3, 1: 3})
+    real = ROOT / "tests" / "data" / "runs" / "fr-gloo-skip" / "nccl_trace"
+    (run / "nccl_trace").mkdir()
+    for f in real.iterdir():
+        (run / "nccl_trace" / f.name).write_bytes(f.read_bytes())
+    out = _diag_cli(run, "--json")
+    assert out.returncode == 1
+    doc = json.loads(out.stdout)
+    (tr,) = [f for f in doc["findings"] if f["kind"] == "trace_missing_collective"]
+    assert tr["rank"] == 1 and "missing from collective #4" in tr["message"]
+    assert {t["rank"]: t["entries"] for t in doc["traces"]} == {0: 4, 1: 3}

@@ -181,10 +181,11 @@ def trace_findings(run: RunData) -> tuple[list[Finding], list[dict[str, Any]]]:
             continue
         rank = _trace_rank(path, dump)
         entries = [e for e in dump.get("entries", []) if isinstance(e, dict)]
-        pending = [e for e in entries if e.get("state") not in (None, "completed")]
+        colls = [e for e in entries if isinstance(e.get("collective_seq_id"), int)]
+        last = max(colls, key=lambda e: e["collective_seq_id"], default=None)
         summaries.append({"file": rel, "parsed": True, "rank": rank, "entries": len(entries),
-                          "not_completed": [f"{e.get('profiling_name')}#{e.get('collective_seq_id')} ({e.get('state')})"
-                                            for e in pending][:5]})
+                          "last_collective": None if last is None else
+                          f"{last.get('profiling_name')}#{last['collective_seq_id']} ({last.get('state')})"})
         if rank is None:
             continue
         for e in entries:
