@@ -8,6 +8,7 @@ and either prints it (--dry-run) or runs it, streaming its output and returning 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -147,10 +148,10 @@ def build_plan(args: argparse.Namespace) -> tuple[builders.LaunchPlan, CheckOutp
     for item in args.env:
         key, value = builders.parse_env_assignment(item)
         exports[key] = value
-    run_id = args.run_id or os.environ.get("DSCLUSTER_RUN_ID") or \
-        resolve_run_id({"DSCLUSTER_RUN_ID": time.strftime("launch-%Y%m%d-%H%M%S")})
+    # One id fixed here and exported, so the run directory is known before any rank starts.
+    wanted = args.run_id or os.environ.get("DSCLUSTER_RUN_ID") or time.strftime("launch-%Y%m%d-%H%M%S")
     exports.update({
-        "DSCLUSTER_RUN_ID": resolve_run_id({"DSCLUSTER_RUN_ID": run_id}),
+        "DSCLUSTER_RUN_ID": resolve_run_id({"DSCLUSTER_RUN_ID": wanted}),
         "DSCLUSTER_RUNS": str(runs_root().absolute()),
         "DSCLUSTER_STATE": str(state_dir),
         "DSCLUSTER_HOSTFILE": str(hostfile),
@@ -257,7 +258,7 @@ def _write_slurm(args: argparse.Namespace, report: dict, plan: builders.LaunchPl
     # The run id of a Slurm job is its job id: drop the one launch made up.
     exports = {k: v for k, v in plan.exports.items() if k != "DSCLUSTER_RUN_ID"}
     if not args.run_id:
-        plan = builders.LaunchPlan(**{**plan.__dict__, "exports": exports})
+        plan = dataclasses.replace(plan, exports=exports)
         report["run_id"] = "slurm-<job id>"
         report["run_dir"] = str(Path(exports["DSCLUSTER_RUNS"]) / "slurm-<job id>")
     script = builders.slurm_script(plan)

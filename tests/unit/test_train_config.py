@@ -80,3 +80,13 @@ def test_ds_config_per_precision():
     assert build_ds_config(cfg, plan, "bf16", on_gpu=True)["bf16"] == {"enabled": True}
     fp32 = build_ds_config(load_config(None), plan, "fp32", on_gpu=False)
     assert "fp16" not in fp32 and "bf16" not in fp32
+
+
+def test_amp_bf16_uses_deepspeed_torch_autocast_with_fp32_weights():
+    cfg = load_config(None, ["amp=true"])
+    plan = plan_batch(16, 1, None, 2)
+    ds = build_ds_config(cfg, plan, "bf16", on_gpu=True)
+    assert ds["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
+    assert "bf16" not in ds and "fp16" not in ds
+    # fp16 keeps DeepSpeed's own dynamic loss scaling (the guard reads its scale)
+    assert "torch_autocast" not in build_ds_config(cfg, plan, "fp16", on_gpu=True)

@@ -118,3 +118,17 @@ def test_resume_decision_and_latest_pointer(tmp_path):
     assert resume_decision("true", tmp_path) == "epoch0001-step00000044"
     assert resume_decision("false", tmp_path) is None
     assert not [f for f in tmp_path.iterdir() if f.name.startswith(".")], "temp file left behind"
+
+
+# Recorded from a real DeepSpeed fp16 run on an H100 (see the file's "source").
+H100 = json.loads((Path(__file__).parent / "data" / "fp16_calibration_h100.json").read_text())["points"]
+
+
+def test_real_fp16_calibration_run_matches_deepspeed_and_gives_a_recommendation():
+    flags = [p["overflow"] for p in H100]
+    assert sum(flags) == 3
+    assert replay_dynamic_scaler(flags, init_power=16, window=500, hysteresis=2) == [p["scale"] for p in H100]
+    assert recommend_initial_scale_power([(p["scale"], p["overflow"]) for p in H100]) == 14
+    g = guard(window=20, max_overflow_rate=0.5)
+    for p in H100:  # a few overflows while the scale settles must not stop a run
+        g.observe(p["step"], p["scale"], p["overflow"])

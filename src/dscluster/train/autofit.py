@@ -13,6 +13,8 @@ from typing import Callable
 
 from dscluster.errors import JobFailed
 
+OPTIMIZER_BYTES_PER_PARAM = 16
+
 
 def largest_fit(fits: Callable[[int], bool], *, start: int = 1, maximum: int = 1024) -> int:
     """Largest b in [start, maximum] with fits(b), assuming fits is monotone; 0 if even start fails.
@@ -76,12 +78,19 @@ def set_memory_cap(cap_gb: float | None, device) -> float | None:
 def probe_fits(model, make_batch: Callable[[int], tuple], dtype, device) -> Callable[[int], bool]:
     """fits(b) for this model: one real forward+backward at batch b under autocast, OOM → False.
 
-    The optimizer state is not allocated here; the margin covers it (AdamW keeps two fp32
-    moments per parameter, small next to ViT activations at useful batch sizes).
+    The optimizer state is stood in for by a reserved block of the same size; the margin
+    covers fragmentation.
     """
     import torch
 
+    # What training holds besides activations: fp32 master weights, two AdamW moments and
+    # gradients (16 bytes per parameter with a half-precision model, a bit less in fp32).
+    # Held on the device during the search so that the fit leaves room for it.
+    n_params = sum(p.numel() for p in model.parameters())
+    reserve = torch.empty(n_params * OPTIMIZER_BYTES_PER_PARAM, dtype=torch.uint8, device=device)
+
     def fits(b: int) -> bool:
+        assert reserve.numel() > 0
         try:
             x, y = make_batch(b)
             with torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype != torch.float32):

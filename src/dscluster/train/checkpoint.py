@@ -23,6 +23,18 @@ from dscluster.fsutil import atomic_write_text
 
 LATEST = "latest"
 
+# How torch.save reports a full disk: its C++ stream writer raises RuntimeError, not OSError
+# ("PytorchStreamWriter failed writing file data/0: file write failed", "unexpected pos 1234
+# vs 1200", or the iostream's "basic_ios::clear: iostream error").
+_WRITE_FAILURE_MARKERS = ("file write failed", "unexpected pos", "basic_ios::clear", "No space left on device")
+
+
+def is_write_failure(e: BaseException) -> bool:
+    """A storage error while writing a checkpoint (full disk, quota, I/O): training can go on."""
+    if isinstance(e, OSError):
+        return True
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in _WRITE_FAILURE_MARKERS)
+
 
 @dataclass(frozen=True)
 class Position:
@@ -82,8 +94,10 @@ def save(engine, ckpt_dir: Path, pos: Position, *, rank: int, fail_save: bool = 
     try:
         engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"position": pos.to_dict()}, save_latest=False)
         ok = 1
-    except OSError as e:
-        ok, error = 0, f"{type(e).__name__}: {e}"
+    except (OSError, RuntimeError) as e:
+        if not is_write_failure(e):
+            raise
+        ok, error = 0, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         if dist.is_initialized():
             dist.barrier()  # pairs with the closing barrier of save_checkpoint on the ranks that succeeded
     finally:

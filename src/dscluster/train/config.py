@@ -154,6 +154,9 @@ class TrainConfig:
     """DeepSpeed ZeRO stage."""
     compile: bool = False
     """Compile the model through DeepSpeed's engine.compile() (torch.compile)."""
+    amp: bool = False
+    """bf16 only: DeepSpeed's torch_autocast (fp32 weights and optimizer, bf16 matmuls, as torch AMP)
+    instead of bf16 weights with fp32 master copies. Same maths as a plain DDP+autocast baseline."""
     channels_last: bool = False
     """Keep image batches in channels_last memory format (faster convs on GPU)."""
     log_every: int = 1

@@ -114,8 +114,9 @@ def enable_nccl_diagnostics(trace_dir: Path, env: dict | None = None) -> None:
     env = os.environ if env is None else env
     trace_dir.mkdir(parents=True, exist_ok=True)
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    env.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # flight recorder (was TORCH_NCCL_TRACE_BUFFER_SIZE)
     env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    env.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(trace_dir / "nccl_trace_rank_"))
     env.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(trace_dir / "nccl_trace_rank_"))
 
 

@@ -79,6 +79,9 @@ def build_ds_config(cfg: TrainConfig, plan: BatchPlan, precision: str, *, on_gpu
             "hysteresis": int(cfg.fp16.hysteresis),
             "min_loss_scale": float(cfg.fp16.min_loss_scale),
         }
+    elif precision == "bf16" and getattr(cfg, "amp", False):
+        # fp32 parameters and optimizer; the engine runs forward under torch.autocast(bf16).
+        ds["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     elif precision == "bf16":
         ds["bf16"] = {"enabled": True}
     elif precision != "fp32":

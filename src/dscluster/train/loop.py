@@ -33,6 +33,9 @@ from dscluster.train.precision import decide_here
 from dscluster.train.runlog import RunLog, summary_record
 
 
+WARMUP_STEPS = 5  # first steps of a run left out of images_per_s
+
+
 @dataclass
 class Outcome:
     """What a run produced; the CLI turns it into an exit code and a line of text."""
@@ -201,7 +204,7 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
     gen = torch.Generator(device=device).manual_seed(cfg.seed * 7919 + info.rank * 104729 + global_step)
     progress = _Progress(primary and cfg.progress and not calibrate, total, global_step)
     out = Outcome(status="complete", run_dir=rdir)
-    train_seconds, steps_this_run, accuracy = 0.0, 0, None
+    train_seconds, steps_this_run, timed_steps, accuracy = 0.0, 0, 0, None
     pending: list[dict] = []
     pending_loss: list[torch.Tensor] = []
 
@@ -226,6 +229,7 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
             _inject(my_fault, global_step, log, cfg)
             t_step = time.perf_counter()
             step_loss = torch.zeros((), device=device)
+            scale = None
             samples = 0
             norm = None
             for k, idx in enumerate(micro):
@@ -235,17 +239,21 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
                 engine.backward(loss * b.loss_weight if b.loss_weight != 1.0 else loss)
                 if k == len(micro) - 1 and precision == "fp32" and global_step % cfg.log_every == 0:
                     norm = grad_norm(engine)  # fp32 ZeRO-0 keeps no norm; grads are all-reduced by now
+                if k == len(micro) - 1 and precision == "fp16":
+                    scale = loss_scale_of(engine)  # the scale this step is attempted at (a host float)
                 engine.step()
                 step_loss += loss.detach() / len(micro)
                 samples += len(idx)
             overflow = bool(getattr(engine.optimizer, "overflow", False)) if precision == "fp16" else False
-            scale = loss_scale_of(engine) if precision == "fp16" else None
+            scale = scale if precision == "fp16" else None
             if norm is None and precision != "fp32" and global_step % cfg.log_every == 0:
                 norm = engine.get_global_grad_norm()
                 norm = None if norm is None or (isinstance(norm, float) and math.isnan(norm)) else float(norm)
             dt = time.perf_counter() - t_step
-            train_seconds += dt
             steps_this_run += 1
+            if steps_this_run > WARMUP_STEPS or total - pos.global_step <= WARMUP_STEPS:
+                train_seconds += dt  # throughput leaves out warm-up (allocator, autotune, compile)
+                timed_steps += 1
             facts["overflow_steps"] += overflow
             out.scale_history.append((scale, overflow))
             pending.append({"step": global_step, "epoch": epoch, "lr": float(engine.get_lr()[0]),
@@ -288,7 +296,7 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
     progress.stop()
     gb = facts["global_batch"]
     out.accuracy, out.steps = accuracy, global_step
-    out.images_per_s = gb * steps_this_run / train_seconds if train_seconds > 0 else None
+    out.images_per_s = gb * timed_steps / train_seconds if train_seconds > 0 else None
     facts.update(steps=global_step, images_per_s=out.images_per_s, accuracy=accuracy)
     return out
 

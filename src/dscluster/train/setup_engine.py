@@ -73,6 +73,7 @@ def _auto_micro(cfg: TrainConfig, model, splits, device, dtype, notes: list[str]
         return splits.train.get_batch(list(range(b)), device, torch.float32)
 
     fit = autofit.largest_fit(autofit.probe_fits(model, make, dtype, device), start=1, maximum=cfg.autofit_max)
+    torch.cuda.empty_cache()  # the probe's reserve block and activations go back before DeepSpeed allocates
     micro = autofit.with_margin(fit, cfg.autofit_margin)
     notes.append(f"auto-fit: largest micro-batch that fitted {fit}, using {micro} (margin {cfg.autofit_margin})")
     return micro
@@ -86,9 +87,11 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
     splits = data_mod.load(cfg.data, device, seed=cfg.seed)
     model = build_model(cfg.model, in_chans=splits.train.in_chans, num_classes=splits.train.num_classes,
                         img_size=cfg.data.img_size).to(device)
-    if cfg.channels_last:
-        model = model.to(memory_format=torch.channels_last)
+    # channels_last applies to the input batches only: DeepSpeed broadcasts parameters as byte
+    # views at initialize, which fails for a channels_last (non-contiguous) patch-embedding weight.
     dtype = torch_dtype(precision)
+    if cfg.amp and precision == "bf16":
+        dtype = torch.float32  # inputs stay fp32: the engine's autocast picks bf16 per op
     autofit.set_memory_cap(cfg.memory_cap_gb, device)
 
     fit: int | None = None
