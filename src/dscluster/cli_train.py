@@ -36,6 +36,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=train_command)
 
 
+def check_batch_arithmetic(cfg, world_size: int) -> None:
+    """micro_batch × grad_accum × world must make global_batch: known from the config and the
+    launcher's variables alone, so a mismatch stops every rank before a run directory is
+    written or the process group waits for peers. (auto micro-batches and balanced shares are
+    only known on the devices; setup_engine checks those.)"""
+    from dscluster.train.ds_config import plan_batch
+
+    if cfg.batching == "uniform" and isinstance(cfg.micro_batch, int):
+        plan_batch(cfg.micro_batch, cfg.grad_accum, cfg.global_batch, world_size)
+
+
 def train_command(args: argparse.Namespace) -> int:
     from dscluster.train.config import load_config, to_yaml
 
@@ -49,6 +60,8 @@ def train_command(args: argparse.Namespace) -> int:
         return 0
     calibrate = args.calibrate_loss_scale or cfg.calibrate_loss_scale
     from dscluster.train import dist
+
+    check_batch_arithmetic(cfg, dist.detect_ranks().world_size)
     from dscluster.train.loop import train
 
     outcome = train(cfg, calibrate=calibrate)

@@ -169,8 +169,6 @@ def test_run_directory_names_the_dead_rank_and_host(killed):
     assert killed["summary"]["status"] == "failed"
 
 
-@pytest.mark.xfail(strict=True, reason="the surviving rank 0 writes summary.json with failed_rank=0 when a peer "
-                                       "dies (it only sees gloo's 'Connection reset by peer')")
 def test_summary_does_not_blame_the_surviving_rank(killed):
     assert killed["summary"]["failed_rank"] in (1, None), killed["summary"]
 
@@ -225,8 +223,6 @@ def test_diagnose_names_the_rank_that_skipped_the_collective(skipped):
     assert [f["rank"] for f in doc["findings"] if f["kind"] == "rank_died"] == [1], doc["findings"]
 
 
-@pytest.mark.xfail(strict=True, reason="on gloo nothing is dumped: enable_nccl_diagnostics() only sets NCCL flight-"
-                                       "recorder variables; no Python stack dump or gloo trace lands in the run dir")
 def test_skipped_collective_leaves_traces_in_the_run_directory(skipped):
     rc, doc = skipped["diagnosis"]
     files = [p for p in skipped["run"].rglob("*") if p.is_file() and p.stat().st_size > 0
@@ -237,8 +233,6 @@ def test_skipped_collective_leaves_traces_in_the_run_directory(skipped):
 
 # --- disk full while checkpointing ----------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="checkpoint.save() catches OSError only; torch.save reports ENOSPC as "
-                                       "RuntimeError ('file write failed' / 'unexpected pos'), which ends the job")
 def test_disk_full_keeps_the_previous_checkpoint_latest_and_loadable(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs as the checkpoint folder needs root")
@@ -266,7 +260,7 @@ def _disk_full_scenario(runs: Path, ckpt: Path) -> None:
     assert (ckpt / "latest").read_text().strip() == first
     assert rc == 0, f"a full disk while checkpointing stopped training:\n{out[-3000:]}"
     assert "failed" in out and "still points to " + first in out
-    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", first], "a half-written checkpoint was left"
+    assert sorted(p.name for p in ckpt.iterdir()) == sorted(["latest", first]), "a half-written checkpoint was left"
 
     again = start(runs, "d2", *overrides, "checkpoint.resume=true")
     rc, out = again.wait()

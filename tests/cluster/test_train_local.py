@@ -92,9 +92,13 @@ def test_two_ranks_reach_90_percent_on_digits(reference):
         assert [s["step"] for s in steps] == list(range(1, 15 * STEPS_PER_EPOCH + 1))
         assert {"epoch", "loss", "lr", "loss_scale", "overflow", "step_time", "samples", "samples_per_s",
                 "grad_norm", "t", "rank", "host"} <= set(steps[-1])
-        assert records(run, rank, "end")[-1]["status"] == "complete"
+        end = records(run, rank, "end")[-1]
+        assert end["status"] == "complete" and "peak_mem_mb" in end and end["peak_mem_mb"] is None  # CPU
         env = json.loads((run / "env" / f"rank-{rank}.json").read_text())
         assert env["RANK"] == str(rank) and env["OMPI_COMM_WORLD_RANK"] == str(rank)
+        assert set(env["versions"]) == {"python", "torch", "deepspeed", "dscluster"}
+    assert "peak_mem_mb" in summary
+    assert not (run / "traces").exists(), "a healthy run leaves no (empty) stack-dump files"
     assert steps[-1]["loss"] < steps[0]["loss"]
     evals = records(run, 0, "eval")
     assert len(evals) == 15 and evals[-1]["accuracy"] == summary["accuracy"]
@@ -162,7 +166,10 @@ def test_a_rank_missing_a_collective_times_out_instead_of_hanging(tmp_path):
                               fault="skip_collective:rank=1,step=3", timeout=240)
     assert rc != 0
     summary = json.loads((tmp_path / "stuck" / "summary.json").read_text())
-    assert summary["status"] == "failed" and summary["failed_rank"] == 0
+    # rank 0 only waited: it must not name itself; the run directory names rank 1 (diagnose)
+    assert summary["status"] == "failed" and summary["failed_rank"] is None and summary["failed_host"] is None
+    assert summary["error"].startswith("a collective failed: another rank died or never joined"), summary["error"]
+    assert "dscluster diagnose" in summary["error"] and summary["steps"] == 2
     end = records(tmp_path / "stuck", 0, "end")[-1]
     step2 = [r for r in records(tmp_path / "stuck", 0, "step") if r["step"] == 2][0]
     assert end["t"] - step2["t"] < 8 + 20, "the peer waited far longer than dist.timeout_s"

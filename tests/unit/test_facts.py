@@ -99,3 +99,14 @@ def test_real_two_h200_host_reports_nvlink_and_keeps_p2p():
     assert f.topology.pairs() == [("GPU0", "GPU1", "NV18")]
     assert f.topology.nvlink() and not f.topology.only_host_bridge()
     assert f.python.nccl == "2.28.9" and f.python.cuda_available is True
+
+
+def test_real_4gpu_nvlink_topology_and_gpus():
+    """Recorded on a 4x H200 host: all pairs NV18, so P2P stays on and check reports NVLink."""
+    topo = parse_topology((DATA / "h200-4gpu" / "topo-m.txt").read_text())
+    assert topo.gpus == ["GPU0", "GPU1", "GPU2", "GPU3"]
+    assert len(topo.pairs()) == 6 and {k for _, _, k in topo.pairs()} == {"NV18"}
+    assert topo.nvlink() and not topo.only_host_bridge()
+    gpus = parse_nvidia_smi_gpus((DATA / "h200-4gpu" / "query-gpu.csv").read_text())
+    assert [g.name for g in gpus] == ["NVIDIA H200"] * 4
+    assert len({g.uuid for g in gpus}) == 4

@@ -90,3 +90,21 @@ def test_amp_bf16_uses_deepspeed_torch_autocast_with_fp32_weights():
     assert "bf16" not in ds and "fp16" not in ds
     # fp16 keeps DeepSpeed's own dynamic loss scaling (the guard reads its scale)
     assert "torch_autocast" not in build_ds_config(cfg, plan, "fp16", on_gpu=True)
+
+
+def test_range_errors_name_the_line_or_the_override_that_set_the_value(tmp_path):
+    from dscluster.train.config import ConfigValueError
+
+    p = write(tmp_path, "seed: 1\ndata:\n  holdout_fraction: 1.5\nepochs: 3\n")
+    with pytest.raises(ConfigValueError) as e:
+        load_config(p)
+    assert str(e.value).startswith(f"{p}:3: data.holdout_fraction must be between 0 and 1")
+    assert e.value.key == "data.holdout_fraction" and e.value.exit_code == 2
+    # an override wins over the file line it replaced
+    with pytest.raises(ConfigValueError) as e:
+        load_config(p, ["data.holdout_fraction=0.2", "epochs=0"])
+    assert str(e.value) == "override 'epochs=0': epochs must be at least 1, got 0"
+    # a cross-field rule names whichever of its keys was set
+    with pytest.raises(ConfigValueError) as e:
+        load_config(write(tmp_path, "model:\n  num_heads: 5\n"))
+    assert str(e.value).startswith(f"{p}:2: model.embed_dim=96 does not divide by model.num_heads=5")

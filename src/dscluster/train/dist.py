@@ -131,9 +131,52 @@ def prepare_accelerator(env: dict | None = None) -> bool:
     return has_cuda
 
 
+def default_extensions_dir(env: dict | None = None) -> str:
+    """Set TORCH_EXTENSIONS_DIR (when unset) to a per-user cache keyed by Python and torch version.
+
+    Any op DeepSpeed JIT-compiles is then built once per user and reused by every later run
+    and every rank of that user on the node, instead of once per differing directory."""
+    import torch
+
+    env = os.environ if env is None else env
+    if not env.get("TORCH_EXTENSIONS_DIR"):
+        base = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}"
+        env["TORCH_EXTENSIONS_DIR"] = str(base / "dscluster" / "torch_extensions" / tag)
+    return env["TORCH_EXTENSIONS_DIR"]
+
+
+def skip_cpu_shm_build() -> bool:
+    """Stop DeepSpeed's CPU backend from JIT-compiling its shared-memory all-reduce op.
+
+    deepspeed.comm.torch.TorchBackend.__init__ calls build_shm_op(), which compiles the
+    ShareMemComm C++ op on the CPU accelerator. Training never uses it: only
+    inference_all_reduce does, and without the op that falls back to
+    torch.distributed.all_reduce (it checks torch.ops.deepspeed.inference_all_reduce_ and
+    shm_vector_kernel_level, both absent then). The build took minutes per rank on a loaded
+    2-core node whenever a rank had no cached copy (a fresh home, another
+    TORCH_EXTENSIONS_DIR), all before the first step. Returns whether the patch was applied.
+    """
+    import importlib
+
+    try:
+        # by module path: the attribute `deepspeed.comm.torch` is the torch package itself
+        ds_torch = importlib.import_module("deepspeed.comm.torch")
+        from deepspeed.accelerator import get_accelerator
+    except ImportError:
+        return False
+    if get_accelerator().device_name() != "cpu" or not hasattr(ds_torch, "build_shm_op"):
+        return False
+    ds_torch.build_shm_op = lambda: None
+    return True
+
+
 def init_process_group(info: RankInfo, backend: str, timeout_s: float) -> None:
     """deepspeed.init_distributed with an explicit backend and a bring-up-sized timeout."""
     import deepspeed
+
+    default_extensions_dir()
+    skip_cpu_shm_build()
 
     deepspeed.init_distributed(
         dist_backend=backend,
@@ -142,6 +185,39 @@ def init_process_group(info: RankInfo, backend: str, timeout_s: float) -> None:
         rank=info.rank,
         world_size=info.world_size,
     )
+
+
+# What a surviving rank sees when a peer died or never joined: the error is about the peer,
+# not about this rank (gloo: connection reset/closed, broken pipe, timed out waiting; NCCL:
+# the watchdog aborted the communicator).
+PEER_FAILURE_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Timed out waiting", "Broken pipe",
+                        "NCCL communicator was aborted")
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """True when `e` (or what caused it) is a collective failing because another rank is gone."""
+    seen = 0
+    while e is not None and seen < 5:
+        if isinstance(e, RuntimeError) and any(m in str(e) for m in PEER_FAILURE_MARKERS):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
+
+
+def dump_flight_recorder(trace_dir: Path, rank: int) -> Path | None:
+    """Write torch's flight recorder (the last collectives of every process group, gloo or NCCL)
+    to trace_dir/nccl_trace_rank_R, where `dscluster diagnose` compares ranks' sequence numbers.
+    Must run before the process group is destroyed; never raises (it serves a failing run)."""
+    try:
+        import torch._C._distributed_c10d as c10d
+
+        data = c10d._dump_fr_trace(True, True, False)
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        path = trace_dir / f"nccl_trace_rank_{rank}"
+        path.write_bytes(data)
+        return path
+    except Exception:
+        return None
 
 
 def destroy() -> None:

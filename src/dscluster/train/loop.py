@@ -5,7 +5,9 @@ Order of events: rank detection and env → run directory (env snapshot) → pro
 per epoch: equal-step check, steps (metrics per step, loss scale guard), held-out eval on
 rank 0 between barriers, checkpoint → summary. Any exception still writes the `end`
 record and, where this rank knows the story, a failed summary.json; the process group is
-destroyed in `finally`.
+destroyed in `finally`. Every rank keeps RUN_DIR/traces/rank-R.txt open for Python stack
+dumps (SIGUSR1, SIGTERM, exceptions); a failing rank also dumps torch's flight recorder to
+RUN_DIR/nccl_trace/ before the group is destroyed, on gloo as on NCCL.
 
 Host syncs: loss values stay on the device and are read back in one go every `log_every`
 steps (fp16's overflow flag and scale are host values already: DeepSpeed syncs for them).
@@ -18,6 +20,7 @@ import math
 import os
 import signal
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,12 +87,12 @@ def evaluate(engine, dataset, dtype, device, channels_last: bool, batch: int = 2
 def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
     """Run training (or an fp16 loss-scale calibration) on this rank."""
     t0 = time.time()
-    if hasattr(faulthandler, "register"):  # `kill -USR1 <pid>` prints every thread's stack: where a hang waits
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
     info = dist.detect_ranks()
     run_id = runinfo.resolve_run_id()
     rdir = runinfo.run_dir()
+    traces = _Traces(rdir, info.rank)
     has_cuda = dist.prepare_accelerator()
+    dist.default_extensions_dir()  # before the env snapshot, so it shows where JIT ops are cached
     if not has_cuda and not os.environ.get("OMP_NUM_THREADS"):
         # ranks sharing a host share its cores; oversubscribed OpenMP threads spin and crawl
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, info.local_world_size)))
@@ -104,12 +107,14 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
     log.write_env()
     out = Outcome(status="failed", run_dir=rdir)
     facts: dict = {"run_id": run_id, "world_size": info.world_size, "hosts": [host], "model": cfg.model.name,
-                   "dataset": cfg.data.dataset, "epochs": cfg.epochs, "overflow_steps": 0}
+                   "dataset": cfg.data.dataset, "epochs": cfg.epochs, "steps": 0, "overflow_steps": 0}
+    has_cuda_device = False
     try:
         device = torch.device(f"cuda:{info.local_rank % max(1, torch.cuda.device_count())}") if has_cuda \
             else torch.device("cpu")
         if has_cuda:
             torch.cuda.set_device(device)
+            has_cuda_device = True
         backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if has_cuda else "gloo")
         dist.init_process_group(info, backend, cfg.dist.timeout_s)
         hosts = dist.all_gather_strings(host)
@@ -128,28 +133,102 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
                 "run `dscluster check` so every node gets the cluster-wide DSCLUSTER_PRECISION, or set precision=",
                 failed_ranks=odd, failed_hosts=[hosts[r] for r in odd])
         out = _run(cfg, info, device, precision, hosts, log, rdir, facts, my_fault, calibrate, primary)
-        log.record("end", status="complete", error=None)
+        facts["peak_mem_mb"] = peak_mem_mb(has_cuda_device)
+        log.record("end", status="complete", error=None, peak_mem_mb=facts["peak_mem_mb"])
         if primary and not calibrate:
             log.write_summary(summary_record(status="complete", wall_s=round(time.time() - t0, 3), **facts))
         return out
     except guards.TrainingAborted as e:
-        log.record("end", status="failed", error=str(e))
+        facts["peak_mem_mb"] = peak_mem_mb(has_cuda_device)
+        log.record("end", status="failed", error=str(e), peak_mem_mb=facts["peak_mem_mb"])
         if primary:
             log.write_summary(summary_record(
                 status="failed", wall_s=round(time.time() - t0, 3), failed_rank=e.failed_ranks[0],
                 failed_host=e.failed_hosts[0], error=str(e), failed_ranks=e.failed_ranks, **facts))
         raise
     except BaseException as e:
+        # Before anything else touches the broken group: what every rank's collectives were.
+        dist.dump_flight_recorder(rdir / "nccl_trace", info.rank)
+        traces.exception()
         msg = f"{type(e).__name__}: {e}" if not isinstance(e, DsclusterError) else str(e)
-        log.record("end", status="failed", error=msg)
-        log.write_summary(summary_record(status="failed", wall_s=round(time.time() - t0, 3), failed_rank=info.rank,
-                                         failed_host=host, error=msg, **facts),
+        failed_rank, failed_host = info.rank, host
+        if dist.is_peer_failure(e):
+            # This rank is the survivor: the collective failed because a peer is gone. Which one
+            # shows in the run directory (its metrics stop without an end record, the traces).
+            failed_rank = failed_host = None
+            msg = (f"a collective failed: another rank died or never joined (`dscluster diagnose {rdir}` "
+                   f"names it): {msg}")
+        facts["peak_mem_mb"] = peak_mem_mb(has_cuda_device)
+        log.record("end", status="failed", error=msg, peak_mem_mb=facts["peak_mem_mb"])
+        log.write_summary(summary_record(status="failed", wall_s=round(time.time() - t0, 3), failed_rank=failed_rank,
+                                         failed_host=failed_host, error=msg, **facts),
                           only_if_absent_or_not_failed=not primary)
         raise
     finally:
         _Progress.stop_all()
         log.close()
         dist.destroy()
+        traces.close()
+
+
+def peak_mem_mb(on_cuda: bool) -> float | None:
+    """Peak GPU memory this process allocated (MiB); None on CPU, where there is no device pool."""
+    if not on_cuda:
+        return None
+    try:
+        return round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    except Exception:
+        return None
+
+
+class _Traces:
+    """RUN_DIR/traces/rank-R.txt: Python stacks of every thread when the rank is stuck or dies.
+
+    `kill -USR1 <pid>` writes them without stopping the rank (where does a hang wait?); a
+    SIGTERM (mpirun tearing the job down) writes them and then terminates as before; an
+    exception writes them plus its traceback. `dscluster diagnose` lists the files. Works on
+    any backend (the flight recorder in nccl_trace/ covers the collectives themselves).
+    """
+
+    def __init__(self, run_dir: Path, rank: int):
+        self.path = Path(run_dir) / "traces" / f"rank-{rank}.txt"
+        self.file = None
+        self.signals: list[int] = []
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(self.path, "a", encoding="utf-8")
+        except OSError:
+            return
+        if hasattr(faulthandler, "register"):
+            faulthandler.register(signal.SIGUSR1, file=self.file, all_threads=True)
+            faulthandler.register(signal.SIGTERM, file=self.file, all_threads=True, chain=True)
+            self.signals = [signal.SIGUSR1, signal.SIGTERM]
+
+    def exception(self) -> None:
+        if self.file is None:
+            return
+        try:
+            self.file.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}: exception, all threads\n")
+            self.file.flush()
+            faulthandler.dump_traceback(file=self.file, all_threads=True)
+            traceback.print_exc(file=self.file)
+            self.file.flush()
+        except (OSError, ValueError):
+            pass
+
+    def close(self) -> None:
+        for sig in self.signals:
+            faulthandler.unregister(sig)
+        self.signals = []
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+            try:
+                if self.path.stat().st_size == 0:  # nothing happened: no empty files in a healthy run
+                    self.path.unlink()
+                    self.path.parent.rmdir()
+            except OSError:
+                pass
 
 
 def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Path, facts: dict,
@@ -164,7 +243,7 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
     b = build(cfg, info, device, precision)
     engine, sampler = b.engine, b.sampler
     spe = sampler.steps_per_epoch
-    facts.update(global_batch=sum(b.shares) * b.plan.grad_accum, steps=0)
+    facts.update(global_batch=sum(b.shares) * b.plan.grad_accum)
     for note in b.notes:
         if primary:
             console.err.print(f"[dim]dscluster train: {note}[/dim]")
@@ -187,6 +266,7 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
             if primary:
                 console.err.print(f"dscluster train: resumed from {ckpt_dir}/{tag} at global step {pos.global_step}")
     epoch, start_step, global_step = pos.epoch, pos.step_in_epoch, pos.global_step
+    facts["steps"] = global_step
     if start_step >= spe:
         epoch, start_step = epoch + 1, 0
 
@@ -255,6 +335,7 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
                 train_seconds += dt  # throughput leaves out warm-up (allocator, autotune, compile)
                 timed_steps += 1
             facts["overflow_steps"] += overflow
+            facts["steps"] = global_step  # what a failed run's summary reports as reached
             out.scale_history.append((scale, overflow))
             pending.append({"step": global_step, "epoch": epoch, "lr": float(engine.get_lr()[0]),
                             "loss_scale": scale, "overflow": overflow, "step_time": dt, "samples": samples,

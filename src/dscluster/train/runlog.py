@@ -9,21 +9,38 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 from dscluster import runinfo
 from dscluster.fsutil import JsonlWriter, atomic_write_json
 
-_ENV_PREFIXES = ("NCCL_", "GLOO_", "MASTER_", "OMPI_COMM_WORLD_", "DSCLUSTER_", "TORCH_NCCL_", "SLURM_", "PMI_")
+_ENV_PREFIXES = ("NCCL_", "GLOO_", "MASTER_", "OMPI_COMM_WORLD_", "DSCLUSTER_", "TORCH_NCCL_", "TORCH_FR_", "SLURM_",
+                 "PMI_")
 _ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "PMIX_RANK", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-             "DS_ACCELERATOR", "PMIX_NAMESPACE", "OMP_NUM_THREADS")
+             "DS_ACCELERATOR", "PMIX_NAMESPACE", "OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR")
 
 
 def effective_env(env: dict | None = None) -> dict:
     env = os.environ if env is None else env
     return {k: v for k, v in sorted(env.items()) if k in _ENV_KEYS or k.startswith(_ENV_PREFIXES)
             and "PASSWORD" not in k}
+
+
+def software_versions() -> dict[str, str | None]:
+    """What ran: a rank on a node with another torch/DeepSpeed behaves differently (diagnose compares)."""
+    import platform
+    from importlib import metadata
+
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in ("torch", "deepspeed", "dscluster"):
+        mod = sys.modules.get(name)  # an imported module's own version names the build (torch: +cu130)
+        try:
+            out[name] = getattr(mod, "__version__", None) or metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
 
 
 class RunLog:
@@ -40,7 +57,7 @@ class RunLog:
 
     def write_env(self) -> None:
         snap = effective_env()
-        snap.update({"host": self.host, "pid": os.getpid()})
+        snap.update({"host": self.host, "pid": os.getpid(), "versions": software_versions()})
         atomic_write_json(self.run_dir / runinfo.ENV_DIR / f"rank-{self.rank}.json", snap)
 
     def write_summary(self, summary: dict, *, only_if_absent_or_not_failed: bool = False) -> None:

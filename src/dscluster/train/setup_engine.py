@@ -8,6 +8,7 @@ the engine.
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass, field
 
@@ -63,6 +64,15 @@ def lr_lambda(cfg: TrainConfig, total_steps: int):
     return f
 
 
+def needs_memory_fit(cfg: TrainConfig, device_type: str) -> bool:
+    """Whether this rank measures its largest micro-batch before training.
+
+    micro_batch=auto needs it; so does balanced batching on GPU whatever micro_batch says:
+    the share plan gives fast ranks more than micro_batch, and each share must still fit
+    its own card, so every rank's fit is the plan's cap."""
+    return cfg.micro_batch == "auto" or (cfg.batching == "balanced" and device_type == "cuda")
+
+
 def _auto_micro(cfg: TrainConfig, model, splits, device, dtype, notes: list[str]) -> int | None:
     """Largest micro-batch that fits this rank's GPU (None on CPU: no memory limit to find)."""
     if device.type != "cuda":
@@ -95,8 +105,9 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
     autofit.set_memory_cap(cfg.memory_cap_gb, device)
 
     fit: int | None = None
-    if cfg.micro_batch == "auto":
+    if needs_memory_fit(cfg, device.type):
         fit = _auto_micro(cfg, model, splits, device, dtype, notes)
+    if cfg.micro_batch == "auto":
         if fit is None:
             micro = 32
         else:
@@ -135,7 +146,11 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
     opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
                             betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, fused=fused or None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds_cfg,
+    # entry_cn.sh may map one GPU per rank (device cuda:0) while LOCAL_RANK keeps the real local
+    # rank, which DeepSpeed would use as the device index: name the device explicitly. On CPU pass
+    # nothing (device_rank=-1 would make DeepSpeed treat the job as a single process).
+    ds_args = argparse.Namespace(device_rank=device.index or 0) if device.type == "cuda" else None
+    engine, _, _, _ = deepspeed.initialize(args=ds_args, model=model, optimizer=opt, lr_scheduler=sched, config=ds_cfg,
                                            dist_init_required=False)
     dist.apply_timeout_everywhere(cfg.dist.timeout_s)
     if cfg.compile:
