@@ -75,7 +75,10 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     lr: float = 1e-3
-    """Peak learning rate of AdamW."""
+    """Peak learning rate of AdamW (at lr_reference_batch, when that is set)."""
+    lr_reference_batch: int | None = None
+    """Linear LR scaling (Goyal et al. 2017): the peak LR is lr × global_batch / lr_reference_batch,
+    so one preset learns alike on 2 or 5 ranks. None: lr as given."""
     weight_decay: float = 0.05
     """AdamW decoupled weight decay."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -380,6 +383,8 @@ def validate(cfg: TrainConfig) -> None:
         raise E("grad_accum", f"grad_accum must be at least 1, got {cfg.grad_accum}")
     if cfg.global_batch is not None and cfg.global_batch < 1:
         raise E("global_batch", f"global_batch must be at least 1, got {cfg.global_batch}")
+    if cfg.optim.lr_reference_batch is not None and cfg.optim.lr_reference_batch < 1:
+        raise E("optim.lr_reference_batch", f"optim.lr_reference_batch must be at least 1, got {cfg.optim.lr_reference_batch}")
     if cfg.dist.timeout_s <= 0:
         raise E("dist.timeout_s", f"dist.timeout_s must be a positive number of seconds, got {cfg.dist.timeout_s}")
     if cfg.model.name == "vit_small_image" and cfg.model.embed_dim % cfg.model.num_heads:

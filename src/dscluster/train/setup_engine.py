@@ -143,7 +143,7 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
     total = spe * cfg.epochs if cfg.max_steps <= 0 else min(cfg.max_steps, spe * cfg.epochs)
     ds_cfg = build_ds_config(cfg, plan, precision, on_gpu=device.type == "cuda")
     fused = cfg.optim.fused == "true" or (cfg.optim.fused == "auto" and device.type == "cuda")
-    opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
+    opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=peak_lr(cfg, plan.global_batch),
                             betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, fused=fused or None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
     # entry_cn.sh may map one GPU per rank (device cuda:0) while LOCAL_RANK keeps the real local
@@ -158,6 +158,13 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
     return Built(engine=engine, sampler=sampler, splits=splits, plan=plan, shares=shares, loss_weight=weight,
                  ds_config=ds_cfg, dtype=dtype, params=count_params(model), total_steps=total,
                  share_plan=share_plan, notes=notes)
+
+
+def peak_lr(cfg: TrainConfig, global_batch: int) -> float:
+    """The configured LR, scaled linearly with the global batch when lr_reference_batch is set."""
+    if cfg.optim.lr_reference_batch:
+        return cfg.optim.lr * global_batch / cfg.optim.lr_reference_batch
+    return cfg.optim.lr
 
 
 def _balanced_shares(cfg, info, micro, fit, model, splits, device, dtype):
