@@ -23,7 +23,7 @@ def test_unknown_key_names_file_line_and_valid_keys(tmp_path):
         load_config(p)
     msg = str(e.value)
     assert f"{p}:4:" in msg and "'optim.learning_rate'" in msg
-    assert "lr, weight_decay" in msg
+    assert "lr, lr_reference_batch, weight_decay" in msg
 
 
 def test_bad_type_names_line(tmp_path):
@@ -77,7 +77,10 @@ def test_ds_config_per_precision():
     assert ds["fp16"]["initial_scale_power"] == 12 and ds["fp16"]["loss_scale"] == 0
     assert ds["zero_optimization"]["stage"] == 2 and ds["zero_optimization"]["overlap_comm"] is True
     assert "fp16" not in build_ds_config(cfg, plan, "bf16", on_gpu=True)
-    assert build_ds_config(cfg, plan, "bf16", on_gpu=True)["bf16"] == {"enabled": True}
+    # bf16 defaults to amp (DeepSpeed's torch_autocast); amp=false gives bf16 weights
+    assert build_ds_config(cfg, plan, "bf16", on_gpu=True)["torch_autocast"]["dtype"] == "bfloat16"
+    weights = load_config(None, ["amp=false"])
+    assert build_ds_config(weights, plan, "bf16", on_gpu=True)["bf16"] == {"enabled": True}
     fp32 = build_ds_config(load_config(None), plan, "fp32", on_gpu=False)
     assert "fp16" not in fp32 and "bf16" not in fp32
 
@@ -108,3 +111,14 @@ def test_range_errors_name_the_line_or_the_override_that_set_the_value(tmp_path)
     with pytest.raises(ConfigValueError) as e:
         load_config(write(tmp_path, "model:\n  num_heads: 5\n"))
     assert str(e.value).startswith(f"{p}:2: model.embed_dim=96 does not divide by model.num_heads=5")
+
+
+def test_linear_lr_scaling_with_the_global_batch():
+    from dscluster.train.setup_engine import peak_lr
+
+    cfg = load_config(None, ["optim.lr=0.002", "optim.lr_reference_batch=64"])
+    assert peak_lr(cfg, 64) == pytest.approx(0.002)
+    assert peak_lr(cfg, 96) == pytest.approx(0.003)
+    assert peak_lr(load_config(None, ["optim.lr=0.002"]), 96) == pytest.approx(0.002)
+    with pytest.raises(UsageError, match="override 'optim.lr_reference_batch=0'"):
+        load_config(None, ["optim.lr_reference_batch=0"])
