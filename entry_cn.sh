@@ -138,6 +138,16 @@ if [ "$#" -eq 0 ]; then
   if [ -f configs/digits.yaml ]; then set -- --config configs/digits.yaml
   else set -- --config "$REPO/configs/digits.yaml"; fi
 fi
+# A relative --config that is not here but is in the repository (ranks start in the launch
+# directory, which may not be the repo root) means the repository's preset.
+args=()
+while [ "$#" -gt 0 ]; do
+  if [ "$1" = "--config" ] && [ "$#" -ge 2 ] && [ ! -e "$2" ] && [ "${2#/}" = "$2" ] && [ -f "$REPO/$2" ]; then
+    args+=("--config" "$REPO/$2"); shift 2; continue
+  fi
+  args+=("$1"); shift
+done
+set -- "${args[@]}"
 # Not exec: the traps above must outlive training to stop the sampler.
 dscluster train "$@" &
 TRAIN_PID=$!
