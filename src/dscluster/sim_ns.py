@@ -114,7 +114,7 @@ def wait_for(predicate, timeout: float, interval: float = 0.02) -> bool:
 def anchor_script(*, hostname: str, nodedir: Path) -> str:
     """Shell run inside the node's new namespaces. Overlays, not edits: the host's /etc and
     /root stay untouched; the node sees its own passwd/shadow/hosts/ssh keys on top of them and
-    a /root that is mode 711 (the venv's python lives under /root/.pyenv; the lab user must be
+    a /root that is mode 711 (a venv's python may live under a pyenv in /root; the lab user must be
     able to traverse /root to run it, as on a workstation where Python was installed there)."""
     n = str(nodedir)
     return f"""#!/bin/sh
