@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -171,8 +173,27 @@ def exec_command(args: argparse.Namespace) -> int:
     # Pass our stdin/stdout through (interactive use), so this does not go through Lab.run.
     argv = lab.command(node.name, cmd, user="root" if args.root else None)
     env = lab._env("root" if args.root else None, None)
+    # Its own process group, so a timeout or Ctrl-C stops CMD's children (mpirun, ranks) too.
+    proc = subprocess.Popen(argv, env=env, process_group=0)
     try:
-        return subprocess.run(argv, env=env, timeout=args.timeout).returncode
+        return proc.wait(timeout=args.timeout)
     except subprocess.TimeoutExpired:
+        _kill_group(proc, signal.SIGKILL)
         print(f"dscluster sim exec: {' '.join(cmd)} killed after {args.timeout:.0f} s", file=sys.stderr)
         return 124
+    except KeyboardInterrupt:
+        _kill_group(proc, signal.SIGINT)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc, signal.SIGKILL)
+        raise
+
+
+def _kill_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        return
+    if sig == signal.SIGKILL:
+        proc.wait()

@@ -142,6 +142,18 @@ def test_cli_exec_runs_in_the_node_and_returns_the_commands_exit_code(lab):
     assert [n["ssh_port_open"] for n in st["nodes"]] == [True, True, True]
 
 
+def test_cli_exec_timeout_stops_the_commands_children_too(lab):
+    cli = [sys.executable, "-m", "dscluster", "sim"]
+    marker = "sleep 4242"
+    t0 = time.time()
+    res = subprocess.run([*cli, "exec", "node2", "--lab", LAB, "--timeout", "2", "--", "sh", "-c",
+                          f"{marker} & {marker} & wait"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 124 and "killed after 2 s" in res.stderr
+    assert time.time() - t0 < 30
+    left = lab.run("node2", ["pgrep", "-f", marker], user="root")
+    assert left.stdout.strip() == "", f"children outlived the timeout: {left.stdout}"
+
+
 def test_non_root_user_gets_exit_2_with_the_reason(lab):
     for args in (["sim", "up", "--lab", "nope"], ["sim", "status", "--lab", LAB], ["sim", "down", "--lab", LAB]):
         res = lab.run("node1", [".venv/bin/dscluster", *args], timeout=60)
