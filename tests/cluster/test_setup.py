@@ -21,16 +21,8 @@ LAB = "setuplab"
 
 
 @pytest.fixture(scope="module")
-def lab():
-    if os.geteuid() != 0:
-        pytest.skip("needs root to build the simulated lab (network namespaces, sshd per node)")
-    from dscluster import sim
-
-    lab = sim.up(nodes=3, slots=1, lab=LAB)
-    try:
-        yield lab
-    finally:
-        sim.down(LAB)
+def lab(lab_factory):
+    return lab_factory(LAB)
 
 
 def _state(lab) -> str:
