@@ -30,6 +30,9 @@ SCENARIOS = [
     ("accum2_two_steps_unweighted", 2, 2, False, 0.0, 0.9),
     ("one_step_clipped", 1, 1, True, 0.05, 0.0),
 ]
+# The same through dscluster's ZeRO-0 overlap path: torch DDP reduces inside the engine
+# (DeepSpeed's all-reduce off, no_sync on non-boundary micro-steps, dscluster clips).
+DDP_SCENARIOS = ["one_step", "accum2_two_steps", "one_step_clipped"]
 LR = 0.5
 
 
@@ -79,9 +82,14 @@ def worker(out_dir: Path) -> None:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     deepspeed.init_distributed(dist_backend="gloo")
+    import contextlib
+
+    from dscluster.train.setup_engine import wrap_for_overlap
+
     x, y = make_data()
     results = {}
-    for name, accum, steps, weighted, clip, momentum in SCENARIOS:
+    runs = [(s, False) for s in SCENARIOS] + [(_scenario(n), True) for n in DDP_SCENARIOS]
+    for (name, accum, steps, weighted, clip, momentum), ddp in runs:
         model = make_model()
         b = SHARES[rank]
         ds_config = {
@@ -89,22 +97,30 @@ def worker(out_dir: Path) -> None:
             "train_micro_batch_size_per_gpu": b,
             "gradient_accumulation_steps": accum,
             "train_batch_size": b * accum * world,
-            "gradient_clipping": clip,
+            "gradient_clipping": 0.0 if ddp else clip,
             "zero_optimization": {"stage": 0},
             "steps_per_print": 10**9,
         }
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+        wrapped = wrap_for_overlap(model, torch.device("cpu")) if ddp else None
+        engine, _, _, _ = deepspeed.initialize(model=wrapped or model, optimizer=opt, config=ds_config)
+        if ddp:
+            engine.enable_backward_allreduce = False
         sampler = BalancedBatchSampler(DATASET, SHARES, rank, seed=SEED)
         batches = iter(sampler)
         weight = loss_weight(b, world, sum(SHARES)) if weighted else 1.0
-        for _ in range(steps * accum):
+        for micro in range(steps * accum):
             idx = next(batches)
-            loss = torch.nn.functional.cross_entropy(engine(x[idx]), y[idx]) * weight
-            engine.backward(loss)
+            boundary = (micro + 1) % accum == 0
+            with wrapped.no_sync() if ddp and not boundary else contextlib.nullcontext():
+                loss = torch.nn.functional.cross_entropy(engine(x[idx]), y[idx]) * weight
+                engine.backward(loss)
+            if ddp and boundary and clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
             engine.step()
-        results[name] = {k: v.tolist() for k, v in engine.module.state_dict().items()}
-        results[name + ":global_steps"] = engine.global_steps
+        key = name + (":ddp" if ddp else "")
+        results[key] = {k: v.tolist() for k, v in engine.module.state_dict().items()}
+        results[key + ":global_steps"] = engine.global_steps
     (out_dir / f"rank-{rank}.json").write_text(json.dumps(results))
     torch.distributed.destroy_process_group()
 
@@ -162,6 +178,16 @@ def test_weighted_ranks_match_one_process_on_the_concatenated_batch(ranks, name)
     for rank, got in enumerate(ranks):
         assert got[name + ":global_steps"] == steps
         assert _max_diff(got[name], want) < 1e-6, f"rank {rank} differs from the single-process reference"
+
+
+@pytest.mark.parametrize("name", DDP_SCENARIOS)
+def test_the_ddp_overlap_path_gives_the_same_exact_update(ranks, name):
+    _, accum, steps, _, clip, momentum = _scenario(name)
+    want = reference(accum, steps, clip, momentum)
+    for rank, got in enumerate(ranks):
+        assert got[name + ":ddp:global_steps"] == steps
+        assert set(got[name + ":ddp"]) == set(want)  # checkpoint keys are the model's, no "module." prefix
+        assert _max_diff(got[name + ":ddp"], want) < 1e-6, f"rank {rank} (DDP path) differs from the reference"
 
 
 @pytest.mark.parametrize("name", ["one_step_unweighted", "accum2_two_steps_unweighted"])

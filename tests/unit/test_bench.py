@@ -44,6 +44,19 @@ def test_bench_overrides_are_valid_dscluster_train_keys(model):
     assert bal.batching == "balanced"
 
 
+def test_memory_cap_uniform_run_fits_the_small_card_and_keeps_the_global_batch():
+    """Uniform batching beside an 8 GB rank: auto-fit to it, same global batch as the balanced run."""
+    from dscluster.train.config import load_config
+
+    opts = mixed.MixedBenchOptions(gpus=4, micro_batch=128, memory_cap_gb=8, scenarios=["memory-cap"])
+    uni = load_config(None, mixed.train_overrides(opts, "uniform", "memory-cap"))
+    bal = load_config(None, mixed.train_overrides(opts, "balanced", "memory-cap"))
+    assert uni.micro_batch == "auto" and uni.global_batch == 4 * 128
+    assert bal.micro_batch == 128 and bal.global_batch is None  # shares sum to 4 × 128, each within its fit
+    busy = load_config(None, mixed.train_overrides(opts, "uniform", "busy-gpu"))
+    assert busy.micro_batch == 128
+
+
 def test_ds_command_is_torchrun_on_dscluster_train():
     opts = vit.VitBenchOptions(model="tiny", steps=3, warmup=1, config="configs/bench.yaml")
     argv = vit.ds_command(opts, 2, 29999)

@@ -91,8 +91,22 @@ def test_amp_bf16_uses_deepspeed_torch_autocast_with_fp32_weights():
     ds = build_ds_config(cfg, plan, "bf16", on_gpu=True)
     assert ds["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
     assert "bf16" not in ds and "fp16" not in ds
-    # fp16 keeps DeepSpeed's own dynamic loss scaling (the guard reads its scale)
-    assert "torch_autocast" not in build_ds_config(cfg, plan, "fp16", on_gpu=True)
+    # dscluster clips the fp32 parameters itself; DeepSpeed's clip (per-parameter kernels, host syncs) is off
+    assert ds["gradient_clipping"] == 0.0 and ds["timers"]["throughput"]["enabled"] is False
+
+
+def test_fp16_amp_on_zero0_uses_torch_autocast_and_deepspeed_fp16_elsewhere():
+    plan = plan_batch(16, 1, None, 2)
+    amp = build_ds_config(load_config(None, ["amp=true"]), plan, "fp16", on_gpu=True)
+    assert amp["torch_autocast"] == {"enabled": True, "dtype": "float16"} and "fp16" not in amp
+    assert amp["gradient_clipping"] == 0.0
+    # ZeRO 1/2 and amp=false: DeepSpeed's fp16 optimizer with its dynamic scaler, and DeepSpeed clips
+    for over in (["zero_stage=1"], ["amp=false"]):
+        ds = build_ds_config(load_config(None, over + ["optim.grad_clip=0.5"]), plan, "fp16", on_gpu=True)
+        assert "torch_autocast" not in ds and ds["fp16"]["enabled"] is True
+        assert ds["gradient_clipping"] == 0.5
+    # bf16 weights: DeepSpeed's bf16 optimizer clips its fp32 master copies
+    assert build_ds_config(load_config(None, ["amp=false"]), plan, "bf16", on_gpu=True)["gradient_clipping"] == 1.0
 
 
 def test_range_errors_name_the_line_or_the_override_that_set_the_value(tmp_path):

@@ -80,11 +80,17 @@ def validate(opts: MixedBenchOptions, device_count: int | None) -> None:
         raise UsageError(f"--steps {opts.steps} / --micro-batch {opts.micro_batch}: need ≥ 2 steps and ≥ 1 sample")
 
 
-def train_overrides(opts: MixedBenchOptions, batching: str) -> list[str]:
+def train_overrides(opts: MixedBenchOptions, batching: str, scenario: str = "busy-gpu") -> list[str]:
     total = opts.warmup + opts.steps
+    micro = [f"micro_batch={opts.micro_batch}"]
+    if scenario == "memory-cap" and batching == "uniform":
+        # What uniform batching can do beside a small card: auto-fit to the smallest card and
+        # keep the same global batch by accumulation (micro_batch itself may not fit there).
+        ranks = scenario_layout(opts, scenario)[0]
+        micro = ["micro_batch=auto", f"global_batch={ranks * opts.micro_batch}"]
     return model_overrides(opts.model) + [
         f"batching={batching}",
-        f"micro_batch={opts.micro_batch}",
+        *micro,
         f"precision={opts.precision}",
         f"max_steps={total}",
         "epochs=1",
@@ -112,7 +118,7 @@ def scenario_layout(opts: MixedBenchOptions, scenario: str) -> tuple[int, int, d
 def command(opts: MixedBenchOptions, scenario: str, batching: str, port: int) -> tuple[list[str], dict[str, str]]:
     """mpirun command (one context per distinct per-rank setting) and the extra environment."""
     ranks, gpus, extra = scenario_layout(opts, scenario)
-    base = runner.dscluster_train_module_args(opts.config, train_overrides(opts, batching))
+    base = runner.dscluster_train_module_args(opts.config, train_overrides(opts, batching, scenario))
     contexts: list[runner.AppContext] = []
     for rank in range(ranks):
         argv = [sys.executable, "-m", *base, *extra.get(rank, [])]

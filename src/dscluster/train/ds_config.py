@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from dscluster.errors import UsageError
 from dscluster.train.config import TrainConfig
+from dscluster.train.optstep import amp_dtype, dscluster_clips
 
 
 @dataclass(frozen=True)
@@ -55,9 +56,12 @@ def build_ds_config(cfg: TrainConfig, plan: BatchPlan, precision: str, *, on_gpu
         "train_batch_size": plan.global_batch,
         "train_micro_batch_size_per_gpu": plan.micro_batch,
         "gradient_accumulation_steps": plan.grad_accum,
-        "gradient_clipping": float(cfg.optim.grad_clip),
+        # 0 where dscluster clips itself (train/optstep.py: foreach clip, no host sync)
+        "gradient_clipping": 0.0 if dscluster_clips(cfg, precision) else float(cfg.optim.grad_clip),
         "steps_per_print": 10**9,          # we log ourselves; DeepSpeed's prints sync the host
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer synchronises the device at every forward and step
+        "timers": {"throughput": {"enabled": False}},
         "zero_optimization": {"stage": int(cfg.zero_stage)},
         "zero_allow_untested_optimizer": True,
     }
@@ -69,7 +73,12 @@ def build_ds_config(cfg: TrainConfig, plan: BatchPlan, precision: str, *, on_gpu
             "allgather_bucket_size": bucket,
             "reduce_scatter": True,
         })
-    if precision == "fp16":
+    amp = amp_dtype(cfg, precision)
+    if amp is not None:
+        # fp32 parameters and optimizer; the engine runs forward under torch.autocast(amp). fp16 gets
+        # torch's GradScaler (train/optstep.py sets it up from the fp16 section).
+        ds["torch_autocast"] = {"enabled": True, "dtype": amp}
+    elif precision == "fp16":
         ds["fp16"] = {
             "enabled": True,
             "loss_scale": 0,  # 0 = dynamic
@@ -79,9 +88,6 @@ def build_ds_config(cfg: TrainConfig, plan: BatchPlan, precision: str, *, on_gpu
             "hysteresis": int(cfg.fp16.hysteresis),
             "min_loss_scale": float(cfg.fp16.min_loss_scale),
         }
-    elif precision == "bf16" and getattr(cfg, "amp", False):
-        # fp32 parameters and optimizer; the engine runs forward under torch.autocast(bf16).
-        ds["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     elif precision == "bf16":
         ds["bf16"] = {"enabled": True}
     elif precision != "fp32":

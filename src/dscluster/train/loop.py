@@ -9,12 +9,14 @@ destroyed in `finally`. Every rank keeps RUN_DIR/traces/rank-R.txt open for Pyth
 dumps (SIGUSR1, SIGTERM, exceptions); a failing rank also dumps torch's flight recorder to
 RUN_DIR/nccl_trace/ before the group is destroyed, on gloo as on NCCL.
 
-Host syncs: loss values stay on the device and are read back in one go every `log_every`
-steps (fp16's overflow flag and scale are host values already: DeepSpeed syncs for them).
+Host syncs: loss, gradient norm and (amp fp16) loss scale stay on the device and are read
+back in one go every `log_every` steps; the fp16 guard judges them then. Only DeepSpeed's own
+fp16 optimizer (amp=false or ZeRO 1/2) has host-side scale and overflow: it syncs for them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import math
 import os
@@ -30,8 +32,9 @@ import torch.nn.functional as F
 from dscluster import console, runinfo
 from dscluster.errors import DsclusterError, UsageError
 from dscluster.fsutil import atomic_write_json, atomic_write_text
-from dscluster.train import checkpoint, dist, guards
+from dscluster.train import checkpoint, dist, guards, optstep
 from dscluster.train.config import TrainConfig, to_yaml
+from dscluster.train.optstep import StepBoundary
 from dscluster.train.precision import decide_here
 from dscluster.train.runlog import RunLog, summary_record
 
@@ -48,7 +51,7 @@ class Outcome:
     steps: int = 0
     images_per_s: float | None = None
     run_dir: Path | None = None
-    scale_history: list[tuple[float, bool]] = field(default_factory=list)
+    scale_history: list[tuple[float, bool]] = field(default_factory=list)  # calibration runs only
 
 
 def loss_scale_of(engine) -> float | None:
@@ -59,19 +62,11 @@ def loss_scale_of(engine) -> float | None:
     return None
 
 
-def grad_norm(engine) -> float | None:
-    norm = engine.get_global_grad_norm()
-    if norm is not None:
-        return float(norm)
-    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-    if not grads:
-        return None
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
-
-
 @torch.no_grad()
 def evaluate(engine, dataset, dtype, device, channels_last: bool, batch: int = 256) -> tuple[float, float, int]:
-    module = engine.module
+    from dscluster.train.setup_engine import bare_module
+
+    module = bare_module(engine)  # rank 0 alone: never through a DDP wrapper
     was_training = module.training
     module.eval()
     correct, loss_sum, n = 0, 0.0, len(dataset)
@@ -281,22 +276,33 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
                                       min_scale=cfg.fp16.min_loss_scale, min_scale_steps=cfg.fp16.guard_min_scale_steps,
                                       rank=info.rank, host=log.host)
     total = b.total_steps
+    boundary = StepBoundary(engine, cfg, precision)
     gen = torch.Generator(device=device).manual_seed(cfg.seed * 7919 + info.rank * 104729 + global_step)
     progress = _Progress(primary and cfg.progress and not calibrate, total, global_step)
     out = Outcome(status="complete", run_dir=rdir)
     train_seconds, steps_this_run, timed_steps, accuracy = 0.0, 0, 0, None
     pending: list[dict] = []
-    pending_loss: list[torch.Tensor] = []
+    pending_dev: list[torch.Tensor] = []  # per step on the device: [loss, grad_norm, scale_tried, scale_after]
 
     def flush():
         if not pending:
             return
-        values = torch.stack(pending_loss).float().tolist()  # the one host sync per log window
-        for rec, v in zip(pending, values):
-            rec["loss"] = v
+        values = torch.stack(pending_dev).float().tolist()  # the one host sync per log window
+        for rec, (loss_v, *stats) in zip(pending, values):
+            norm, scale, overflow = optstep.decode(stats)
+            rec["loss"] = loss_v
+            if boundary.device_scale:
+                rec["loss_scale"], rec["overflow"] = scale, overflow
+            if norm is not None:
+                rec["grad_norm"] = norm
+            facts["overflow_steps"] += rec["overflow"]
+            if calibrate:
+                out.scale_history.append((rec["loss_scale"], rec["overflow"]))
             log.record("step", **rec)
+            if guard is not None:
+                guard.observe(rec["step"], rec["loss_scale"], rec["overflow"])
         pending.clear()
-        pending_loss.clear()
+        pending_dev.clear()
 
     done = global_step >= total
     while not done and epoch < cfg.epochs:
@@ -312,35 +318,37 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
             scale = None
             samples = 0
             norm = None
+            log_step = global_step % cfg.log_every == 0
             for k, idx in enumerate(micro):
                 x, y = b.splits.train.get_batch(idx, device, b.dtype, augment=cfg.data.augment, generator=gen,
                                                 channels_last=cfg.channels_last)
-                loss = F.cross_entropy(engine(x).float(), y)
-                engine.backward(loss * b.loss_weight if b.loss_weight != 1.0 else loss)
-                if k == len(micro) - 1 and precision == "fp32" and global_step % cfg.log_every == 0:
-                    norm = grad_norm(engine)  # fp32 ZeRO-0 keeps no norm; grads are all-reduced by now
-                if k == len(micro) - 1 and precision == "fp16":
-                    scale = loss_scale_of(engine)  # the scale this step is attempted at (a host float)
+                # DDP-synchronised engines reduce only at the accumulation boundary
+                with b.ddp.no_sync() if b.ddp is not None and k < len(micro) - 1 else contextlib.nullcontext():
+                    loss = F.cross_entropy(engine(x).float(), y)
+                    engine.backward(loss * b.loss_weight if b.loss_weight != 1.0 else loss)
+                if k == len(micro) - 1:
+                    boundary.before_step(want_norm=log_step)  # gradients are all-reduced by now
+                    if precision == "fp16" and not boundary.device_scale:
+                        scale = loss_scale_of(engine)  # the scale this step is attempted at (a host float)
                 engine.step()
                 step_loss += loss.detach() / len(micro)
                 samples += len(idx)
-            overflow = bool(getattr(engine.optimizer, "overflow", False)) if precision == "fp16" else False
-            scale = scale if precision == "fp16" else None
-            if norm is None and precision != "fp32" and global_step % cfg.log_every == 0:
-                norm = engine.get_global_grad_norm()
+            overflow = False
+            if precision == "fp16" and not boundary.device_scale:
+                overflow = bool(getattr(engine.optimizer, "overflow", False))
+            if log_step and not boundary.own_clip:
+                norm = engine.get_global_grad_norm()  # DeepSpeed clipped (ZeRO, half-weight optimizers)
                 norm = None if norm is None or (isinstance(norm, float) and math.isnan(norm)) else float(norm)
             dt = time.perf_counter() - t_step
             steps_this_run += 1
             if steps_this_run > WARMUP_STEPS or total - pos.global_step <= WARMUP_STEPS:
                 train_seconds += dt  # throughput leaves out warm-up (allocator, autotune, compile)
                 timed_steps += 1
-            facts["overflow_steps"] += overflow
             facts["steps"] = global_step  # what a failed run's summary reports as reached
-            out.scale_history.append((scale, overflow))
             pending.append({"step": global_step, "epoch": epoch, "lr": float(engine.get_lr()[0]),
                             "loss_scale": scale, "overflow": overflow, "step_time": dt, "samples": samples,
                             "samples_per_s": samples / dt if dt > 0 else None, "grad_norm": norm})
-            pending_loss.append(step_loss)
+            pending_dev.append(torch.cat([step_loss.reshape(1).float(), boundary.after_step(device)]))
             if len(pending) >= cfg.log_every:
                 if cfg.log_every > 1:  # asynchronous GPU work: per-step times are only right on average
                     avg = (time.perf_counter() - window_t) / len(pending)
@@ -348,8 +356,6 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
                         rec["step_time"], rec["samples_per_s"] = avg, rec["samples"] / avg
                 flush()
                 window_t = time.perf_counter()
-            if guard is not None:
-                guard.observe(global_step, scale, overflow)
             progress.advance(epoch)
             done = global_step >= total
             every = cfg.checkpoint.every_steps

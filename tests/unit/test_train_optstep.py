@@ -1,0 +1,89 @@
+"""The optimizer-step boundary: dscluster's own gradient clipping on a real DeepSpeed engine (CPU, gloo)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import socket
+
+import pytest
+import torch
+
+from dscluster.train.config import load_config
+from dscluster.train.ds_config import build_ds_config, plan_batch
+from dscluster.train.optstep import StepBoundary, decode, dscluster_clips
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    import os
+
+    import deepspeed
+    from deepspeed import comm as ds_comm
+
+    if not ds_comm.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                     "MASTER_PORT": str(port)}.items():
+            os.environ.setdefault(k, v)
+        deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
+
+
+def _engine(model, cfg, micro):
+    import deepspeed
+
+    ds = build_ds_config(cfg, plan_batch(micro, 1, None, 1), "fp32", on_gpu=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds, dist_init_required=False)
+    return engine, ds
+
+
+@pytest.mark.parametrize("clip", [0.05, 0.0])
+def test_clipped_step_equals_torch_clip_and_the_norm_comes_back(one_rank_group, clip):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    cfg = load_config(None, ["precision=fp32", f"optim.grad_clip={clip}"])
+    engine, ds = _engine(model, cfg, 16)
+    assert dscluster_clips(cfg, "fp32") and ds["gradient_clipping"] == 0.0  # DeepSpeed does not clip here
+
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    torch.nn.functional.cross_entropy(reference(x), y).backward()
+    ref_norm = float(torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]))
+    if clip:
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+    ref_opt.step()
+
+    boundary = StepBoundary(engine, cfg, "fp32")
+    engine.backward(torch.nn.functional.cross_entropy(engine(x), y))
+    boundary.before_step(want_norm=True)
+    engine.step()
+    norm, scale, overflow = decode(boundary.after_step(torch.device("cpu")).tolist())
+
+    assert ref_norm > 0.05 * 4  # the clip really bites in the clipped case
+    assert norm == pytest.approx(ref_norm, rel=1e-6)
+    assert scale is None and overflow is False  # no loss scaling in fp32
+    for p, q in zip(engine.module.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_no_norm_is_computed_off_the_log_steps_when_nothing_clips(one_rank_group):
+    model = torch.nn.Linear(4, 2)
+    cfg = load_config(None, ["precision=fp32", "optim.grad_clip=0"])
+    engine, _ = _engine(model, cfg, 4)
+    boundary = StepBoundary(engine, cfg, "fp32")
+    engine.backward(engine(torch.randn(4, 4)).sum())
+    boundary.before_step(want_norm=False)
+    engine.step()
+    norm, _, _ = decode(boundary.after_step(torch.device("cpu")).tolist())
+    assert norm is None
+
+
+def test_decode_reads_an_overflow_from_a_lowered_scale():
+    assert decode([1.5, 1024.0, 512.0]) == (1.5, 1024.0, True)
+    assert decode([1.5, 1024.0, 2048.0]) == (1.5, 1024.0, False)   # grown after a clean window
+    assert decode([math.nan, 1024.0, 1024.0]) == (None, 1024.0, False)
+    assert decode([2.0, math.nan, math.nan]) == (2.0, None, False)  # no GradScaler: host scale or none
