@@ -16,7 +16,7 @@ from dscluster.train.checkpoint import is_write_failure
 from dscluster.train.config import load_config
 from dscluster.train.dist import default_extensions_dir, is_peer_failure
 from dscluster.train.runlog import RunLog
-from dscluster.train.setup_engine import needs_memory_fit
+from dscluster.train.setup_engine import calibration_batch, needs_memory_fit
 
 
 def test_torch_save_on_a_full_disk_counts_as_a_write_failure(tmp_path):
@@ -101,3 +101,10 @@ def test_cpu_bring_up_builds_no_shared_memory_op(tmp_path):
     assert "up " in p.stdout and "[1.0, 1.0, 1.0]" in p.stdout
     built = sorted(str(q.relative_to(ext)) for q in ext.rglob("*")) if ext.exists() else []
     assert not built, f"DeepSpeed JIT-built {built} at start-up"
+
+
+def test_speed_calibration_of_a_small_card_stays_within_its_memory_fit():
+    # 4x H200 with one rank capped to 8 GB: micro_batch 128 OOM'd that rank in calibration (fit 79)
+    assert calibration_batch(128, 79) == 79
+    assert calibration_batch(64, 900) == 64
+    assert calibration_batch(32, None) == 32  # CPU: no fit measured

@@ -210,6 +210,12 @@ def peak_lr(cfg: TrainConfig, global_batch: int) -> float:
     return cfg.optim.lr
 
 
+def calibration_batch(micro: int, fit: int | None) -> int:
+    """Batch the speed calibration times: micro_batch, but never more than this rank's memory fit
+    (an 8 GB rank beside 141 GB ones cannot run the others' micro-batch even once)."""
+    return micro if fit is None else max(1, min(micro, fit))
+
+
 def _balanced_shares(cfg, info, micro, fit, model, splits, device, dtype):
     """Shares from the config, or measured: each rank times local forward+backward, all agree on the plan."""
     from dscluster.train import balanced
@@ -228,6 +234,6 @@ def _balanced_shares(cfg, info, micro, fit, model, splits, device, dtype):
         model.zero_grad(set_to_none=True)
 
     sync = torch.cuda.synchronize if device.type == "cuda" else None
-    sps = balanced.calibrate(step_fn, micro, steps=3, synchronize=sync)
+    sps = balanced.calibrate(step_fn, calibration_batch(micro, fit), steps=3, synchronize=sync)
     plan = balanced.plan_shares_distributed(sps, global_micro, fit)
     return plan.shares, {**plan.to_dict(), "source": "measured"}
