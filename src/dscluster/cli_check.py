@@ -13,6 +13,7 @@ Keys are only ever added; a change in meaning bumps "schema".
       "np": int,                   # total slots: the -np for mpirun
       "head": str,                 # first hostfile host: rank 0, MASTER_ADDR
       "precision": {"value": "bf16"|"fp16"|"fp32", "reason": str, "deprecated_fp16": bool},
+      "batching": {"value": "uniform"|"balanced", "reason": str},
       "network": {"subnet": str|null,            # CIDR shared by all nodes (btl_tcp_if_include)
                   "common": [str],                # every shared subnet, best first
                   "iface": {node: str},           # node's interface on "subnet"
@@ -111,6 +112,7 @@ def build_document(run: CheckRun, master_port: int, files: dict) -> dict:
         "head": ev.head,
         "precision": {"value": ev.precision.value, "reason": ev.precision.reason,
                       "deprecated_fp16": ev.precision.deprecated_fp16},
+        "batching": {"value": ev.batching.value, "reason": ev.batching.reason},
         "network": ev.network.to_dict(),
         "master": {"addr": ev.network.address.get(ev.head), "port": master_port},
         "nodes": nodes,
@@ -160,7 +162,7 @@ def render(doc: dict) -> None:
     out.print("columns: " + ", ".join(f"{HEADER[c]}={c}" for c in used if HEADER[c] != c), style="dim")
     net, p = doc["network"], doc["precision"]
     out.print(f"subnet {net['subnet'] or 'none'}  master {doc['master']['addr'] or '-'}:{doc['master']['port']}  "
-              f"precision {p['value']}")
+              f"precision {p['value']}  batching {doc['batching']['value']}")
     for sev in ("error", "warning", "info"):
         for f in (x for x in doc["findings"] if x["severity"] == sev):
             where = f["node"] or "cluster"

@@ -51,6 +51,9 @@ def train_command(args: argparse.Namespace) -> int:
     from dscluster.train.config import load_config, to_yaml
 
     cfg = load_config(args.config, args.overrides)
+    from dscluster.train.balanced import resolve_batching
+
+    cfg.batching = resolve_batching(cfg.batching)
     if args.write_config and not (args.calibrate_loss_scale or cfg.calibrate_loss_scale):
         raise UsageError("--write-config goes with --calibrate-loss-scale")
     if args.write_config and not args.config:

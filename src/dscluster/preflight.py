@@ -53,12 +53,19 @@ class Precision:
 
 
 @dataclass
+class Batching:
+    value: str           # "uniform" | "balanced"
+    reason: str
+
+
+@dataclass
 class Evaluation:
     head: str
     findings: list[Finding]
     precision: Precision
     network: NetworkPlan
     p2p_disable: dict[str, bool] = field(default_factory=dict)
+    batching: Batching = field(default_factory=lambda: Batching("uniform", "not decided"))
 
 
 # ---------------------------------------------------------------------------- rules
@@ -274,6 +281,27 @@ def decide_precision(facts: dict[str, NodeFacts], allow_deprecated_fp16: bool = 
     return p, findings
 
 
+def decide_batching(facts: dict[str, NodeFacts]) -> Batching:
+    """balanced when the cluster mixes GPU models or memory sizes: with equal batches every step
+    waits for the slowest card, and the smallest card caps everyone's micro-batch."""
+    gpus = [(name, g) for name, f in facts.items() for g in f.gpus]
+    if not gpus:
+        return Batching("uniform", "no GPUs: ranks are alike")
+    kinds: dict[tuple[str, int | None], set[str]] = {}
+    for name, g in gpus:
+        kinds.setdefault((g.name, g.memory_total_mb), set()).add(name)
+
+    def label(kind: tuple[str, int | None]) -> str:
+        gpu, mem = kind
+        return gpu + (f" {mem / 1024:.0f} GiB" if mem else "")
+
+    if len(kinds) == 1:
+        return Batching("uniform", f"every GPU is a {label(next(iter(kinds)))}")
+    mixed = "; ".join(f"{label(k)} on {', '.join(sorted(nodes))}" for k, nodes in sorted(kinds.items(), key=str))
+    return Batching("balanced", f"mixed GPUs ({mixed}): each rank's share of the global batch follows its "
+                                "measured speed, within its memory")
+
+
 def rule_network(facts: dict[str, NodeFacts], plan: NetworkPlan) -> list[Finding]:
     if plan.subnet is not None or not facts:
         return []
@@ -344,13 +372,17 @@ def evaluate(facts: dict[str, NodeFacts], hostfile: Hostfile, *, unreachable: di
     findings += pf
     findings.append(Finding("info", None, "precision", f"precision {precision.value}: {precision.reason}",
                             "nothing to do: written to DSCLUSTER_PRECISION"))
+    batching = decide_batching(facts)
+    findings.append(Finding("info", None, "gpu", f"batching {batching.value}: {batching.reason}",
+                            "nothing to do: written to DSCLUSTER_BATCHING (a config's `batching:` wins)"))
     plan = plan_network({n: f.interfaces for n, f in facts.items()},
                         {n: f.ssh_address for n, f in facts.items() if f.ssh_address})
     findings += rule_network(facts, plan)
     p2p, disable = rule_p2p(facts)
     findings += p2p
     findings += rule_resources(facts)
-    return Evaluation(head=head, findings=findings, precision=precision, network=plan, p2p_disable=disable)
+    return Evaluation(head=head, findings=findings, precision=precision, network=plan, p2p_disable=disable,
+                      batching=batching)
 
 
 def node_envs(ev: Evaluation, facts: dict[str, NodeFacts], *, master_port: int, created: float,
@@ -358,6 +390,7 @@ def node_envs(ev: Evaluation, facts: dict[str, NodeFacts], *, master_port: int, 
     """(per-node env keyed by hostfile name, cluster-wide env) as entry_cn.sh will source them."""
     cluster: dict[str, str] = {
         "DSCLUSTER_PRECISION": ev.precision.value,
+        "DSCLUSTER_BATCHING": ev.batching.value,
         "MASTER_PORT": str(master_port),
         "DSCLUSTER_CHECK_CREATED": f"{created:.0f}",
         "DSCLUSTER_HOSTFILE_SHA256": hostfile_sha256,

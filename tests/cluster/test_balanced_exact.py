@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from dscluster.bench.runner import free_port
 
 SHARES = [5, 11, 16]
 IN, HIDDEN, CLASSES = 8, 16, 4
@@ -125,17 +126,11 @@ def worker(out_dir: Path) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Run the 3 ranks once for the module; return each rank's saved parameters."""
     out = tmp_path_factory.mktemp("balanced_exact")
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(len(SHARES)):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(len(SHARES)),

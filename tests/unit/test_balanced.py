@@ -146,3 +146,13 @@ def test_share_plan_records_weights_and_step_times():
     d = plan.to_dict()
     assert d["loss_weights"] == [pytest.approx(4 / 3), pytest.approx(2 / 3)]
     assert d["predicted_step_s"] == [0.2, 0.2]
+
+
+def test_auto_batching_follows_the_cluster_decision_and_an_explicit_choice_wins():
+    from dscluster.train.balanced import resolve_batching
+
+    assert resolve_batching("auto", {"DSCLUSTER_BATCHING": "balanced"}) == "balanced"
+    assert resolve_batching("auto", {}) == "uniform"  # no `dscluster check` on this cluster
+    assert resolve_batching("uniform", {"DSCLUSTER_BATCHING": "balanced"}) == "uniform"
+    with pytest.raises(UsageError, match="DSCLUSTER_BATCHING='sideways'"):
+        resolve_batching("auto", {"DSCLUSTER_BATCHING": "sideways"})

@@ -7,7 +7,8 @@ import pytest
 
 from dscluster.facts import node_facts
 from dscluster.hosts import parse_hostfile_text
-from dscluster.preflight import (cell_status, decide_precision, deepspeed_env, evaluate, has_errors, node_envs)
+from dscluster.preflight import (cell_status, decide_batching, decide_precision, deepspeed_env, evaluate, has_errors,
+                                 node_envs)
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "facts"
 HOSTS = parse_hostfile_text("node1 slots=2\nnode2 slots=2\nnode3 slots=1\n", "hosts.txt")
@@ -150,3 +151,25 @@ def test_missing_gpus_on_one_node_and_broken_python(lab):
     ev = evaluate(lab, HOSTS)
     assert about(ev.findings, "node3", "gpu", "error")
     assert about(ev.findings, "node2", "versions", "error")
+
+
+def test_mixed_gpus_make_balanced_batching_the_cluster_default(lab):
+    ev = evaluate(lab, HOSTS)
+    assert ev.batching.value == "balanced"
+    assert "NVIDIA GeForce GTX 1080 8 GiB on node3" in ev.batching.reason
+    assert "NVIDIA GeForce RTX 3070 8 GiB on node1, node2" in ev.batching.reason
+    per_node, cluster = node_envs(ev, lab, master_port=29500, created=1.0, hostfile_sha256="ab")
+    assert cluster["DSCLUSTER_BATCHING"] == "balanced" == per_node["node3"]["DSCLUSTER_BATCHING"]
+    assert any("batching balanced" in f.what for f in about(ev.findings, check="gpu", severity="info"))
+
+
+def test_alike_gpus_or_none_keep_uniform_batching(lab):
+    same = {n: f for n, f in lab.items() if n != "node3"}  # the two RTX 3070 nodes
+    assert decide_batching(same).value == "uniform"
+    assert "RTX 3070 8 GiB" in decide_batching(same).reason
+    h200 = {"gpu1": node_facts("gpu1", (DATA / "h200x2-probe" / "probe.txt").read_text())}
+    assert decide_batching(h200).value == "uniform"
+    cpu = copy.deepcopy(same)
+    for f in cpu.values():
+        f.gpus = []
+    assert decide_batching(cpu).value == "uniform"

@@ -17,6 +17,8 @@ from pathlib import Path
 import paramiko
 import pytest
 
+from dscluster.bench.runner import free_port
+
 from dscluster import remote
 from dscluster.remote import RemoteError, Target
 
@@ -26,12 +28,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _keygen(path: Path) -> None:
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
 
@@ -39,7 +35,7 @@ def _keygen(path: Path) -> None:
 class Sshd:
     def __init__(self, root: Path):
         self.root = root
-        self.port = _free_port()
+        self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self.client_key = root / "client_key"
         _keygen(self.client_key)
@@ -140,7 +136,7 @@ def test_wrong_password_is_auth_failed_and_never_echoed(sshd, tmp_path):
 
 
 def test_refused_port(tmp_path):
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     with pytest.raises(RemoteError) as ei:
         remote.connect(Target("gone", "127.0.0.1", port), known_hosts=tmp_path / "kh", password="x", timeout=3)
     assert ei.value.kind == "refused"
@@ -172,7 +168,7 @@ def test_changed_host_key_is_fatal_with_both_fingerprints(tmp_path_factory, tmp_
 def test_fan_out_over_real_sessions(sshd, tmp_path):
     kh = _pinned(sshd, tmp_path)
     good = sshd.target
-    bad = Target("closed", "127.0.0.1", _free_port(), getpass.getuser())
+    bad = Target("closed", "127.0.0.1", free_port(), getpass.getuser())
 
     def hostname(t: Target) -> str:
         c = remote.connect(t, known_hosts=kh, key_filename=str(sshd.client_key), timeout=3)

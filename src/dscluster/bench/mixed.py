@@ -228,9 +228,6 @@ TABLE_HEADER = ["scenario", "ranks/gpus", "batching", "status", "micro", "img/s"
 
 
 def table_rows(doc: dict) -> list[list[str]]:
-    def num(v, fmt):
-        return "-" if v is None else format(v, fmt)
-
     rows = []
     for s in doc["scenarios"]:
         for batching in ("uniform", "balanced"):
@@ -240,8 +237,8 @@ def table_rows(doc: dict) -> list[list[str]]:
             rows.append([
                 s["scenario"], f"{s['ranks']}/{where}", batching, f.get("status", ""),
                 "/".join(str(m) for m in micro) if micro else "-",
-                num(f.get("images_per_s"), ",.1f"),
-                num(s.get("speedup"), ".2f") + "x" if batching == "balanced" and s.get("speedup") else "",
-                num(f.get("time_to_target_s"), ".1f"), num(f.get("smoothed_final_loss"), ".4f"),
+                runner.cell(f.get("images_per_s"), ",.1f"),
+                runner.cell(s.get("speedup"), ".2f") + "x" if batching == "balanced" and s.get("speedup") else "",
+                runner.cell(f.get("time_to_target_s"), ".1f"), runner.cell(f.get("smoothed_final_loss"), ".4f"),
             ])
     return rows

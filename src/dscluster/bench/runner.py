@@ -25,6 +25,11 @@ from dscluster.runinfo import METRICS_DIR, SUMMARY_FILE
 LAUNCHERS = ("torchrun", "mpirun")
 
 
+def cell(value, fmt: str) -> str:
+    """A result-table cell: the number formatted, or '-' when it was not measured."""
+    return "-" if value is None else format(value, fmt)
+
+
 def free_port() -> int:
     """A TCP port free right now on 127.0.0.1 (each job gets its own rendezvous)."""
     with socket.socket() as s:

@@ -211,9 +211,6 @@ def failed(doc: dict) -> bool:
 def table_rows(doc: dict) -> list[list[str]]:
     """Compact table: one line per GPU count and path."""
 
-    def num(v, fmt):
-        return "-" if v is None else format(v, fmt)
-
     rows = []
     for row in doc["results"]:
         for path in ("dscluster", "baseline"):
@@ -221,12 +218,12 @@ def table_rows(doc: dict) -> list[list[str]]:
             if not f:
                 continue
             rows.append([
-                str(row["gpus"]), path, f.get("status", ""), num(f.get("micro_batch"), "d"),
-                num(f.get("images_per_s"), ",.1f"), num(f.get("images_per_s_per_gpu"), ",.1f"),
-                num(f.get("scaling_efficiency") and 100 * f["scaling_efficiency"], ".1f"),
-                num(f.get("mfu") and 100 * f["mfu"], ".1f"),
-                num(f.get("peak_mem_mb") and f["peak_mem_mb"] / 1024, ".1f"),
-                num(row.get("ratio"), ".3f") if path == "dscluster" else "",
+                str(row["gpus"]), path, f.get("status", ""), runner.cell(f.get("micro_batch"), "d"),
+                runner.cell(f.get("images_per_s"), ",.1f"), runner.cell(f.get("images_per_s_per_gpu"), ",.1f"),
+                runner.cell(f.get("scaling_efficiency") and 100 * f["scaling_efficiency"], ".1f"),
+                runner.cell(f.get("mfu") and 100 * f["mfu"], ".1f"),
+                runner.cell(f.get("peak_mem_mb") and f["peak_mem_mb"] / 1024, ".1f"),
+                runner.cell(row.get("ratio"), ".3f") if path == "dscluster" else "",
             ])
     return rows
 

@@ -277,3 +277,19 @@ def plan_shares_distributed(samples_per_s: float, global_batch: int, max_micro: 
     cap_list = None if all(c is None for c in caps) else [global_batch if c is None else c for c in caps]
     shares = plan_shares(speeds, global_batch, cap_list)
     return SharePlan(samples_per_s=speeds, max_micro=cap_list, global_batch=global_batch, shares=shares)
+
+
+def resolve_batching(requested: str, environ: dict[str, str] | None = None) -> str:
+    """The batching mode a run uses: the config's, or for `auto` the cluster's DSCLUSTER_BATCHING
+    (written by `dscluster check`: balanced when GPUs differ), else uniform."""
+    import os
+
+    if requested != "auto":
+        return requested
+    value = (os.environ if environ is None else environ).get("DSCLUSTER_BATCHING", "").strip().lower()
+    if not value:
+        return "uniform"
+    if value not in ("uniform", "balanced"):
+        raise UsageError(f"environment: DSCLUSTER_BATCHING={value!r} is not uniform or balanced "
+                         "(re-run `dscluster check`, or set batching= in the config)")
+    return value

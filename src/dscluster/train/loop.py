@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import math
 import os
 import signal
@@ -82,6 +83,9 @@ def evaluate(engine, dataset, dtype, device, channels_last: bool, batch: int = 2
 def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
     """Run training (or an fp16 loss-scale calibration) on this rank."""
     t0 = time.time()
+    from dscluster.train.balanced import resolve_batching
+
+    cfg.batching = resolve_batching(cfg.batching)  # auto → the cluster's choice (dscluster check)
     info = dist.detect_ranks()
     run_id = runinfo.resolve_run_id()
     rdir = runinfo.run_dir()
@@ -162,6 +166,10 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
     finally:
         _Progress.stop_all()
         log.close()
+        # The engine (and a DDP reducer in it) sits in reference cycles: free it while its
+        # process group still exists, not at interpreter exit (a rank then aborted in teardown,
+        # "terminate called without an active exception").
+        gc.collect()
         dist.destroy()
         traces.close()
 

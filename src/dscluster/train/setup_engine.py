@@ -48,10 +48,10 @@ def overlaps_with_ddp(cfg: TrainConfig, world_size: int) -> bool:
 
 
 def wrap_for_overlap(model: torch.nn.Module, device: torch.device) -> OverlapDDP:
-    # broadcast_buffers=False: rank 0 evaluates alone between barriers; a buffer broadcast in
-    # that forward would wait for ranks that are not there.
+    # Rank 0 evaluates alone between barriers: it runs bare_module(engine), never this wrapper,
+    # whose forward may broadcast buffers to ranks that are not there.
     return OverlapDDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                      broadcast_buffers=False, gradient_as_bucket_view=True)
+                      gradient_as_bucket_view=True)
 
 
 def bare_module(engine) -> torch.nn.Module:
