@@ -3,7 +3,8 @@
 Every data set answers `get_batch(indices, device, dtype)`: samples are kept compactly
 (uint8 or small float at native resolution) and resized/normalised per batch on the
 device, so CIFAR-10 at 224×224 does not need 30 GB of RAM, and synthetic benchmark data
-lives on the GPU from the start (no host→device copy per step).
+lives on the GPU from the start (no host→device copy per step). What does cross from the host
+(indices, CPU-held batches) goes through pinned memory, so no step waits for the GPU.
 """
 
 from __future__ import annotations
@@ -23,6 +24,16 @@ _SPLIT_SEED = 1234  # the held-out split never depends on the training seed
 _IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".ppm", ".tif", ".tiff"}
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """Host → GPU without stalling the host: a plain `.to("cuda")` of pageable memory is a blocking
+    copy that first waits for every kernel already queued (one host sync per training step, and the
+    GPU idles while the next step is launched); pinned memory with non_blocking does not wait."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class ImageSet:
     """Images + labels; `get_batch` returns (x[B,C,S,S] float on device, y[B] long on device)."""
 
@@ -33,6 +44,13 @@ class ImageSet:
         self.img_size = img_size
         self.mean = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+        self._norm_on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _mean_std(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """mean and std on `device`, copied there once (not once per batch)."""
+        if device not in self._norm_on:
+            self._norm_on[device] = (self.mean.to(device), self.std.to(device))
+        return self._norm_on[device]
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -47,7 +65,8 @@ class ImageSet:
         x, y = self._raw(idx, device)
         if x.shape[-1] != self.img_size or x.shape[-2] != self.img_size:
             x = F.interpolate(x, size=(self.img_size, self.img_size), mode="bilinear", align_corners=False)
-        x = (x - self.mean.to(x.device)) / self.std.to(x.device)
+        mean, std = self._mean_std(x.device)
+        x = (x - mean) / std
         if augment:
             x = random_shift(x, generator)
         if channels_last:
@@ -66,9 +85,10 @@ class TensorImageSet(ImageSet):
         return self.x.shape[0]
 
     def _raw(self, idx, device):
-        x = self.x[idx.to(self.x.device)].to(device, non_blocking=True)
+        idx = to_device(idx, self.x.device)
+        x = to_device(self.x[idx], device)
         x = x.float() / 255.0 if x.dtype == torch.uint8 else x.float()
-        return x, self.y[idx.to(self.y.device)].to(device, non_blocking=True)
+        return x, to_device(self.y[idx], device)
 
     def subset(self, idx: torch.Tensor, name: str) -> "TensorImageSet":
         out = TensorImageSet(name, self.x[idx], self.y[idx], self.num_classes, self.img_size,
@@ -94,7 +114,7 @@ class SyntheticImageSet(ImageSet):
 
     def get_batch(self, indices, device, dtype=torch.float32, *, augment=False, generator=None,
                   channels_last=False):
-        idx = torch.as_tensor(indices, dtype=torch.long).remainder_(self.x.shape[0]).to(self.x.device)
+        idx = to_device(torch.as_tensor(indices, dtype=torch.long).remainder_(self.x.shape[0]), self.x.device)
         x = self.x.index_select(0, idx)
         if channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
@@ -121,7 +141,7 @@ class FolderImageSet(ImageSet):
                 arrs.append(np.asarray(im, dtype=np.uint8))
         x = torch.from_numpy(np.stack(arrs)).permute(0, 3, 1, 2).contiguous()
         y = torch.tensor([self.labels[i] for i in idx.tolist()], dtype=torch.long)
-        return x.to(device).float() / 255.0, y.to(device)
+        return to_device(x, device).float() / 255.0, to_device(y, device)
 
     def subset(self, idx: list[int], name: str) -> "FolderImageSet":
         return FolderImageSet(name, [self.files[i] for i in idx], [self.labels[i] for i in idx], self.classes,
