@@ -87,3 +87,44 @@ def test_decode_reads_an_overflow_from_a_lowered_scale():
     assert decode([1.5, 1024.0, 2048.0]) == (1.5, 1024.0, False)   # grown after a clean window
     assert decode([math.nan, 1024.0, 1024.0]) == (None, 1024.0, False)
     assert decode([2.0, math.nan, math.nan]) == (2.0, None, False)  # no GradScaler: host scale or none
+
+
+def test_fp16_amp_skips_an_overflowing_step_halves_the_scale_and_checkpoints_it(one_rank_group):
+    """fp16 on ZeRO-0 runs through DeepSpeed's torch_autocast with torch's GradScaler (here on CPU,
+    where autocast and GradScaler also work): an overflow leaves the weights alone, halves the scale,
+    and is read back as an overflow step; the scale travels with the checkpoint."""
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    cfg = load_config(None, ["fp16.initial_scale_power=8", "optim.grad_clip=1.0"])
+    ds = build_ds_config(cfg, plan_batch(16, 1, None, 1), "fp16", on_gpu=False)
+    assert ds["torch_autocast"]["dtype"] == "float16" and "fp16" not in ds
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+                                           config=ds, dist_init_required=False)
+    boundary = StepBoundary(engine, cfg, "fp16")
+    assert boundary.device_scale and engine.torch_autocast_z0_gradscaler is boundary.scaler
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+
+    def step(factor: float):
+        engine.backward(torch.nn.functional.cross_entropy(engine(x).float(), y) * factor)
+        boundary.before_step(want_norm=True)
+        engine.step()
+        return decode(boundary.after_step(torch.device("cpu")).tolist())
+
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    norm, scale, overflow = step(1.0)
+    assert (scale, overflow) == (256.0, False) and 0 < norm < float("inf")
+    assert any(not torch.equal(p, q) for p, q in zip(engine.module.parameters(), before))
+
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    norm, scale, overflow = step(float("inf"))  # every gradient inf: the step must be skipped
+    assert (scale, overflow) == (256.0, True)
+    assert all(torch.equal(p, q) for p, q in zip(engine.module.parameters(), before))
+    assert boundary.scaler.get_scale() == 128.0
+
+    saved = boundary.state_dict()
+    fresh = StepBoundary(engine, cfg, "fp16")
+    assert fresh.scaler.get_scale() == 256.0
+    fresh.load_state_dict(saved)
+    assert fresh.scaler.get_scale() == 128.0

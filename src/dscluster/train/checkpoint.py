@@ -80,8 +80,10 @@ def commit_latest(ckpt_dir: Path, tag: str) -> None:
     atomic_write_text(Path(ckpt_dir) / LATEST, tag + "\n")
 
 
-def save(engine, ckpt_dir: Path, pos: Position, *, rank: int, fail_save: bool = False) -> tuple[bool, str]:
-    """Collective: every rank calls it. Returns (committed, message)."""
+def save(engine, ckpt_dir: Path, pos: Position, *, rank: int, fail_save: bool = False,
+         extra: dict | None = None) -> tuple[bool, str]:
+    """Collective: every rank calls it. Returns (committed, message). `extra` goes into the
+    client state beside the position (e.g. the amp GradScaler's state)."""
     import torch
     import torch.distributed as dist
 
@@ -92,7 +94,8 @@ def save(engine, ckpt_dir: Path, pos: Position, *, rank: int, fail_save: bool = 
             raise OSError(errno.ENOSPC, "No space left on device (injected by DSCLUSTER_FAULT)")
         engine.checkpoint_engine.save, original = _full, engine.checkpoint_engine.save
     try:
-        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"position": pos.to_dict()}, save_latest=False)
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={**(extra or {}), "position": pos.to_dict()},
+                              save_latest=False)
         ok = 1
     except (OSError, RuntimeError) as e:
         if not is_write_failure(e):
@@ -121,9 +124,10 @@ def save(engine, ckpt_dir: Path, pos: Position, *, rank: int, fail_save: bool = 
                    f"'{LATEST}' still points to {prev or 'nothing'}; training goes on")
 
 
-def load(engine, ckpt_dir: Path, tag: str) -> Position:
+def load(engine, ckpt_dir: Path, tag: str) -> tuple[Position, dict]:
+    """(where training stopped, the rest of the client state save() was given)."""
     path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
     if path is None or not client or "position" not in client:
         raise UsageError(f"{ckpt_dir}/{tag}: not a dscluster checkpoint (no position in its client state)")
     p = client["position"]
-    return Position(int(p["epoch"]), int(p["step_in_epoch"]), int(p["global_step"]))
+    return Position(int(p["epoch"]), int(p["step_in_epoch"]), int(p["global_step"])), client

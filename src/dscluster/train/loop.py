@@ -245,6 +245,7 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
         cfg.max_steps = cfg.fp16.calibrate_steps
     b = build(cfg, info, device, precision)
     engine, sampler = b.engine, b.sampler
+    boundary = StepBoundary(engine, cfg, precision)
     spe = sampler.steps_per_epoch
     facts.update(global_batch=sum(b.shares) * b.plan.grad_accum)
     for note in b.notes:
@@ -265,7 +266,8 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
             raise UsageError(f"ranks see different checkpoints in {ckpt_dir} ({tags}); checkpoint.dir must be shared "
                              "storage (same path on every node, like NFS)")
         if tag:
-            pos = checkpoint.load(engine, ckpt_dir, tag)
+            pos, client = checkpoint.load(engine, ckpt_dir, tag)
+            boundary.load_state_dict(client)
             if primary:
                 console.err.print(f"dscluster train: resumed from {ckpt_dir}/{tag} at global step {pos.global_step}")
     epoch, start_step, global_step = pos.epoch, pos.step_in_epoch, pos.global_step
@@ -284,7 +286,6 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
                                       min_scale=cfg.fp16.min_loss_scale, min_scale_steps=cfg.fp16.guard_min_scale_steps,
                                       rank=info.rank, host=log.host)
     total = b.total_steps
-    boundary = StepBoundary(engine, cfg, precision)
     gen = torch.Generator(device=device).manual_seed(cfg.seed * 7919 + info.rank * 104729 + global_step)
     progress = _Progress(primary and cfg.progress and not calibrate, total, global_step)
     out = Outcome(status="complete", run_dir=rdir)
@@ -369,7 +370,7 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
             every = cfg.checkpoint.every_steps
             if every and global_step % every == 0 and step_in_epoch + 1 < spe and not calibrate:
                 _save(engine, ckpt_dir, checkpoint.Position(epoch, step_in_epoch + 1, global_step), info.rank,
-                      my_fault, progress)
+                      my_fault, progress, boundary)
             if done:
                 break
         flush()
@@ -386,7 +387,8 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
             dist.barrier()
         every_e = cfg.checkpoint.every_epochs
         if not calibrate and end_of_epoch and every_e and ((epoch + 1) % every_e == 0 or last):
-            _save(engine, ckpt_dir, checkpoint.Position(epoch, spe, global_step), info.rank, my_fault, progress)
+            _save(engine, ckpt_dir, checkpoint.Position(epoch, spe, global_step), info.rank, my_fault, progress,
+                  boundary)
         epoch, start_step = epoch + 1, 0
     progress.stop()
     gb = facts["global_batch"]
@@ -396,10 +398,10 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
     return out
 
 
-def _save(engine, ckpt_dir, pos, rank, my_fault, progress) -> None:
+def _save(engine, ckpt_dir, pos, rank, my_fault, progress, boundary: StepBoundary) -> None:
     f = my_fault.get("disk_full")
     ok, msg = checkpoint.save(engine, ckpt_dir, pos, rank=rank,
-                              fail_save=f is not None and f.step == pos.global_step)
+                              fail_save=f is not None and f.step == pos.global_step, extra=boundary.state_dict())
     if not ok or rank == 0:
         (progress.print if rank == 0 else console.err.print)(
             f"{'[yellow]warning:[/yellow] ' if not ok else ''}{msg}" + ("" if rank == 0 else f" (rank {rank})"))

@@ -11,8 +11,9 @@ kernels and no host sync; the global norm stays on the device until the log wind
 fp16 on ZeRO-0 ("amp", the default) runs through DeepSpeed's torch_autocast with torch's
 GradScaler (fp32 weights, fp16 matmuls) instead of fp16 weights with fp32 master copies. The
 scaler is made from the fp16 section (initial_scale_power, loss_scale_window); it halves on
-every overflow (no hysteresis) and has no floor, so min_loss_scale only drives the guard. Scale
-and overflow are read from the device once per log window, like the loss. fp16 with amp=false or
+every overflow (no hysteresis) and has no floor, so min_loss_scale only drives the guard; its
+state goes into checkpoints. Scale and overflow are read from the device once per log window,
+like the loss. fp16 with amp=false or
 ZeRO 1/2 keeps DeepSpeed's fp16 optimizer and its host-side scale (DeepSpeed syncs for it).
 """
 
@@ -62,12 +63,20 @@ class StepBoundary:
             if not hasattr(engine, "torch_autocast_z0_gradscaler"):
                 raise RuntimeError("this DeepSpeed has no torch_autocast GradScaler; set amp=false for fp16")
             self.scaler = torch.amp.GradScaler(
-                "cuda", init_scale=2.0 ** cfg.fp16.initial_scale_power,
+                engine.device.type, init_scale=2.0 ** cfg.fp16.initial_scale_power,
                 growth_interval=max(1, int(cfg.fp16.loss_scale_window)))
             engine.torch_autocast_z0_gradscaler = self.scaler
         self.params = [p for p in engine.module.parameters() if p.requires_grad]
         self._norm: torch.Tensor | None = None
         self._scale_tried: torch.Tensor | None = None
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of this boundary: the amp GradScaler (scale, growth tracker)."""
+        return {"grad_scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+
+    def load_state_dict(self, client: dict) -> None:
+        if self.scaler is not None and client.get("grad_scaler"):
+            self.scaler.load_state_dict(client["grad_scaler"])
 
     @property
     def device_scale(self) -> bool:
