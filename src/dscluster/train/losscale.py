@@ -51,21 +51,11 @@ def replay_dynamic_scaler(overflows: list[bool], *, init_power: int = CALIBRATIO
 def make_dynamic_scaler(*, init_power: int, window: int, hysteresis: int, min_scale: float):
     """DeepSpeed's DynamicLossScaler as its fp16 optimizer builds it (it logs through deepspeed.comm,
     so a one-process group is brought up when none exists)."""
-    import os
-    import socket
-
-    import deepspeed
-    from deepspeed import comm as ds_comm
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
-    if not ds_comm.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                     "MASTER_PORT": str(port)}.items():
-            os.environ.setdefault(k, v)
-        deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
+    from dscluster.train.dist import ensure_single_process_group
+
+    ensure_single_process_group()
     return DynamicLossScaler(init_scale=2.0**init_power, scale_window=window, min_scale=min_scale,
                              delayed_shift=hysteresis, consecutive_hysteresis=False, raise_error_at_min_scale=False)
 

@@ -67,6 +67,7 @@ class StepBoundary:
                 growth_interval=max(1, int(cfg.fp16.loss_scale_window)))
             engine.torch_autocast_z0_gradscaler = self.scaler
         self.params = [p for p in engine.module.parameters() if p.requires_grad]
+        self._nan = torch.full((), NAN, device=engine.device)  # "not known", made once
         self._norm: torch.Tensor | None = None
         self._scale_tried: torch.Tensor | None = None
 
@@ -92,22 +93,19 @@ class StepBoundary:
             return
         if self.scaler is not None and (self.clip > 0 or want_norm):
             self.scaler.unscale_(self.engine.optimizer)  # clip and log the true gradients
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads:
-            return
         if self.clip > 0:
             self._norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip, foreach=True)
         elif want_norm:
-            self._norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+            grads = [p.grad for p in self.params if p.grad is not None]
+            self._norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else None
 
-    def after_step(self, device: torch.device) -> torch.Tensor:
-        norm = self._norm.float().reshape(()) if self._norm is not None else torch.full((), NAN, device=device)
+    def after_step(self) -> torch.Tensor:
+        norm = self._norm.float().reshape(()) if self._norm is not None else self._nan
         if self.scaler is not None:
-            tried = self._scale_tried.reshape(())
-            after = self.scaler._scale.detach().reshape(()).clone()
+            tried, after = self._scale_tried.reshape(()), self.scaler._scale.detach().reshape(())
         else:
-            tried = after = torch.full((), NAN, device=device)
-        return torch.stack([norm.to(device), tried.to(device), after.to(device)])
+            tried = after = self._nan
+        return torch.stack([norm, tried, after])  # a new tensor: later steps do not change it
 
 
 def decode(values: list[float]) -> tuple[float | None, float | None, bool]:
