@@ -36,6 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "peak memory and the dscluster/baseline ratio.",
         epilog="examples:\n"
         "  dscluster bench vit --gpus 4 --precision bf16 --compile   # 1, 2, 3 and 4 GPUs, both paths\n"
+        "  dscluster bench vit --gpus 1,2 --compile --micro-batch 256 --steps 100 --repeat 3\n"
         "  dscluster bench vit --gpus 1 --memory-cap-gb 8 --micro-batch auto\n"
         "  dscluster bench vit --device cpu --model tiny --steps 3 --gpus 2   # smoke test without a GPU",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -51,6 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--memory-cap-gb", type=float, default=None, help="cap each process's GPU memory (e.g. 8)")
     v.add_argument("--steps", type=int, default=30, help="timed steps per run")
     v.add_argument("--warmup", type=int, default=10, help="untimed steps first")
+    v.add_argument("--repeat", type=int, default=1,
+                   help="run both paths N times, alternating, and report each one's median run (hosts drift by a few %%)")
     v.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     v.add_argument("--launcher", choices=["torchrun", "mpirun"], default="torchrun",
                    help="how dscluster's path is started (the baseline always uses torchrun)")
@@ -67,7 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     v.set_defaults(func=vit_command)
 
     b = bs.add_parser(
-        "balanced", help="uniform vs balanced batches on ranks of unequal speed (issue 10)",
+        "balanced", help="uniform vs balanced batches on ranks of unequal speed",
         description="Run `dscluster train` twice per scenario, batching=uniform and batching=balanced, with "
         "the same global batch. busy-gpu: one rank per GPU, one GPU also busy with another process (that rank "
         "at about half speed). share-gpu: more ranks than devices (CPU only: NCCL refuses two ranks on one "
@@ -125,8 +128,8 @@ def vit_command(args: argparse.Namespace) -> int:
     opts = vit.VitBenchOptions(
         model=args.model, gpu_counts=args.gpus, precision=_default_precision(args), zero=args.zero,
         compile=args.compile, micro_batch=str(args.micro_batch), memory_cap_gb=args.memory_cap_gb,
-        steps=args.steps, warmup=args.warmup, device=args.device, launcher=args.launcher, config=args.config,
-        baseline=args.baseline, baseline_compile=args.baseline_compile and args.device == "cuda",
+        steps=args.steps, warmup=args.warmup, repeat=args.repeat, device=args.device, launcher=args.launcher,
+        config=args.config, baseline=args.baseline, baseline_compile=args.baseline_compile and args.device == "cuda",
         peak_tflops=args.peak_tflops, out=args.out, work_dir=args.work_dir, timeout_s=args.timeout,
         train_overrides=list(args.overrides),
     )

@@ -1,4 +1,4 @@
-"""`dscluster setup`: passwordless SSH mesh, pinned host keys, login shell and PATH (issue 3)."""
+"""`dscluster setup`: passwordless SSH mesh, pinned host keys, login shell and PATH."""
 
 from __future__ import annotations
 

@@ -44,7 +44,11 @@ def test_batches_reach_the_gpu_without_a_host_sync(no_sync):
 
 
 def test_dscluster_clip_needs_no_host_sync(no_sync):
-    model = torch.nn.Linear(64, 64).cuda()
-    model(torch.randn(8, 64, device="cuda")).square().mean().backward()
+    torch.cuda.set_sync_debug_mode("default")
+    model = torch.nn.Linear(64, 64).cuda()  # a pageable host→device copy: made before the watch
+    x = torch.randn(8, 64, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    model(x).square().mean().backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1, foreach=True)
     assert norm.is_cuda

@@ -15,7 +15,7 @@ from dscluster.train.balanced import (
 
 
 def test_shares_follow_speed_and_sum_exactly():
-    # Two full-speed GPUs and two ranks sharing one GPU (half speed each), issue 10's setup.
+    # Two full-speed GPUs and two ranks sharing one GPU (half speed each), the mixed-speed case.
     shares = plan_shares([1000, 1000, 1000, 500, 500], 256)
     assert sum(shares) == 256
     assert shares[0] == shares[1] == shares[2]

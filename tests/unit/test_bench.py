@@ -123,6 +123,18 @@ def test_validation_names_the_fix():
         mixed.validate(mixed.MixedBenchOptions(scenarios=["memory-cap"]), device_count=4)
 
 
+def test_repeats_report_the_median_run_and_never_hide_a_failure():
+    runs = [{"status": "complete", "images_per_s": v, "run": i} for i, v in enumerate([3390.0, 3350.0, 3420.0])]
+    med = vit.median_run(runs)
+    assert (med["images_per_s"], med["run"], med["repeats"]) == (3390.0, 0, [3390.0, 3350.0, 3420.0])
+    assert vit.median_run(runs[:2])["images_per_s"] == 3350.0  # even count: the lower middle, not a flattering mean
+    failed = vit.median_run(runs + [{"status": "failed", "images_per_s": None, "error": "OOM"}])
+    assert failed["status"] == "failed" and failed["error"] == "OOM"
+    assert "repeats" not in vit.median_run(runs[:1])
+    with pytest.raises(UsageError, match="--repeat"):
+        vit.validate(vit.VitBenchOptions(repeat=0), device_count=1)
+
+
 def _fake_run(run_dir, step_times, world=2, micro=8, status="complete"):
     """A run directory as `dscluster train` writes it (metrics contract)."""
     for rank in range(world):

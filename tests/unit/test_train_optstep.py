@@ -58,6 +58,37 @@ def test_clipped_step_equals_torch_clip_and_the_norm_comes_back(one_rank_group, 
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
+def test_a_fused_optimizer_clips_inside_its_kernel_with_the_same_update(one_rank_group):
+    """torch's fused AdamW (the GPU default; fused also runs on CPU) takes the clip divisor as its
+    grad_scale: three clipped steps land where clip_grad_norm_ + a plain AdamW puts them."""
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    reference = copy.deepcopy(model)
+    cfg = load_config(None, ["precision=fp32", "optim.grad_clip=0.05"])
+    ds = build_ds_config(cfg, plan_batch(16, 1, None, 1), "fp32", on_gpu=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds, dist_init_required=False)
+    boundary = StepBoundary(engine, cfg, "fp32")
+    assert boundary.fused_clip
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01, foreach=False)
+    for step in range(3):
+        x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+        ref_opt.zero_grad()
+        torch.nn.functional.cross_entropy(reference(x), y).backward()
+        ref_norm = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05))
+        ref_opt.step()
+        engine.backward(torch.nn.functional.cross_entropy(engine(x), y))
+        boundary.before_step(want_norm=False)  # the clip needs the norm on every step anyway
+        engine.step()
+        norm, _, _ = decode(boundary.after_step().tolist())
+        assert ref_norm > 0.05 * 4 and norm == pytest.approx(ref_norm, rel=1e-5)
+        assert not hasattr(opt, "grad_scale")  # never left over for a step it was not computed for
+        for p, q in zip(engine.module.parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 def test_no_norm_is_computed_off_the_log_steps_when_nothing_clips(one_rank_group):
     model = torch.nn.Linear(4, 2)
     cfg = load_config(None, ["precision=fp32", "optim.grad_clip=0"])

@@ -1,4 +1,4 @@
-"""The plain-PyTorch baseline dscluster's training path is measured against (issue 9).
+"""The plain-PyTorch baseline dscluster's training path is measured against.
 
 One process per GPU under torchrun (RANK / LOCAL_RANK / WORLD_SIZE / MASTER_*), the
 fastest simple recipe people actually use: DistributedDataParallel, bf16 autocast,

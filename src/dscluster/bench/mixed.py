@@ -1,4 +1,4 @@
-"""`dscluster bench balanced`: uniform vs balanced batches on ranks of unequal speed (issue 10).
+"""`dscluster bench balanced`: uniform vs balanced batches on ranks of unequal speed.
 
 The heterogeneity is real, not simulated. busy-gpu: one rank per GPU, and one GPU also
 runs another process's matrix products (a busy neighbour, bench/gpu_load), so the rank there

@@ -84,7 +84,7 @@ def model_spec(name: str) -> ModelSpec:
     """Image size, classes and training FLOPs per image for `name`."""
     img_size, classes = _input_spec(name)
     if name in TRAIN_FLOPS_PER_IMAGE:
-        return ModelSpec(name, img_size, classes, TRAIN_FLOPS_PER_IMAGE[name], "issue 9: 3 x 35 GFLOPs forward")
+        return ModelSpec(name, img_size, classes, TRAIN_FLOPS_PER_IMAGE[name], "3 x 35 GFLOPs forward")
     import torch
 
     with torch.device("meta"):  # shapes only: no memory, no init time

@@ -4,7 +4,8 @@ For each GPU count both paths train the same ViT on synthetic data with the same
 micro-batch, one process per GPU, in one invocation on the same cards. Reported per
 count: images/s, images/s per GPU, scaling efficiency (img/s at N ÷ (N × img/s at 1)), MFU
 (training FLOPs per image × img/s ÷ (N × the card's dense bf16 peak)), peak memory, and the
-ratio dscluster ÷ baseline. The DeepSpeed path is `dscluster train` itself, with
+ratio dscluster ÷ baseline. With `--repeat N` both paths run N times, alternating, and the median
+run of each is reported (every run's rate and the per-pair ratios are kept too). The DeepSpeed path is `dscluster train` itself, with
 `micro_batch=auto` resolved by its own auto-fit; the baseline then uses the micro-batch that
 auto-fit chose, so both see the same batch.
 """
@@ -36,6 +37,7 @@ class VitBenchOptions:
     memory_cap_gb: float | None = None
     steps: int = 30
     warmup: int = 10
+    repeat: int = 1
     device: str = "cuda"
     launcher: str = "torchrun"
     config: str | None = None
@@ -126,6 +128,8 @@ def validate(opts: VitBenchOptions, device_count: int | None) -> None:
                          f"use --gpus {device_count} or fewer")
     if opts.micro_batch != "auto" and not (opts.micro_batch.isdigit() and int(opts.micro_batch) > 0):
         raise UsageError(f"--micro-batch {opts.micro_batch!r}: give 'auto' or a positive whole number")
+    if opts.repeat < 1:
+        raise UsageError(f"--repeat {opts.repeat}: give 1 or more")
     if opts.steps < 2:
         raise UsageError(f"--steps {opts.steps}: at least 2 timed steps are needed for a rate")
     if opts.launcher not in runner.LAUNCHERS:
@@ -143,8 +147,41 @@ def _rates(figures: dict, gpus: int, one_gpu_rate: float | None, flops: float, p
     return figures
 
 
+def _ds_run(opts: VitBenchOptions, gpus: int, work: Path, run_id: str) -> dict:
+    env = runner.child_env(opts.device, {"DSCLUSTER_RUNS": str(work), "DSCLUSTER_RUN_ID": run_id})
+    job = runner.run_job(ds_command(opts, gpus, runner.free_port()), env, work / f"{run_id}.log", opts.timeout_s)
+    fig = runner.read_train_run(work / run_id, opts.warmup, log_every(opts)).to_dict()
+    fig.update(rc=job.rc, wall_s=round(job.wall_s, 1), log=job.log)
+    if job.rc != 0 or fig.get("images_per_s") is None:
+        fig["status"] = "failed"
+        fig["error"] = fig.get("error") or ("timed out" if job.timed_out else job.tail(1500))
+    return fig
+
+
+def _baseline_run(opts: VitBenchOptions, gpus: int, micro: int, work: Path, name: str) -> dict:
+    out_json = work / f"{name}.json"
+    bjob = runner.run_job(baseline_command(opts, gpus, micro, out_json, runner.free_port()),
+                          runner.child_env(opts.device), work / f"{name}.log", opts.timeout_s)
+    base = {"status": "complete", "log": bjob.log, "wall_s": round(bjob.wall_s, 1)}
+    if bjob.rc == 0 and out_json.is_file():
+        base.update(json.loads(out_json.read_text()))
+    else:
+        base.update(status="failed", error="timed out" if bjob.timed_out else bjob.tail(1500))
+    return base
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median images/s (the lower middle one for an even count), with every run's
+    rate attached; a failed run wins, so a failure is never hidden behind a repeat."""
+    bad = [r for r in runs if r.get("status") == "failed" or r.get("images_per_s") is None]
+    if bad or len(runs) == 1:
+        return {**(bad or runs)[0], **({"repeats": [r.get("images_per_s") for r in runs]} if len(runs) > 1 else {})}
+    ordered = sorted(runs, key=lambda r: r["images_per_s"])
+    return {**ordered[(len(ordered) - 1) // 2], "repeats": [r["images_per_s"] for r in runs]}
+
+
 def run(opts: VitBenchOptions) -> tuple[dict, Path]:
-    """Run every GPU count with both paths; write and return the result file."""
+    """Run every GPU count with both paths (`repeat` times, alternating); write and return the result file."""
     info = runner.device_info(opts.device)
     validate(opts, info.get("device_count") if opts.device == "cuda" else None)
     spec = model_spec(opts.model)
@@ -156,32 +193,30 @@ def run(opts: VitBenchOptions) -> tuple[dict, Path]:
     ds_one = base_one = None
     for gpus in sorted(set(opts.gpu_counts)):
         row: dict = {"gpus": gpus}
-        run_id = f"ds-g{gpus}"
-        env = runner.child_env(opts.device, {"DSCLUSTER_RUNS": str(work), "DSCLUSTER_RUN_ID": run_id})
-        job = runner.run_job(ds_command(opts, gpus, runner.free_port()), env, work / f"{run_id}.log", opts.timeout_s)
-        fig = runner.read_train_run(work / run_id, opts.warmup, log_every(opts)).to_dict()
-        fig.update(rc=job.rc, wall_s=round(job.wall_s, 1), log=job.log)
-        if job.rc != 0 or fig.get("images_per_s") is None:
-            fig["status"] = "failed"
-            fig["error"] = fig.get("error") or ("timed out" if job.timed_out else job.tail(1500))
+        ds_runs: list[dict] = []
+        base_runs: list[dict] = []
+        micro = int(opts.micro_batch) if opts.micro_batch.isdigit() else None
+        for r in range(opts.repeat):
+            # alternating, so a drift of the host (clocks, neighbours) hits both paths alike
+            suffix = f"-r{r + 1}" if r else ""
+            ds_runs.append(_ds_run(opts, gpus, work, f"ds-g{gpus}{suffix}"))
+            micro = ds_runs[0].get("micro_batch") or micro
+            if opts.baseline and micro:
+                base_runs.append(_baseline_run(opts, gpus, micro, work, f"baseline-g{gpus}{suffix}"))
+        fig = median_run(ds_runs)
         if gpus == 1:
             ds_one = fig.get("images_per_s")
         row["dscluster"] = _rates(fig, gpus, ds_one, spec.train_flops_per_image, peak)
-        micro = fig.get("micro_batch") or (int(opts.micro_batch) if opts.micro_batch.isdigit() else None)
-        if opts.baseline and micro:
-            out_json = work / f"baseline-g{gpus}.json"
-            bjob = runner.run_job(baseline_command(opts, gpus, micro, out_json, runner.free_port()),
-                                  runner.child_env(opts.device), work / f"baseline-g{gpus}.log", opts.timeout_s)
-            base = {"status": "complete", "log": bjob.log, "wall_s": round(bjob.wall_s, 1)}
-            if bjob.rc == 0 and out_json.is_file():
-                base.update(json.loads(out_json.read_text()))
-            else:
-                base.update(status="failed", error="timed out" if bjob.timed_out else bjob.tail(1500))
+        if base_runs:
+            base = median_run(base_runs)
             if gpus == 1:
                 base_one = base.get("images_per_s")
             row["baseline"] = _rates(base, gpus, base_one, spec.train_flops_per_image, peak)
             ds_rate, base_rate = row["dscluster"].get("images_per_s"), base.get("images_per_s")
             row["ratio"] = ds_rate / base_rate if ds_rate and base_rate else None
+            pairs = [(d.get("images_per_s"), b_.get("images_per_s")) for d, b_ in zip(ds_runs, base_runs)]
+            if len(pairs) > 1:
+                row["ratios"] = [d / b_ if d and b_ else None for d, b_ in pairs]
         elif opts.baseline:
             row["baseline"] = {"status": "skipped", "error": "no micro-batch: the dscluster run did not report one"}
         results.append(row)

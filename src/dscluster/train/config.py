@@ -202,6 +202,10 @@ class TrainConfig:
     """All-reduce / reduce-scatter bucket size in MB of elements."""
     progress: bool = True
     """Rich progress bar with ETA on rank 0."""
+    sync_debug: str = field(default="off", metadata={"choices": ("off", "warn", "error")})
+    """GPU: after warm-up, watch each training step for implicit host synchronisations (torch's CUDA
+    sync debug mode). warn: list every call site at the end and in metrics (`host_sync` records);
+    error: fail at the first one. For "the GPU idles between steps"."""
     calibrate_loss_scale: bool = False
     """Run the fp16 loss-scale calibration instead of training."""
 

@@ -38,6 +38,7 @@ from dscluster.train.config import TrainConfig, to_yaml
 from dscluster.train.optstep import StepBoundary
 from dscluster.train.precision import decide_here
 from dscluster.train.runlog import RunLog, summary_record
+from dscluster.train.syncwatch import SyncWatch
 
 
 WARMUP_STEPS = 5  # first steps of a run left out of images_per_s
@@ -289,6 +290,8 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
     train_seconds, steps_this_run, timed_steps, accuracy = 0.0, 0, 0, None
     pending: list[dict] = []
     pending_dev: list[torch.Tensor] = []  # per step on the device: [loss, grad_norm, scale_tried, scale_after]
+    watch = SyncWatch(cfg.sync_debug if device.type == "cuda" and not calibrate else "off")
+    watched = 0
 
     def flush():
         if not pending:
@@ -325,26 +328,30 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
             samples = 0
             norm = None
             log_step = global_step % cfg.log_every == 0
-            for k, idx in enumerate(micro):
-                x, y = b.splits.train.get_batch(idx, device, b.dtype, augment=cfg.data.augment, generator=gen,
-                                                channels_last=cfg.channels_last)
-                # DDP-synchronised engines reduce only at the accumulation boundary
-                with b.ddp.no_sync() if b.ddp is not None and k < len(micro) - 1 else contextlib.nullcontext():
-                    loss = F.cross_entropy(engine(x).float(), y)
-                    engine.backward(loss * b.loss_weight if b.loss_weight != 1.0 else loss)
-                if k == len(micro) - 1:
-                    boundary.before_step(want_norm=log_step)  # gradients are all-reduced by now
-                    if precision == "fp16" and not boundary.device_scale:
-                        scale = loss_scale_of(engine)  # the scale this step is attempted at (a host float)
-                engine.step()
-                step_loss += loss.detach() / len(micro)
-                samples += len(idx)
-            overflow = False
-            if precision == "fp16" and not boundary.device_scale:
-                overflow = bool(getattr(engine.optimizer, "overflow", False))
-            if log_step and not boundary.own_clip:
-                norm = engine.get_global_grad_norm()  # DeepSpeed clipped (ZeRO, half-weight optimizers)
-                norm = None if norm is None or (isinstance(norm, float) and math.isnan(norm)) else float(norm)
+            armed = steps_this_run >= WARMUP_STEPS
+            watched += armed
+            with watch.step(global_step, armed):
+                for k, idx in enumerate(micro):
+                    x, y = b.splits.train.get_batch(idx, device, b.dtype, augment=cfg.data.augment, generator=gen,
+                                                    channels_last=cfg.channels_last)
+                    # DDP-synchronised engines reduce only at the accumulation boundary
+                    with b.ddp.no_sync() if b.ddp is not None and k < len(micro) - 1 else contextlib.nullcontext():
+                        loss = F.cross_entropy(engine(x).float(), y)
+                        engine.backward(loss * b.loss_weight if b.loss_weight != 1.0 else loss)
+                    if k == len(micro) - 1:
+                        boundary.before_step(want_norm=log_step)  # gradients are all-reduced by now
+                        if precision == "fp16" and not boundary.device_scale:
+                            scale = loss_scale_of(engine)  # the scale this step is attempted at (a host float)
+                    engine.step()
+                    step_loss += loss.detach() / len(micro)
+                    samples += len(idx)
+                overflow = False
+                if precision == "fp16" and not boundary.device_scale:
+                    overflow = bool(getattr(engine.optimizer, "overflow", False))
+                if log_step and not boundary.own_clip:
+                    norm = engine.get_global_grad_norm()  # DeepSpeed clipped (ZeRO, half-weight optimizers)
+                    norm = None if norm is None or (isinstance(norm, float) and math.isnan(norm)) else float(norm)
+                pending_dev.append(torch.cat([step_loss.reshape(1).float(), boundary.after_step()]))
             dt = time.perf_counter() - t_step
             steps_this_run += 1
             if steps_this_run > WARMUP_STEPS or total - pos.global_step <= WARMUP_STEPS:
@@ -354,7 +361,6 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
             pending.append({"step": global_step, "epoch": epoch, "lr": float(engine.get_lr()[0]),
                             "loss_scale": scale, "overflow": overflow, "step_time": dt, "samples": samples,
                             "samples_per_s": samples / dt if dt > 0 else None, "grad_norm": norm})
-            pending_dev.append(torch.cat([step_loss.reshape(1).float(), boundary.after_step()]))
             if len(pending) >= cfg.log_every:
                 if cfg.log_every > 1:  # asynchronous GPU work: per-step times are only right on average
                     avg = (time.perf_counter() - window_t) / len(pending)
@@ -388,6 +394,11 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
                   boundary)
         epoch, start_step = epoch + 1, 0
     progress.stop()
+    if watch.enabled:
+        for rec in watch.records():
+            log.record("host_sync", **rec)
+        if primary:
+            console.err.print(f"dscluster train: {watch.summary(watched)}")
     gb = facts["global_batch"]
     out.accuracy, out.steps = accuracy, global_step
     out.images_per_s = gb * timed_steps / train_seconds if train_seconds > 0 else None

@@ -7,6 +7,9 @@ synchronisations per step. Together they cost about 6% on ViT-B/16 (1x H200). So
 parameters are plain fp32 (ZeRO-0 with autocast, or fp32) dscluster clips itself, after the
 gradients are all-reduced and before `engine.step()`, with torch's foreach clip: a handful of
 kernels and no host sync; the global norm stays on the device until the log window is read.
+With a fused optimizer (torch's fused AdamW, the GPU default) the clip is not even a pass over
+the gradients: the norm's clip divisor goes to the optimizer as its `grad_scale`, which the
+fused kernel divides every gradient by while it updates (the hook GradScaler uses).
 
 fp16 on ZeRO-0 ("amp", the default) runs through DeepSpeed's torch_autocast with torch's
 GradScaler (fp32 weights, fp16 matmuls) instead of fp16 weights with fp32 master copies. The
@@ -67,6 +70,9 @@ class StepBoundary:
                 growth_interval=max(1, int(cfg.fp16.loss_scale_window)))
             engine.torch_autocast_z0_gradscaler = self.scaler
         self.params = [p for p in engine.module.parameters() if p.requires_grad]
+        # fused torch optimizers take a device `grad_scale` to divide gradients by inside their kernel
+        self.fused_clip = (self.own_clip and self.scaler is None
+                           and bool(getattr(engine.optimizer, "_step_supports_amp_scaling", False)))
         self._nan = torch.full((), NAN, device=engine.device)  # "not known", made once
         self._norm: torch.Tensor | None = None
         self._scale_tried: torch.Tensor | None = None
@@ -93,13 +99,18 @@ class StepBoundary:
             return
         if self.scaler is not None and (self.clip > 0 or want_norm):
             self.scaler.unscale_(self.engine.optimizer)  # clip and log the true gradients
-        if self.clip > 0:
+        if self.clip > 0 and not self.fused_clip:
             self._norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip, foreach=True)
-        elif want_norm:
+        elif want_norm or self.clip > 0:
             grads = [p.grad for p in self.params if p.grad is not None]
             self._norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else None
+            if self._norm is not None and self.clip > 0:
+                # = 1 / clip_grad_norm_'s clamped coefficient max_norm / (norm + 1e-6)
+                self.engine.optimizer.grad_scale = torch.clamp((self._norm + 1e-6) / self.clip, min=1.0)
 
     def after_step(self) -> torch.Tensor:
+        if self.fused_clip and hasattr(self.engine.optimizer, "grad_scale"):
+            del self.engine.optimizer.grad_scale  # only for the step it was computed for
         norm = self._norm.float().reshape(()) if self._norm is not None else self._nan
         if self.scaler is not None:
             tried, after = self._scale_tried.reshape(()), self.scaler._scale.detach().reshape(())
