@@ -35,6 +35,7 @@ SCENARIOS = [
 # (DeepSpeed's all-reduce off, no_sync on non-boundary micro-steps, dscluster clips).
 DDP_SCENARIOS = ["one_step", "accum2_two_steps", "one_step_clipped"]
 LR = 0.5
+NORMS: dict[tuple, list[float]] = {}  # the reference's gradient norm per optimizer step
 
 
 def make_model():
@@ -64,12 +65,13 @@ def reference(accum: int, steps: int, clip: float, momentum: float) -> dict[str,
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
     order = BalancedBatchSampler(DATASET, SHARES, 0, seed=SEED).order()
     per_step = sum(SHARES) * accum
+    norms = NORMS[(accum, steps, clip, momentum)] = []
     for step in range(steps):
         idx = order[step * per_step:(step + 1) * per_step]
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
+        norms.append(float(norm))
         opt.step()
     return {k: v.tolist() for k, v in model.state_dict().items()}
 
@@ -85,6 +87,8 @@ def worker(out_dir: Path) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     import contextlib
 
+    from dscluster.train.config import load_config
+    from dscluster.train.optstep import StepBoundary
     from dscluster.train.setup_engine import wrap_for_overlap
 
     x, y = make_data()
@@ -105,8 +109,12 @@ def worker(out_dir: Path) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
         wrapped = wrap_for_overlap(model, torch.device("cpu")) if ddp else None
         engine, _, _, _ = deepspeed.initialize(model=wrapped or model, optimizer=opt, config=ds_config)
+        norms: list[float] = []
         if ddp:
             engine.enable_backward_allreduce = False
+            cfg = load_config(None, ["precision=fp32", f"optim.grad_clip={clip}"])
+            step_boundary = StepBoundary(engine, cfg, "fp32")
+            assert step_boundary.own_clip
         sampler = BalancedBatchSampler(DATASET, SHARES, rank, seed=SEED)
         batches = iter(sampler)
         weight = loss_weight(b, world, sum(SHARES)) if weighted else 1.0
@@ -116,12 +124,17 @@ def worker(out_dir: Path) -> None:
             with wrapped.no_sync() if ddp and not boundary else contextlib.nullcontext():
                 loss = torch.nn.functional.cross_entropy(engine(x[idx]), y[idx]) * weight
                 engine.backward(loss)
-            if ddp and boundary and clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True)
+            if ddp and boundary:
+                # dscluster's step boundary clips after DDP reduced the gradients
+                step_boundary.before_step(want_norm=True)
             engine.step()
+            if ddp and boundary:
+                norms.append(step_boundary.after_step()[0].item())
         key = name + (":ddp" if ddp else "")
         results[key] = {k: v.tolist() for k, v in engine.module.state_dict().items()}
         results[key + ":global_steps"] = engine.global_steps
+        if ddp:
+            results[key + ":norms"] = norms
     (out_dir / f"rank-{rank}.json").write_text(json.dumps(results))
     torch.distributed.destroy_process_group()
 
@@ -183,6 +196,8 @@ def test_the_ddp_overlap_path_gives_the_same_exact_update(ranks, name):
         assert got[name + ":ddp:global_steps"] == steps
         assert set(got[name + ":ddp"]) == set(want)  # checkpoint keys are the model's, no "module." prefix
         assert _max_diff(got[name + ":ddp"], want) < 1e-6, f"rank {rank} (DDP path) differs from the reference"
+        # the norm logged (and clipped with) is the global batch's
+        assert got[name + ":ddp:norms"] == pytest.approx(NORMS[(accum, steps, clip, momentum)], rel=1e-5)
 
 
 @pytest.mark.parametrize("name", ["one_step_unweighted", "accum2_two_steps_unweighted"])
