@@ -291,6 +291,9 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
     pending: list[dict] = []
     pending_dev: list[torch.Tensor] = []  # per step on the device: [loss, grad_norm, scale_tried, scale_after]
     watch = SyncWatch(cfg.sync_debug if device.type == "cuda" and not calibrate else "off")
+    if cfg.sync_debug != "off" and device.type != "cuda" and primary:
+        console.err.print("[yellow]warning:[/yellow] sync_debug watches CUDA host syncs; this rank has no GPU, "
+                          "so it is off")
     watched = 0
 
     def flush():
