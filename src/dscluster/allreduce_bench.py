@@ -158,10 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch.multiprocessing as mp
 
     n = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
-    with socket.socket() as s:  # a free port for this one-host run
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_spawned, args=(n, args, port), nprocs=n, join=True)
+    from dscluster.netif import free_port
+
+    mp.spawn(_spawned, args=(n, args, free_port()), nprocs=n, join=True)
     return 0
 
 

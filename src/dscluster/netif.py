@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 from dataclasses import asdict, dataclass, field
 
 # Interfaces that never carry traffic between machines (container/VM bridges, loopback).
@@ -181,3 +182,10 @@ def iface_for_address(ifaces: list[Interface], target_ip: str) -> str | None:
         if _in(target_ip, ipaddress.ip_network(net)):
             return iface
     return None
+
+
+def free_port() -> int:
+    """A TCP port free right now on 127.0.0.1 (a one-host job's own rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

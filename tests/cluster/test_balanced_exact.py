@@ -35,7 +35,6 @@ SCENARIOS = [
 # (DeepSpeed's all-reduce off, no_sync on non-boundary micro-steps, dscluster clips).
 DDP_SCENARIOS = ["one_step", "accum2_two_steps", "one_step_clipped"]
 LR = 0.5
-NORMS: dict[tuple, list[float]] = {}  # the reference's gradient norm per optimizer step
 
 
 def make_model():
@@ -54,8 +53,9 @@ def make_data():
     return x, y
 
 
-def reference(accum: int, steps: int, clip: float, momentum: float) -> dict[str, list]:
-    """One process, plain torch: each optimizer step on the mean loss of the concatenated batch."""
+def reference(accum: int, steps: int, clip: float, momentum: float) -> tuple[dict[str, list], list[float]]:
+    """One process, plain torch: each optimizer step on the mean loss of the concatenated batch.
+    Returns the final parameters and the gradient norm of every step."""
     import torch
 
     from dscluster.train.balanced import BalancedBatchSampler
@@ -65,7 +65,7 @@ def reference(accum: int, steps: int, clip: float, momentum: float) -> dict[str,
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
     order = BalancedBatchSampler(DATASET, SHARES, 0, seed=SEED).order()
     per_step = sum(SHARES) * accum
-    norms = NORMS[(accum, steps, clip, momentum)] = []
+    norms = []
     for step in range(steps):
         idx = order[step * per_step:(step + 1) * per_step]
         opt.zero_grad()
@@ -73,7 +73,7 @@ def reference(accum: int, steps: int, clip: float, momentum: float) -> dict[str,
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
         norms.append(float(norm))
         opt.step()
-    return {k: v.tolist() for k, v in model.state_dict().items()}
+    return {k: v.tolist() for k, v in model.state_dict().items()}, norms
 
 
 def worker(out_dir: Path) -> None:
@@ -182,7 +182,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("name", ["one_step", "accum2_two_steps", "one_step_clipped"])
 def test_weighted_ranks_match_one_process_on_the_concatenated_batch(ranks, name):
     _, accum, steps, _, clip, momentum = _scenario(name)
-    want = reference(accum, steps, clip, momentum)
+    want, _ = reference(accum, steps, clip, momentum)
     for rank, got in enumerate(ranks):
         assert got[name + ":global_steps"] == steps
         assert _max_diff(got[name], want) < 1e-6, f"rank {rank} differs from the single-process reference"
@@ -191,19 +191,19 @@ def test_weighted_ranks_match_one_process_on_the_concatenated_batch(ranks, name)
 @pytest.mark.parametrize("name", DDP_SCENARIOS)
 def test_the_ddp_overlap_path_gives_the_same_exact_update(ranks, name):
     _, accum, steps, _, clip, momentum = _scenario(name)
-    want = reference(accum, steps, clip, momentum)
+    want, want_norms = reference(accum, steps, clip, momentum)
     for rank, got in enumerate(ranks):
         assert got[name + ":ddp:global_steps"] == steps
         assert set(got[name + ":ddp"]) == set(want)  # checkpoint keys are the model's, no "module." prefix
         assert _max_diff(got[name + ":ddp"], want) < 1e-6, f"rank {rank} (DDP path) differs from the reference"
         # the norm logged (and clipped with) is the global batch's
-        assert got[name + ":ddp:norms"] == pytest.approx(NORMS[(accum, steps, clip, momentum)], rel=1e-5)
+        assert got[name + ":ddp:norms"] == pytest.approx(want_norms, rel=1e-5)
 
 
 @pytest.mark.parametrize("name", ["one_step_unweighted", "accum2_two_steps_unweighted"])
 def test_without_the_weight_the_update_is_not_the_global_mean(ranks, name):
     _, accum, steps, _, clip, momentum = _scenario(name)
-    want = reference(accum, steps, clip, momentum)
+    want, _ = reference(accum, steps, clip, momentum)
     # Ranks still agree with each other (DeepSpeed averaged), but not with the global-batch mean.
     assert _max_diff(ranks[0][name], ranks[2][name]) < 1e-6
     assert _max_diff(ranks[0][name], want) > 1e-3

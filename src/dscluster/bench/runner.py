@@ -12,7 +12,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dscluster.fsutil import read_jsonl
+from dscluster.netif import free_port  # noqa: F401  (each job gets its own rendezvous)
 from dscluster.runinfo import METRICS_DIR, SUMMARY_FILE
 
 LAUNCHERS = ("torchrun", "mpirun")
@@ -28,13 +28,6 @@ LAUNCHERS = ("torchrun", "mpirun")
 def cell(value, fmt: str) -> str:
     """A result-table cell: the number formatted, or '-' when it was not measured."""
     return "-" if value is None else format(value, fmt)
-
-
-def free_port() -> int:
-    """A TCP port free right now on 127.0.0.1 (each job gets its own rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_argv(nprocs: int, module_args: list[str], port: int, python: str = sys.executable) -> list[str]:

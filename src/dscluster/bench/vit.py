@@ -174,10 +174,8 @@ def median_run(runs: list[dict]) -> dict:
     """The run with the median images/s (the lower middle one for an even count), with every run's
     rate attached; a failed run wins, so a failure is never hidden behind a repeat."""
     bad = [r for r in runs if r.get("status") == "failed" or r.get("images_per_s") is None]
-    if bad or len(runs) == 1:
-        return {**(bad or runs)[0], **({"repeats": [r.get("images_per_s") for r in runs]} if len(runs) > 1 else {})}
-    ordered = sorted(runs, key=lambda r: r["images_per_s"])
-    return {**ordered[(len(ordered) - 1) // 2], "repeats": [r["images_per_s"] for r in runs]}
+    pick = bad[0] if bad else sorted(runs, key=lambda r: r["images_per_s"])[(len(runs) - 1) // 2]
+    return {**pick, "repeats": [r.get("images_per_s") for r in runs]} if len(runs) > 1 else dict(pick)
 
 
 def run(opts: VitBenchOptions) -> tuple[dict, Path]:

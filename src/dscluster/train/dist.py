@@ -190,18 +190,15 @@ def init_process_group(info: RankInfo, backend: str, timeout_s: float) -> None:
 def ensure_single_process_group() -> None:
     """A one-rank gloo group on loopback, for code that needs deepspeed.comm outside a launched job
     (a DeepSpeed engine or loss scaler in a tool or a test). Nothing happens when a group exists."""
-    import socket
-
     import deepspeed
     from deepspeed import comm as ds_comm
 
+    from dscluster.netif import free_port
+
     if ds_comm.is_initialized():
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(port)}.items():
+                 "MASTER_PORT": str(free_port())}.items():
         os.environ.setdefault(k, v)
     deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
 

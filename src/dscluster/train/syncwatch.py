@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import torch
 
 SYNC_WARNING = "called a synchronizing CUDA operation"
-MODES = ("off", "warn", "error")
 _OWN_FRAMES = ("warnings.py", "syncwatch.py", "contextlib.py")
 
 
@@ -38,7 +37,7 @@ class SyncWatch:
 
     @property
     def enabled(self) -> bool:
-        return self.mode != "off" and torch.cuda.is_available()
+        return self.mode != "off"  # the loop passes "off" on a rank without a GPU
 
     @contextlib.contextmanager
     def step(self, global_step: int, armed: bool):
