@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 from dscluster.errors import UsageError
 from dscluster.train.config import load_config, to_yaml
@@ -125,6 +126,22 @@ def test_range_errors_name_the_line_or_the_override_that_set_the_value(tmp_path)
     with pytest.raises(ConfigValueError) as e:
         load_config(write(tmp_path, "model:\n  num_heads: 5\n"))
     assert str(e.value).startswith(f"{p}:2: model.embed_dim=96 does not divide by model.num_heads=5")
+
+
+def test_ddp_bucket_size_is_checked_and_reaches_ddp(tmp_path):
+    from dscluster.train import dist
+    from dscluster.train.config import ConfigValueError
+    from dscluster.train.setup_engine import wrap_for_overlap
+
+    p = write(tmp_path, "epochs: 1\nddp_bucket_mb: 0\n")
+    with pytest.raises(ConfigValueError) as e:
+        load_config(p)
+    assert str(e.value) == f"{p}:2: ddp_bucket_mb must be at least 1, got 0" and e.value.exit_code == 2
+    assert load_config(None).ddp_bucket_mb == 100
+    cfg = load_config(None, ["ddp_bucket_mb=7"])
+    dist.ensure_single_process_group()
+    ddp = wrap_for_overlap(torch.nn.Linear(4, 4), torch.device("cpu"), cfg.ddp_bucket_mb)
+    assert ddp.bucket_bytes_cap == 7 * 1024 * 1024
 
 
 def test_linear_lr_scaling_with_the_global_batch():

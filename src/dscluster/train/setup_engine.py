@@ -29,7 +29,8 @@ class OverlapDDP(torch.nn.parallel.DistributedDataParallel):
 
     DeepSpeed's ZeRO-0 path all-reduces every gradient after backward has finished (flatten,
     all-reduce, copy back), so none of it overlaps compute: ViT-B/16 on 4x H200 lost 9% to it.
-    DDP reduces 25 MB buckets while backward still runs (and, compiled, dynamo's DDPOptimizer
+    DDP reduces its buckets (`ddp_bucket_mb`, 100 MB: 4x H200 scaled 96% against 94% with torch's
+    25 MB) while backward still runs (and, compiled, dynamo's DDPOptimizer
     splits the graph at bucket boundaries so that holds there too). DeepSpeed keeps precision,
     the optimizer, the schedule and checkpoints; its own all-reduce is turned off. The state
     dict is the inner model's, so checkpoints do not depend on the rank count.
@@ -47,11 +48,11 @@ def overlaps_with_ddp(cfg: TrainConfig, world_size: int) -> bool:
     return cfg.zero_stage == 0 and world_size > 1 and bool(cfg.overlap_comm)
 
 
-def wrap_for_overlap(model: torch.nn.Module, device: torch.device) -> OverlapDDP:
+def wrap_for_overlap(model: torch.nn.Module, device: torch.device, bucket_mb: int = 100) -> OverlapDDP:
     # Rank 0 evaluates alone between barriers: it runs bare_module(engine), never this wrapper,
     # whose forward may broadcast buffers to ranks that are not there.
     return OverlapDDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                      gradient_as_bucket_view=True)
+                      gradient_as_bucket_view=True, bucket_cap_mb=bucket_mb)
 
 
 def bare_module(engine) -> torch.nn.Module:
@@ -188,7 +189,7 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
     # rank, which DeepSpeed would use as the device index: name the device explicitly. On CPU pass
     # nothing (device_rank=-1 would make DeepSpeed treat the job as a single process).
     ds_args = argparse.Namespace(device_rank=device.index or 0) if device.type == "cuda" else None
-    ddp = wrap_for_overlap(model, device) if overlaps_with_ddp(cfg, info.world_size) else None
+    ddp = wrap_for_overlap(model, device, cfg.ddp_bucket_mb) if overlaps_with_ddp(cfg, info.world_size) else None
     engine, _, _, _ = deepspeed.initialize(args=ds_args, model=ddp or model, optimizer=opt, lr_scheduler=sched,
                                            config=ds_cfg, dist_init_required=False)
     if cfg.zero_stage == 0 and (info.world_size == 1 or ddp is not None):
