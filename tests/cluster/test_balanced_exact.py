@@ -107,12 +107,12 @@ def worker(out_dir: Path) -> None:
             "steps_per_print": 10**9,
         }
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
-        wrapped = wrap_for_overlap(model, torch.device("cpu")) if ddp else None
+        cfg = load_config(None, ["precision=fp32", f"optim.grad_clip={clip}"])
+        wrapped = wrap_for_overlap(model, torch.device("cpu"), cfg.ddp_bucket_mb) if ddp else None
         engine, _, _, _ = deepspeed.initialize(model=wrapped or model, optimizer=opt, config=ds_config)
         norms: list[float] = []
         if ddp:
             engine.enable_backward_allreduce = False
-            cfg = load_config(None, ["precision=fp32", f"optim.grad_clip={clip}"])
             step_boundary = StepBoundary(engine, cfg, "fp32")
             assert step_boundary.own_clip
         sampler = BalancedBatchSampler(DATASET, SHARES, rank, seed=SEED)

@@ -48,7 +48,7 @@ def overlaps_with_ddp(cfg: TrainConfig, world_size: int) -> bool:
     return cfg.zero_stage == 0 and world_size > 1 and bool(cfg.overlap_comm)
 
 
-def wrap_for_overlap(model: torch.nn.Module, device: torch.device, bucket_mb: int = 100) -> OverlapDDP:
+def wrap_for_overlap(model: torch.nn.Module, device: torch.device, bucket_mb: int) -> OverlapDDP:
     # Rank 0 evaluates alone between barriers: it runs bare_module(engine), never this wrapper,
     # whose forward may broadcast buffers to ranks that are not there.
     return OverlapDDP(model, device_ids=[device.index] if device.type == "cuda" else None,
