@@ -5,7 +5,7 @@
 # 2. loads this node's environment from `dscluster check` (<state>/env/$(hostname).env:
 #    the node's own interface for NCCL/GLOO, P2P, precision) — without it a multi-rank job
 #    would pick a wrong interface and hang, so a missing file stops the rank (exit 2);
-# 3. gives each local rank its own GPU (CUDA_VISIBLE_DEVICES) unless the user chose;
+# 3. leaves the node's GPUs visible to every rank (train picks the local rank's own);
 # 4. local rank 0 starts this node's one telemetry sampler and stops it when training ends;
 # 5. runs `dscluster train "$@"` (default: --config configs/digits.yaml).
 # Run by hand (no launcher) it trains as a single process and says so.
@@ -74,18 +74,10 @@ else
 fi
 export DSCLUSTER_LOCAL_RANK="$LOCAL_RANK_ID"
 
-# --- one GPU per local rank, unless the user (or the launcher) already chose ---------------
-if [ -z "${CUDA_VISIBLE_DEVICES+x}" ] && command -v nvidia-smi >/dev/null 2>&1; then
-  ngpu="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)"
-  if [ "${ngpu:-0}" -gt 0 ]; then
-    if [ "$LOCAL_RANK_ID" -ge "$ngpu" ]; then
-      say "warning: local rank $LOCAL_RANK_ID but only $ngpu GPUs here; sharing GPU $((LOCAL_RANK_ID % ngpu))"
-    fi
-    export CUDA_VISIBLE_DEVICES="$((LOCAL_RANK_ID % ngpu))"
-    # This rank now sees exactly one GPU: it is cuda:0 whatever the local rank.
-    export DSCLUSTER_CUDA_MAPPED=1
-  fi
-fi
+# --- GPUs: every rank sees all of this node's GPUs (or the user's CUDA_VISIBLE_DEVICES), as under
+# torchrun and DeepSpeed's launcher; `dscluster train` takes the local-rank-th visible one. Narrowing
+# CUDA_VISIBLE_DEVICES per rank here broke DeepSpeed, which binds the process group to
+# cuda:$LOCAL_RANK, on every node with two GPUs.
 
 # --- run id and run directory: every rank of a job must agree without talking ----------------
 # resolve_run_id's rule (DSCLUSTER_RUN_ID > PMIX_NAMESPACE > ... > timestamp) in one python start.

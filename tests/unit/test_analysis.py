@@ -177,3 +177,24 @@ def test_plot_cli_json_lists_what_it_wrote(tmp_path):
     assert set(doc["plots"]) == {"utilisation", "throughput", "loss", "loss_scale", "gpu_health"}
     assert doc["report"] == str(run / "report.html") and doc["summary"]["world_size"] == 2
     assert summary_row(load_run(run))["hosts"] == ["node1", "node2"]
+
+
+def test_every_rank_has_its_own_colour_and_ranks_of_one_node_share_a_family(tmp_path):
+    from matplotlib.colors import to_rgb
+
+    from dscluster.analysis.plots import _rank_style, host_colours, plot_throughput
+
+    # 4 ranks on 2 nodes, round robin: ranks 0 and 2 on node1, 1 and 3 on node2
+    run = load_run(make_run(tmp_path, world=4, hosts=["node1", "node2"]))
+    assert plot_throughput(run, tmp_path / "plots").path.is_file()
+    colours = host_colours(run)
+    colour = {r: _rank_style(run, r, colours)[0] for r in range(4)}
+    assert len(set(colour.values())) == 4  # no two ranks share a colour
+
+    def dominant_channel(c):
+        return max(zip(to_rgb(c), "rgb"))[1]
+
+    # a node's ranks are shades of one family, the other node's of another
+    assert dominant_channel(colour[0]) == dominant_channel(colour[2])
+    assert dominant_channel(colour[1]) == dominant_channel(colour[3])
+    assert dominant_channel(colour[0]) != dominant_channel(colour[1])

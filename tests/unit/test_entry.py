@@ -181,20 +181,23 @@ def fake_nvidia_smi(rig, count):
     return {"PATH": f"{bindir}{os.pathsep}{rig['env']['PATH']}"}
 
 
-def test_local_rank_gets_its_own_gpu(rig):
+def test_every_rank_sees_all_of_its_nodes_gpus(rig):
+    # DeepSpeed binds the process group to cuda:$LOCAL_RANK: local rank 1 of a two-GPU node must
+    # still see both GPUs, or it dies with "device_id cuda:1 is out of range".
     write_node_env(rig, "export NCCL_SOCKET_IFNAME='eth0'\n")
-    out = run_entry(rig, extra={**under_mpirun(local_rank=1, rank=3), **fake_nvidia_smi(rig, 2)})
+    extra = {**under_mpirun(local_rank=1, rank=3), **fake_nvidia_smi(rig, 2)}
+    rig["env"].pop("CUDA_VISIBLE_DEVICES", None)
+    out = run_entry(rig, extra=extra)
     assert out.returncode == 0, out.stderr
-    assert env_seen(rig)["CUDA_VISIBLE_DEVICES"] == "1"
-    assert env_seen(rig)["DSCLUSTER_CUDA_MAPPED"] == "1"
+    assert "CUDA_VISIBLE_DEVICES" not in env_seen(rig)
+    assert "DSCLUSTER_CUDA_MAPPED" not in env_seen(rig)
 
 
 def test_users_cuda_visible_devices_is_kept(rig):
     write_node_env(rig, "export NCCL_SOCKET_IFNAME='eth0'\n")
-    out = run_entry(rig, extra={**under_mpirun(local_rank=1), **fake_nvidia_smi(rig, 2), "CUDA_VISIBLE_DEVICES": "0"})
+    out = run_entry(rig, extra={**under_mpirun(local_rank=1), **fake_nvidia_smi(rig, 2), "CUDA_VISIBLE_DEVICES": "0,1"})
     assert out.returncode == 0, out.stderr
-    assert env_seen(rig)["CUDA_VISIBLE_DEVICES"] == "0"
-    assert "DSCLUSTER_CUDA_MAPPED" not in env_seen(rig)
+    assert env_seen(rig)["CUDA_VISIBLE_DEVICES"] == "0,1"
 
 
 def test_local_rank_0_runs_one_sampler_and_stops_it(rig):

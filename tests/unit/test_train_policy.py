@@ -4,6 +4,7 @@ import pytest
 
 from dscluster.errors import JobFailed, UsageError
 from dscluster.train.autofit import choose_micro_batch, largest_fit, with_margin
+from dscluster.train import dist
 from dscluster.train.dist import default_master_port, detect_ranks, export_env
 from dscluster.train.precision import decide
 from dscluster.train.sampler import StepSampler
@@ -95,3 +96,18 @@ def test_sampler_equal_steps_disjoint_and_resumable():
     assert list(samplers[0].steps(epoch=2)) != steps[0]
     with pytest.raises(UsageError, match="fewer than one global batch"):
         StepSampler(10, [8, 8], 1, 0, 0)
+
+
+@pytest.mark.parametrize("local_rank,visible,index,shares", [(0, 2, 0, False), (1, 2, 1, False), (3, 4, 3, False),
+                                                              (1, 1, 0, True), (2, 2, 0, True)])
+def test_each_local_rank_takes_its_own_visible_gpu_and_says_when_it_must_share(local_rank, visible, index, shares):
+    got, warning = dist.device_for(local_rank, visible)
+    assert got == index
+    assert (warning is not None) == shares
+    if shares:
+        assert f"only {visible} GPU" in warning and "slots=" in warning
+
+
+def test_a_rank_without_a_visible_gpu_is_told_why():
+    with pytest.raises(UsageError, match="CUDA_VISIBLE_DEVICES"):
+        dist.device_for(0, 0)

@@ -24,7 +24,8 @@ DPI = 80
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
            "#bcbd22", "#17becf", "#d62728"]
 STRAGGLER_COLOUR = "#d62728"
-LINESTYLES = ["-", "--", ":", "-."]
+HOST_FAMILIES = ["Blues", "Oranges", "Greens", "Purples", "Greys", "YlOrBr", "PuRd", "BuGn", "RdPu", "GnBu"]
+"""One colour family per node; its ranks (or GPUs) take distinct shades of it. No reds: red marks stragglers."""
 
 
 @dataclass
@@ -38,17 +39,27 @@ class Plot:
 
 
 def host_colours(run: RunData) -> dict[str, str]:
-    """One colour per node, stable across all of a run's plots."""
+    """Each node's colour family (a matplotlib colormap name), stable across all of a run's plots."""
     hosts = sorted({h for h in (r.host for r in run.ranks.values()) if h} | set(run.telemetry))
-    return {h: PALETTE[i % len(PALETTE)] for i, h in enumerate(hosts)}
+    return {h: HOST_FAMILIES[i % len(HOST_FAMILIES)] for i, h in enumerate(hosts)}
+
+
+def shade(family: str | None, k: int, n: int) -> str:
+    """The k-th of n distinct shades of a node's family, dark to light (hex)."""
+    from matplotlib import colormaps
+    from matplotlib.colors import to_hex
+
+    if family is None:
+        return "#333333"
+    level = 0.8 if n <= 1 else 0.9 - 0.5 * k / (n - 1)
+    return to_hex(colormaps[family](level))
 
 
 def _rank_style(run: RunData, rank: int, colours: dict[str, str]) -> tuple[str, str, str]:
-    """(colour of the rank's node, a line style per rank on that node, legend label)."""
+    """(the rank's own shade of its node's colour family, line style, legend label)."""
     host = run.ranks[rank].host
     same_node = sorted(r for r in run.ranks if run.ranks[r].host == host)
-    style = LINESTYLES[same_node.index(rank) % len(LINESTYLES)]
-    return colours.get(host, "#333333"), style, f"rank {rank} ({host or '?'})"
+    return shade(colours.get(host), same_node.index(rank), len(same_node)), "-", f"rank {rank} ({host or '?'})"
 
 
 def _title(run: RunData, what: str) -> str:
@@ -98,18 +109,17 @@ def plot_utilisation(run: RunData, out: Path) -> Plot:
                 xs = [p[0] for p in pts]
                 util = [p[1].get("util_percent") for p in pts]
                 mem = [(p[1].get("mem_used_mb") or 0) / 1024 for p in pts]
-                label = f"{host} GPU{idx}"
-                ls = LINESTYLES[k % len(LINESTYLES)]
-                ax_u.plot(xs, util, color=colours[host], ls=ls, label=label)
-                ax_m.plot(xs, mem, color=colours[host], ls=ls, label=label)
+                label, colour = f"{host} GPU{idx}", shade(colours[host], k, len(indices))
+                ax_u.plot(xs, util, color=colour, label=label)
+                ax_m.plot(xs, mem, color=colour, label=label)
                 plot.series[f"util {label}"] = {"x": xs, "y": util}
                 plot.series[f"mem {label}"] = {"x": xs, "y": mem}
         else:
             xs = [s["t"] - t0 for s in samples]
             cpu = [s.get("cpu_percent") for s in samples]
             ram = [(s.get("ram_used_mb") or 0) / 1024 for s in samples]
-            ax_u.plot(xs, cpu, color=colours[host], label=host)
-            ax_m.plot(xs, ram, color=colours[host], label=host)
+            ax_u.plot(xs, cpu, color=shade(colours[host], 0, 1), label=host)
+            ax_m.plot(xs, ram, color=shade(colours[host], 0, 1), label=host)
             plot.series[f"cpu {host}"] = {"x": xs, "y": cpu}
             plot.series[f"ram {host}"] = {"x": xs, "y": ram}
     if not gpu:
@@ -257,12 +267,12 @@ def plot_gpu_health(run: RunData, out: Path) -> Plot:
         indices = sorted({g["index"] for s in samples for g in s["gpus"]})
         for k, idx in enumerate(indices):
             pts = [(s["t"] - t0, g) for s in samples for g in s["gpus"] if g["index"] == idx]
-            label, ls = f"{host} GPU{idx}", LINESTYLES[k % len(LINESTYLES)]
+            label, colour = f"{host} GPU{idx}", shade(colours[host], k, len(indices))
             xs = [p[0] for p in pts]
             temp = [p[1].get("temp_c") for p in pts]
             power = [p[1].get("power_w") for p in pts]
-            ax_t.plot(xs, temp, color=colours[host], ls=ls, label=label)
-            ax_p.plot(xs, power, color=colours[host], ls=ls, label=label)
+            ax_t.plot(xs, temp, color=colour, label=label)
+            ax_p.plot(xs, power, color=colour, label=label)
             plot.series[f"temp {label}"] = {"x": xs, "y": temp}
             plot.series[f"power {label}"] = {"x": xs, "y": power}
             thr = [(x, g, sorted(set(g.get("throttle_reasons") or []) & SLOWDOWN_REASONS)) for x, g in pts]

@@ -174,6 +174,10 @@ def read_train_run(run_dir: Path, warmup: int, log_every: int = 1) -> TrainFigur
     if steps:
         fig.losses = global_losses(per_rank, steps[0]["t"])
         fig.final_loss = fig.losses[-1][2] if fig.losses else None
+    if isinstance(summary.get("images_per_s"), (int, float)) and summary.get("timed_steps"):
+        # The trainer's own figure (train/timing.py): wall-clock windows closed after the device sync.
+        fig.images_per_s, fig.timed_steps = float(summary["images_per_s"]), int(summary["timed_steps"])
+        return fig
     timed = [r for r in steps if r["step"] >= warmup and r["step"] % log_every == 0]
     if len(timed) >= 2 and fig.global_batch:
         first, last = timed[0], timed[-1]

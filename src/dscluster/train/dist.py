@@ -171,20 +171,49 @@ def skip_cpu_shm_build() -> bool:
     return True
 
 
-def init_process_group(info: RankInfo, backend: str, timeout_s: float) -> None:
-    """deepspeed.init_distributed with an explicit backend and a bring-up-sized timeout."""
+def init_process_group(info: RankInfo, backend: str, timeout_s: float, device=None) -> None:
+    """The process group, bound to this rank's own device, then DeepSpeed's comm on top of it.
+
+    torch is initialised here rather than by deepspeed.init_distributed, which binds the group
+    to cuda:$LOCAL_RANK: that index is wrong whenever a rank sees fewer GPUs than the node has
+    ranks (a user's own CUDA_VISIBLE_DEVICES, one GPU shared by two ranks) and died with
+    "device_id cuda:2 is out of range". DeepSpeed finds the group initialised and adopts it.
+    """
     import deepspeed
+    import torch.distributed as tdist
 
     default_extensions_dir()
     skip_cpu_shm_build()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    discover = not os.environ.get("MASTER_ADDR") and info.world_size > 1
+    if discover:
+        # No rendezvous address from `dscluster check` or the launcher: DeepSpeed asks MPI for it.
+        from deepspeed.comm.comm import mpi_discovery
 
-    deepspeed.init_distributed(
-        dist_backend=backend,
-        auto_mpi_discovery=not os.environ.get("MASTER_ADDR") and info.world_size > 1,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        rank=info.rank,
-        world_size=info.world_size,
-    )
+        mpi_discovery(distributed_port=int(os.environ.get("MASTER_PORT") or 29500), verbose=False)
+    if not tdist.is_initialized():
+        kwargs = {}
+        if device is not None and device.type == "cuda" and info.world_size > 1:
+            # Binding the device lets NCCL set up eagerly; a single rank has no peer (DeepSpeed #8248).
+            kwargs["device_id"] = device
+        tdist.init_process_group(backend, init_method="env://", rank=info.rank, world_size=info.world_size,
+                                 timeout=timeout, **kwargs)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout,
+                               rank=info.rank, world_size=info.world_size, verbose=False)
+
+
+def device_for(local_rank: int, visible: int) -> tuple[int, str | None]:
+    """The CUDA index a local rank uses among the GPUs it sees, and a warning when it must share.
+
+    Every rank of a node sees all of the node's GPUs (or the user's CUDA_VISIBLE_DEVICES), the
+    convention of torchrun and DeepSpeed's launcher: local rank r takes the r-th visible GPU."""
+    if visible <= 0:
+        raise UsageError("no GPU is visible to this rank (CUDA_VISIBLE_DEVICES is empty?)")
+    index = local_rank % visible
+    if local_rank >= visible:
+        return index, (f"local rank {local_rank} but only {visible} GPU{'s' if visible > 1 else ''} visible here: "
+                       f"sharing cuda:{index} (start at most {visible} ranks on this node: slots= in the hostfile)")
+    return index, None
 
 
 def ensure_single_process_group() -> None:

@@ -11,6 +11,8 @@
       DSCLUSTER_FAULT="exit:rank=1,step=5"             rank 1 exits (code 3) before step 5
       DSCLUSTER_FAULT="mismatch_steps:rank=1"          rank 1 reports one step more per epoch
       DSCLUSTER_FAULT="disk_full:rank=0,step=20"       rank 0's checkpoint save at step 20 hits ENOSPC
+      DSCLUSTER_FAULT="slow_gpu:rank=1,ms=80"          rank 1's GPU spins 80 ms more every step, queued
+                                                       without the host waiting (honest-timing tests)
   Several faults: separate them with ';'.
   Nothing outside tests should set it.
 """
@@ -105,9 +107,10 @@ class Fault:
     kind: str
     rank: int
     step: int | None = None
+    ms: int | None = None
 
 
-FAULT_KINDS = ("skip_collective", "exit", "mismatch_steps", "disk_full")
+FAULT_KINDS = ("skip_collective", "exit", "mismatch_steps", "disk_full", "slow_gpu")
 
 
 def parse_fault(text: str | None) -> Fault | None:
@@ -121,11 +124,14 @@ def parse_fault(text: str | None) -> Fault | None:
     params: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in rest.split(","))):
         k, _, v = part.partition("=")
-        if k not in ("rank", "step") or not v.strip().isdigit():
-            raise UsageError(f"DSCLUSTER_FAULT={text!r}: expected rank=N[,step=N], got {part!r}")
+        if k not in ("rank", "step", "ms") or not v.strip().isdigit():
+            raise UsageError(f"DSCLUSTER_FAULT={text!r}: expected rank=N[,step=N][,ms=N], got {part!r}")
         params[k] = int(v)
     if "rank" not in params:
         raise UsageError(f"DSCLUSTER_FAULT={text!r}: needs rank=N")
-    if kind != "mismatch_steps" and "step" not in params:
+    if kind == "slow_gpu":
+        if "ms" not in params:
+            raise UsageError(f"DSCLUSTER_FAULT={text!r}: slow_gpu needs ms=N")
+    elif kind != "mismatch_steps" and "step" not in params:
         raise UsageError(f"DSCLUSTER_FAULT={text!r}: {kind} needs step=N")
-    return Fault(kind, params["rank"], params.get("step"))
+    return Fault(kind, params["rank"], params.get("step"), params.get("ms"))

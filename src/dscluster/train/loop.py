@@ -39,9 +39,7 @@ from dscluster.train.optstep import StepBoundary
 from dscluster.train.precision import decide_here
 from dscluster.train.runlog import RunLog, summary_record
 from dscluster.train.syncwatch import SyncWatch
-
-
-WARMUP_STEPS = 5  # first steps of a run left out of images_per_s
+from dscluster.train.timing import WARMUP_STEPS, StepWindow, ends_warmup, is_timed
 
 
 @dataclass
@@ -107,13 +105,16 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
                    "dataset": cfg.data.dataset, "epochs": cfg.epochs, "steps": 0, "overflow_steps": 0}
     has_cuda_device = False
     try:
-        device = torch.device(f"cuda:{info.local_rank % max(1, torch.cuda.device_count())}") if has_cuda \
-            else torch.device("cpu")
+        device = torch.device("cpu")
         if has_cuda:
+            index, sharing = dist.device_for(info.local_rank, torch.cuda.device_count())
+            if sharing:
+                console.err.print(f"[yellow]warning:[/yellow] {sharing}")
+            device = torch.device("cuda", index)
             torch.cuda.set_device(device)
             has_cuda_device = True
         backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if has_cuda else "gloo")
-        dist.init_process_group(info, backend, cfg.dist.timeout_s)
+        dist.init_process_group(info, backend, cfg.dist.timeout_s, device)
         hosts = dist.all_gather_strings(host)
         facts["hosts"] = sorted(set(hosts))
         precision = decide_here(cfg.precision).precision
@@ -287,7 +288,9 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
     gen = torch.Generator(device=device).manual_seed(cfg.seed * 7919 + info.rank * 104729 + global_step)
     progress = _Progress(primary and cfg.progress and not calibrate, total, global_step)
     out = Outcome(status="complete", run_dir=rdir)
-    train_seconds, steps_this_run, timed_steps, accuracy = 0.0, 0, 0, None
+    steps_this_run, accuracy = 0, None
+    run_length = total - pos.global_step
+    window = StepWindow()
     pending: list[dict] = []
     pending_dev: list[torch.Tensor] = []  # per step on the device: [loss, grad_norm, scale_tried, scale_after]
     watch = SyncWatch(cfg.sync_debug if device.type == "cuda" and not calibrate else "off")
@@ -300,6 +303,8 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
         if not pending:
             return
         values = torch.stack(pending_dev).float().tolist()  # the one host sync per log window
+        # Only now has the device finished the window's steps: time them (timing.py says why).
+        window.close(pending, timed=is_timed(steps_this_run - len(pending) + 1, run_length))
         for rec, (loss_v, *stats) in zip(pending, values):
             norm, scale, overflow = optstep.decode(stats)
             rec["loss"] = loss_v
@@ -320,12 +325,11 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
     while not done and epoch < cfg.epochs:
         counts = dist.all_gather_ints([spe + (1 if "mismatch_steps" in my_fault else 0)], device)
         guards.check_equal_steps([c[0] for c in counts], hosts, epoch)
-        window_t = time.perf_counter()
+        window.restart()
         step_in_epoch = start_step - 1
         for step_in_epoch, micro in enumerate(sampler.steps(epoch, start_step), start=start_step):
             global_step += 1
             _inject(my_fault, global_step, log, cfg)
-            t_step = time.perf_counter()
             step_loss = torch.zeros((), device=device)
             scale = None
             samples = 0
@@ -355,28 +359,20 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
                     norm = engine.get_global_grad_norm()  # DeepSpeed clipped (ZeRO, half-weight optimizers)
                     norm = None if norm is None or (isinstance(norm, float) and math.isnan(norm)) else float(norm)
                 pending_dev.append(torch.cat([step_loss.reshape(1).float(), boundary.after_step()]))
-            dt = time.perf_counter() - t_step
             steps_this_run += 1
-            if steps_this_run > WARMUP_STEPS or total - pos.global_step <= WARMUP_STEPS:
-                train_seconds += dt  # throughput leaves out warm-up (allocator, autotune, compile)
-                timed_steps += 1
             facts["steps"] = global_step  # what a failed run's summary reports as reached
             pending.append({"step": global_step, "epoch": epoch, "lr": float(engine.get_lr()[0]),
-                            "loss_scale": scale, "overflow": overflow, "step_time": dt, "samples": samples,
-                            "samples_per_s": samples / dt if dt > 0 else None, "grad_norm": norm})
-            if len(pending) >= cfg.log_every:
-                if cfg.log_every > 1:  # asynchronous GPU work: per-step times are only right on average
-                    avg = (time.perf_counter() - window_t) / len(pending)
-                    for rec in pending:
-                        rec["step_time"], rec["samples_per_s"] = avg, rec["samples"] / avg
-                flush()
-                window_t = time.perf_counter()
+                            "loss_scale": scale, "overflow": overflow, "samples": samples, "grad_norm": norm})
             progress.advance(epoch)
             done = global_step >= total
             every = cfg.checkpoint.every_steps
-            if every and global_step % every == 0 and step_in_epoch + 1 < spe and not calibrate:
+            save_now = bool(every and global_step % every == 0 and step_in_epoch + 1 < spe and not calibrate)
+            if len(pending) >= cfg.log_every or save_now or ends_warmup(steps_this_run, run_length):
+                flush()
+            if save_now:
                 _save(engine, ckpt_dir, checkpoint.Position(epoch, step_in_epoch + 1, global_step), info.rank,
                       my_fault, progress, boundary)
+                window.restart()
             if done:
                 break
         flush()
@@ -404,8 +400,9 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
             console.err.print(f"dscluster train: {watch.summary(watched)}")
     gb = facts["global_batch"]
     out.accuracy, out.steps = accuracy, global_step
-    out.images_per_s = gb * timed_steps / train_seconds if train_seconds > 0 else None
-    facts.update(steps=global_step, images_per_s=out.images_per_s, accuracy=accuracy)
+    out.images_per_s = window.images_per_s(gb)
+    facts.update(steps=global_step, images_per_s=out.images_per_s, accuracy=accuracy,
+                 timed_steps=window.timed_steps, timed_s=round(window.timed_s, 4))
     return out
 
 
@@ -420,6 +417,9 @@ def _save(engine, ckpt_dir, pos, rank, my_fault, progress, boundary: StepBoundar
 
 def _inject(my_fault: dict, step: int, log: RunLog, cfg: TrainConfig) -> None:
     """Test-only faults (guards.py documents DSCLUSTER_FAULT)."""
+    f = my_fault.get("slow_gpu")
+    if f is not None and torch.cuda.is_available():
+        torch.cuda._sleep(_spin_cycles(f.ms))  # queued: the host runs on, as with any slow kernel
     f = my_fault.get("exit")
     if f is not None and f.step == step:
         log.record("end", status="failed", error=f"injected fault: exit before step {step}")
@@ -432,6 +432,22 @@ def _inject(my_fault: dict, step: int, log: RunLog, cfg: TrainConfig) -> None:
         while time.time() < deadline:
             time.sleep(0.5)
         os._exit(4)
+
+
+_CYCLES_PER_MS: list[float] = []
+
+
+def _spin_cycles(ms: int) -> int:
+    """GPU clock cycles that torch.cuda._sleep spins for `ms` milliseconds, measured once."""
+    if not _CYCLES_PER_MS:
+        probe = 20_000_000
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(probe)
+        stop.record()
+        stop.synchronize()
+        _CYCLES_PER_MS.append(probe / max(start.elapsed_time(stop), 1e-3))
+    return int(ms * _CYCLES_PER_MS[0])
 
 
 class _Progress:

@@ -129,6 +129,25 @@ def _auto_micro(cfg: TrainConfig, model, splits, device, dtype, notes: list[str]
     return micro
 
 
+def even_split(cfg: TrainConfig, smallest_fit: int | None, world: int) -> list[int] | None:
+    """Per-rank shares of a fixed global batch, one micro-step per step, as even as can be.
+
+    micro_batch=auto with a global_batch keeps the global batch, and so the number of steps and the
+    learning rate, the same for any number of ranks: a demo on 5 ranks learns as one on 2 does. 64
+    over 5 ranks is 13+13+13+13+12; uneven shares are weighted like balanced batching's. Used where
+    no memory limit applies (CPU ranks) or where the largest share fits every GPU and the global
+    batch does not divide by the ranks (otherwise the GPU path keeps equal micro-batches)."""
+    if cfg.micro_batch != "auto" or cfg.global_batch is None or cfg.batching == "balanced" or cfg.grad_accum:
+        return None
+    g = cfg.global_batch
+    if smallest_fit is not None and (g % world == 0 or -(-g // world) > smallest_fit):
+        return None
+    if g < world:
+        raise UsageError(f"global_batch={g} gives fewer than one sample per rank per step ({world} ranks): "
+                         f"raise global_batch to at least {world}")
+    return [g // world + (1 if r < g % world else 0) for r in range(world)]
+
+
 def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision: str) -> Built:
     import deepspeed
 
@@ -146,13 +165,13 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
     fit: int | None = None
     if needs_memory_fit(cfg, device.type):
         fit = _auto_micro(cfg, model, splits, device, compute, notes)
+    smallest_fit, micro = None, 32
     if cfg.micro_batch == "auto":
-        if fit is None:
-            micro = 32
-        else:
+        if fit is not None:
+            smallest_fit = min(f[0] for f in dist.all_gather_ints([fit], device))
+        if fit is not None and even_split(cfg, smallest_fit, info.world_size) is None:
             # uniform batching: every rank takes the smallest fit; global batch kept by accumulation
-            fits = [f[0] for f in dist.all_gather_ints([fit], device)]
-            micro, accum = autofit.choose_micro_batch(min(fits), info.world_size, cfg.global_batch)
+            micro, accum = autofit.choose_micro_batch(smallest_fit, info.world_size, cfg.global_batch)
             if cfg.global_batch is not None and cfg.grad_accum is None:
                 notes.append(f"auto-fit: micro_batch {micro} × grad_accum {accum} × world {info.world_size} "
                              f"= global_batch {cfg.global_batch}")
@@ -160,8 +179,13 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
         micro = int(cfg.micro_batch)
 
     share_plan = None
-    if cfg.batching == "balanced":
-        shares, share_plan = _balanced_shares(cfg, info, micro, fit, model, splits, device, compute)
+    even = even_split(cfg, smallest_fit, info.world_size)
+    if even is not None:
+        notes.append(f"global_batch {cfg.global_batch} split over {info.world_size} ranks: {even}")
+    if cfg.batching == "balanced" or even is not None:
+        shares = even
+        if shares is None:
+            shares, share_plan = _balanced_shares(cfg, info, micro, fit, model, splits, device, compute)
         global_micro = sum(shares)
         accum = cfg.grad_accum or (cfg.global_batch // global_micro if cfg.global_batch else 1)
         if cfg.global_batch is not None and global_micro * accum != cfg.global_batch:
@@ -185,9 +209,9 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
     opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=peak_lr(cfg, plan.global_batch),
                             betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, fused=fused or None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
-    # entry_cn.sh may map one GPU per rank (device cuda:0) while LOCAL_RANK keeps the real local
-    # rank, which DeepSpeed would use as the device index: name the device explicitly. On CPU pass
-    # nothing (device_rank=-1 would make DeepSpeed treat the job as a single process).
+    # The rank's device may differ from cuda:$LOCAL_RANK (a user's CUDA_VISIBLE_DEVICES with fewer
+    # GPUs than ranks), which DeepSpeed would use as the index: name the device explicitly. On CPU
+    # pass nothing (device_rank=-1 would make DeepSpeed treat the job as a single process).
     ds_args = argparse.Namespace(device_rank=device.index or 0) if device.type == "cuda" else None
     ddp = wrap_for_overlap(model, device, cfg.ddp_bucket_mb) if overlaps_with_ddp(cfg, info.world_size) else None
     engine, _, _, _ = deepspeed.initialize(args=ds_args, model=ddp or model, optimizer=opt, lr_scheduler=sched,

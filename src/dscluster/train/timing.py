@@ -1,0 +1,68 @@
+"""Step times and throughput: the one definition every figure of a run is built on.
+
+A step's time is wall-clock time with the GPU's work and the communication finished. The
+host queues a step's kernels and collectives in milliseconds and runs ahead, so a time
+taken on the host right after `engine.step()` says how fast the host queued work, not how
+long the step took: on a 1 GbE lab it reported 5,513 img/s where the link allowed 110.
+
+So steps are timed in windows: a window opens after a point where the device had finished
+everything (the read-back of the previous window's values), and closes after the read-back
+of its own. Each step of the window gets the window's time divided by its step count. The
+run's images/s is the images of the timed windows over their summed wall-clock time; the
+warm-up steps (allocator, autotuning, compilation, NCCL bring-up) form windows of their own
+and are left out, and so is whatever happens between windows (evaluation, checkpoints).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+WARMUP_STEPS = 5
+"""First steps of a run left out of images_per_s (unless the run is not longer than that)."""
+
+
+def is_timed(steps_done: int, steps_this_run: int) -> bool:
+    """Whether the `steps_done`-th step (1-based) of a run of `steps_this_run` steps counts."""
+    return steps_done > WARMUP_STEPS or steps_this_run <= WARMUP_STEPS
+
+
+def ends_warmup(steps_done: int, steps_this_run: int) -> bool:
+    """A window must close after this step, so that no window mixes warm-up and timed steps."""
+    return steps_done == WARMUP_STEPS and steps_this_run > WARMUP_STEPS
+
+
+class StepWindow:
+    """Times windows of steps by the wall clock; `close` must be called after the device sync."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
+        self.t0 = clock()
+        self.timed_s = 0.0
+        self.timed_steps = 0
+        self.timed_samples = 0
+
+    def restart(self) -> None:
+        """Open a window now (after evaluation or a checkpoint, which are not step time)."""
+        self.t0 = self.clock()
+
+    def close(self, records: list[dict], timed: bool) -> float:
+        """Give each step record its share of the window's wall-clock time; returns the window's seconds."""
+        elapsed = self.clock() - self.t0
+        if records:
+            per_step = elapsed / len(records)
+            for rec in records:
+                rec["step_time"] = per_step
+                rec["samples_per_s"] = rec["samples"] / per_step if per_step > 0 else None
+            if timed:
+                self.timed_s += elapsed
+                self.timed_steps += len(records)
+                self.timed_samples += sum(int(rec["samples"]) for rec in records)
+        self.t0 = self.clock()
+        return elapsed
+
+    def images_per_s(self, global_batch: int) -> float | None:
+        """The job's images/s: every rank's step takes the same wall-clock time in synchronous data parallelism."""
+        if self.timed_s <= 0 or self.timed_steps == 0:
+            return None
+        return global_batch * self.timed_steps / self.timed_s

@@ -1,0 +1,53 @@
+"""Step times and images/s come from wall-clock windows closed after the device finished."""
+
+import pytest
+
+from dscluster.train.timing import WARMUP_STEPS, StepWindow, ends_warmup, is_timed
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def steps(n, samples=32):
+    return [{"step": i, "samples": samples} for i in range(n)]
+
+
+def test_each_step_of_a_window_gets_its_share_of_the_windows_wall_clock():
+    clock = Clock()
+    w = StepWindow(clock)
+    recs = steps(4)
+    clock.now += 2.0  # the host queued 4 steps in no time; the device took 2 s to finish them
+    w.close(recs, timed=True)
+    assert [r["step_time"] for r in recs] == [0.5] * 4
+    assert [r["samples_per_s"] for r in recs] == [64.0] * 4
+    assert w.images_per_s(global_batch=128) == pytest.approx(256.0)
+
+
+def test_warm_up_windows_and_time_between_windows_are_not_step_time():
+    clock = Clock()
+    w = StepWindow(clock)
+    clock.now += 30.0  # compilation in the warm-up window
+    w.close(steps(WARMUP_STEPS), timed=False)
+    clock.now += 9.0   # evaluation or a checkpoint between windows
+    w.restart()
+    clock.now += 1.0
+    w.close(steps(10), timed=True)
+    assert w.timed_steps == 10 and w.timed_s == pytest.approx(1.0)
+    assert w.images_per_s(global_batch=64) == pytest.approx(640.0)
+
+
+def test_no_timed_window_means_no_figure_rather_than_a_guess():
+    w = StepWindow(Clock())
+    w.close(steps(3), timed=False)
+    assert w.images_per_s(64) is None
+
+
+def test_warm_up_ends_in_a_window_of_its_own_and_short_runs_are_timed_whole():
+    assert not is_timed(WARMUP_STEPS, 100) and is_timed(WARMUP_STEPS + 1, 100)
+    assert ends_warmup(WARMUP_STEPS, 100) and not ends_warmup(WARMUP_STEPS - 1, 100)
+    assert is_timed(1, WARMUP_STEPS) and not ends_warmup(WARMUP_STEPS, WARMUP_STEPS)
