@@ -1,8 +1,24 @@
-"""Shared test policy: on CI (CI=true) a skipped cluster test is a failure, not a pass."""
+"""Shared test policy: on CI (CI=true) a skipped cluster test is a failure, not a pass.
+
+`python -m pytest` runs with the same cache folders as `make test`: the Makefile's exports
+(MPLCONFIGDIR, TORCH_EXTENSIONS_DIR, …) are read from it and set when unset. Without them
+matplotlib writes its font cache into HOME, which tests point at their own empty folder to
+prove a command wrote nothing.
+"""
 
 import os
+import re
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_MAKE_EXPORT = re.compile(r"^export (\w+) := (.*)$", re.M)
+
+
+def pytest_configure(config):
+    for name, value in _MAKE_EXPORT.findall((ROOT / "Makefile").read_text(encoding="utf-8")):
+        os.environ.setdefault(name, value.strip().replace("$(CURDIR)", str(ROOT)))
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -50,7 +50,9 @@ def check_batch_arithmetic(cfg, world_size: int) -> None:
 def train_command(args: argparse.Namespace) -> int:
     from dscluster.train.config import load_config, to_yaml
 
-    cfg = load_config(args.config, args.overrides)
+    # What the config points at (data folder, timm model, checkpoint to resume) is checked here,
+    # before train() creates the run directory; printing the config needs none of it.
+    cfg = load_config(args.config, args.overrides, world=not args.print_config)
     from dscluster.train.balanced import resolve_batching
 
     cfg.batching = resolve_batching(cfg.batching)

@@ -33,6 +33,12 @@ what it was before (nothing half-written, no run directory, no state).
 | override-bad-float        | dscluster train ... optim.lr=fast       | not a number                                     |
 | override-section          | dscluster train ... optim=3             | a section, not a value                           |
 | override-negative-epochs  | dscluster train ... epochs=-1           | below 1                                          |
+| override-negative-lr      | dscluster train ... optim.lr=-1         | not above 0 (the optimizer used to reject it)    |
+| yaml-scale-power          | dscluster train --config                | fp16.initial_scale_power: 40 (fp16 max ≈ 2^16)   |
+| world-data-path-missing   | dscluster train ... data.path=nope      | cifar10 folder does not exist                    |
+| world-cifar-incomplete    | dscluster train --config                | data.path: a folder without the batch files      |
+| world-unknown-model       | dscluster train ... model.name=vit_bse… | not a timm model                                 |
+| world-resume-nothing      | dscluster train checkpoint.resume=true  | no checkpoint to resume                          |
 | cluster-env-bad-line      | dscluster launch --dry-run              | <state>/cluster.env line without export KEY=...  |
 | cluster-env-open-quote    | dscluster launch --dry-run              | unterminated quote                               |
 | cluster-env-spaces        | dscluster launch --dry-run              | unquoted spaces in a value                       |
@@ -166,6 +172,20 @@ CASES = [
     Case("override-bad-float", ["train", "optim.lr=fast"], {}, ("override 'optim.lr=fast'", "optim.lr", "a number")),
     Case("override-section", ["train", "optim=3"], {}, ("override 'optim=3'", "is a section", "optim.lr=")),
     Case("override-negative-epochs", ["train", "epochs=-1"], {}, ("override 'epochs=-1'", "epochs", "at least 1")),
+    Case("override-negative-lr", ["train", "optim.lr=-1"], {},
+         ("override 'optim.lr=-1'", "optim.lr must be greater than 0", "e.g. optim.lr=")),
+    Case("yaml-scale-power", ["train", "--config", "c.yaml"], {"c.yaml": "fp16:\n  initial_scale_power: 40\n"},
+         ("c.yaml:2:", "fp16.initial_scale_power", "at most 24")),
+    # --- what the config points at: refused before the run directory exists -------------------
+    Case("world-data-path-missing", ["train", "data.dataset=cifar10", "data.path=nope"], {},
+         ("override 'data.path=nope'", "does not exist", "point it at the folder")),
+    Case("world-cifar-incomplete", ["train", "--config", "c.yaml"],
+         {"c.yaml": "data:\n  dataset: cifar10\n  path: cifar\n", "cifar/data_batch_1": ""},
+         ("c.yaml:3:", "lacks data_batch_2", "cifar-10-batches-py")),
+    Case("world-unknown-model", ["train", "model.name=vit_bse_patch16_224"], {},
+         ("override 'model.name=vit_bse_patch16_224'", "not a timm model", "e.g. vit_")),
+    Case("world-resume-nothing", ["train", "checkpoint.resume=true"], {},
+         ("override 'checkpoint.resume=true'", "no complete checkpoint", "checkpoint.resume=auto")),
     # --- env files written by `dscluster check` (read by dscluster.state) ----------------------
     Case("cluster-env-bad-line", ["launch", "--dry-run"],
          _checked_state(cluster_env="export MASTER_ADDR='10.77.1.1'\nGLOO SOCKET=eth0\n"),
@@ -223,7 +243,7 @@ CASES = [
 ]
 
 # Variables that would point the commands outside the test's directory or change what they read.
-_ISOLATE = ("DSCLUSTER_STATE", "DSCLUSTER_RUNS", "DSCLUSTER_RUN_ID", "DS_ENV_FILE", "DSCLUSTER_SSH_PASSWORD",
+ISOLATE = ("DSCLUSTER_STATE", "DSCLUSTER_RUNS", "DSCLUSTER_RUN_ID", "DS_ENV_FILE", "DSCLUSTER_SSH_PASSWORD",
             "DSCLUSTER_FAULT", "DSCLUSTER_HOSTFILE", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
             "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMIX_NAMESPACE", "SLURM_PROCID",
             "MASTER_ADDR", "MASTER_PORT")
@@ -249,7 +269,7 @@ def _run(case: Case, cwd: Path, monkeypatch, capsys) -> tuple[int, str]:
             rc = e.code
         captured = capsys.readouterr()
         return rc, captured.err + captured.out
-    env = {k: v for k, v in os.environ.items() if k not in _ISOLATE}
+    env = {k: v for k, v in os.environ.items() if k not in ISOLATE}
     env.update(case.env, HOME=str(cwd / "home"), PYTHONUNBUFFERED="1")
     if case.runner == "proc":
         argv = [sys.executable, "-m", "dscluster", *case.argv]
@@ -266,7 +286,7 @@ def _run(case: Case, cwd: Path, monkeypatch, capsys) -> tuple[int, str]:
      for c in CASES],
 )
 def test_malformed_input_exits_2_names_place_and_fix_writes_nothing(case: Case, tmp_path, monkeypatch, capsys):
-    for key in _ISOLATE:
+    for key in ISOLATE:
         monkeypatch.delenv(key, raising=False)
     home = tmp_path / "home"
     home.mkdir()

@@ -116,12 +116,12 @@ def test_range_errors_name_the_line_or_the_override_that_set_the_value(tmp_path)
     p = write(tmp_path, "seed: 1\ndata:\n  holdout_fraction: 1.5\nepochs: 3\n")
     with pytest.raises(ConfigValueError) as e:
         load_config(p)
-    assert str(e.value).startswith(f"{p}:3: data.holdout_fraction must be between 0 and 1")
+    assert str(e.value).startswith(f"{p}:3: data.holdout_fraction must be greater than 0 and less than 1, got 1.5")
     assert e.value.key == "data.holdout_fraction" and e.value.exit_code == 2
     # an override wins over the file line it replaced
     with pytest.raises(ConfigValueError) as e:
         load_config(p, ["data.holdout_fraction=0.2", "epochs=0"])
-    assert str(e.value) == "override 'epochs=0': epochs must be at least 1, got 0"
+    assert str(e.value) == "override 'epochs=0': epochs must be at least 1, got 0; e.g. epochs=20 (the default)"
     # a cross-field rule names whichever of its keys was set
     with pytest.raises(ConfigValueError) as e:
         load_config(write(tmp_path, "model:\n  num_heads: 5\n"))
@@ -136,7 +136,8 @@ def test_ddp_bucket_size_is_checked_and_reaches_ddp(tmp_path):
     p = write(tmp_path, "epochs: 1\nddp_bucket_mb: 0\n")
     with pytest.raises(ConfigValueError) as e:
         load_config(p)
-    assert str(e.value) == f"{p}:2: ddp_bucket_mb must be at least 1, got 0" and e.value.exit_code == 2
+    assert str(e.value) == f"{p}:2: ddp_bucket_mb must be at least 1, got 0; e.g. ddp_bucket_mb=100 (the default)"
+    assert e.value.exit_code == 2
     assert load_config(None).ddp_bucket_mb == 100
     cfg = load_config(None, ["ddp_bucket_mb=7"])
     dist.ensure_single_process_group()

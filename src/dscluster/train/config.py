@@ -2,8 +2,10 @@
 
 Every rank of a job loads the same file, so a typo must stop all of them before any
 collective starts: unknown keys and badly typed values raise UsageError naming FILE:LINE
-(from PyYAML's node marks) and the valid keys. The resolved config (file + overrides +
-defaults) is what gets written into the run directory, so a run can be repeated exactly.
+(from PyYAML's node marks) and the valid keys. Every number and choice declares its allowed
+range on its field (`limits(...)`, `choices`; enforced by config_checks), and a value out of it
+names the same FILE:LINE or override. The resolved config (file + overrides + defaults) is
+what gets written into the run directory, so a run can be repeated exactly.
 """
 
 from __future__ import annotations
@@ -18,36 +20,25 @@ from typing import Any
 import yaml
 
 from dscluster.errors import UsageError
-
-
-class ConfigValueError(UsageError):
-    """A value out of range or inconsistent with another (found by `validate`).
-
-    `key` is the dotted config key at fault (`also` lists others involved); load_config
-    prefixes the message with where that key was set: FILE:LINE or the override.
-    """
-
-    def __init__(self, key: str, message: str, also: tuple[str, ...] = ()):
-        super().__init__(message)
-        self.key, self.also = key, also
+from dscluster.train.config_checks import SMALL_IMAGE_MODEL, ConfigValueError, check_fields, check_world, limits
 
 
 @dataclass
 class ModelConfig:
-    name: str = "vit_small_image"
+    name: str = SMALL_IMAGE_MODEL
     """'vit_small_image' (a small ViT built from timm's VisionTransformer for small inputs
     such as digits) or any timm model name, e.g. vit_base_patch16_224."""
-    patch_size: int = 4
+    patch_size: int = field(default=4, metadata=limits(ge=1))
     """Patch size of the small-image ViT (timm names carry their own)."""
-    embed_dim: int = 96
+    embed_dim: int = field(default=96, metadata=limits(ge=1))
     """Token width of the small-image ViT."""
-    depth: int = 4
+    depth: int = field(default=4, metadata=limits(ge=1))
     """Transformer blocks of the small-image ViT."""
-    num_heads: int = 3
+    num_heads: int = field(default=3, metadata=limits(ge=1))
     """Attention heads of the small-image ViT (embed_dim must divide by it)."""
-    mlp_ratio: float = 4.0
+    mlp_ratio: float = field(default=4.0, metadata=limits(gt=0))
     """MLP hidden width / embed_dim of the small-image ViT."""
-    drop_path: float = 0.0
+    drop_path: float = field(default=0.0, metadata=limits(ge=0, lt=1))
     """Stochastic depth rate (any ViT)."""
 
 
@@ -58,40 +49,40 @@ class DataConfig:
     (class-per-folder images), synthetic (random images made on the device, benchmarks)."""
     path: str | None = None
     """Folder of cifar10 (cifar-10-batches-py) or imagefolder data; unused otherwise."""
-    img_size: int = 16
+    img_size: int = field(default=16, metadata=limits(ge=1))
     """Side of the square images the model sees (data is resized to it)."""
-    holdout_fraction: float = 0.2
+    holdout_fraction: float = field(default=0.2, metadata=limits(gt=0, lt=1))
     """Share of digits/imagefolder samples kept out of training for the accuracy figure."""
-    limit: int | None = None
+    limit: int | None = field(default=None, metadata=limits(ge=1))
     """Use only the first N training samples (quick runs, odd sizes in tests)."""
     augment: bool = True
     """Random ±1-pixel shifts of training images (cheap, on the device)."""
-    synthetic_samples: int = 4096
+    synthetic_samples: int = field(default=4096, metadata=limits(ge=1))
     """Number of synthetic images per epoch."""
-    num_classes: int = 10
-    """Classes of the synthetic data set (real data sets know their own)."""
+    num_classes: int = field(default=10, metadata=limits(ge=2))
+    """Classes of the synthetic data set (real data sets know their own); a classifier needs two."""
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
+    lr: float = field(default=1e-3, metadata=limits(gt=0))
     """Peak learning rate of AdamW (at lr_reference_batch, when that is set)."""
-    lr_reference_batch: int | None = None
+    lr_reference_batch: int | None = field(default=None, metadata=limits(ge=1))
     """Linear LR scaling (Goyal et al. 2017): the peak LR is lr × global_batch / lr_reference_batch,
     so one preset learns alike on 2 or 5 ranks. None: lr as given."""
-    weight_decay: float = 0.05
+    weight_decay: float = field(default=0.05, metadata=limits(ge=0))
     """AdamW decoupled weight decay."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    """AdamW betas."""
-    eps: float = 1e-8
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999], metadata=limits(ge=0, lt=1, length=2))
+    """AdamW betas (first and second moment decay); torch rejects values outside [0, 1)."""
+    eps: float = field(default=1e-8, metadata=limits(gt=0))
     """AdamW epsilon."""
-    warmup_steps: int = 50
+    warmup_steps: int = field(default=50, metadata=limits(ge=0))
     """Linear warm-up steps before the schedule."""
     schedule: str = field(default="cosine", metadata={"choices": ("cosine", "constant")})
     """Learning-rate schedule after warm-up."""
-    min_lr_ratio: float = 0.05
+    min_lr_ratio: float = field(default=0.05, metadata=limits(ge=0, le=1))
     """Cosine floor as a fraction of lr."""
-    grad_clip: float = 1.0
+    grad_clip: float = field(default=1.0, metadata=limits(ge=0))
     """Global gradient-norm clip (0 disables)."""
     fused: str = field(default="auto", metadata={"choices": ("auto", "true", "false")})
     """Fused AdamW kernel: auto = on GPU only (CPU has none)."""
@@ -99,31 +90,32 @@ class OptimConfig:
 
 @dataclass
 class Fp16Config:
-    initial_scale_power: int = 10
+    initial_scale_power: int = field(default=10, metadata=limits(ge=0, le=24))
     """Dynamic loss scale starts at 2^this. Field experience: 2^16 (DeepSpeed's default)
-    overflowed on every step on small cards; 2^10 was stable. `--calibrate-loss-scale` measures it."""
-    loss_scale_window: int = 100
+    overflowed on every step on small cards; 2^10 was stable. `--calibrate-loss-scale` measures it.
+    fp16 tops out at 65504 (about 2^16): a start far above that only burns steps on overflows."""
+    loss_scale_window: int = field(default=100, metadata=limits(ge=1))
     """Overflow-free steps before the scale is doubled (GradScaler's growth_interval with amp)."""
-    hysteresis: int = 2
+    hysteresis: int = field(default=2, metadata=limits(ge=1))
     """Overflows tolerated before the scale is halved (DeepSpeed's fp16 optimizer only: with amp,
     GradScaler halves on every overflow)."""
-    min_loss_scale: float = 1.0
-    """Floor of the dynamic scale."""
-    guard_window: int = 50
+    min_loss_scale: float = field(default=1.0, metadata=limits(gt=0))
+    """Floor of the dynamic scale (at most the starting scale 2^initial_scale_power)."""
+    guard_window: int = field(default=50, metadata=limits(ge=1))
     """Steps over which the overflow guard measures the overflow rate."""
-    guard_max_overflow_rate: float = 0.5
+    guard_max_overflow_rate: float = field(default=0.5, metadata=limits(ge=0, le=1))
     """Stop the run when more than this share of the last guard_window steps overflowed."""
-    guard_min_scale_steps: int = 20
+    guard_min_scale_steps: int = field(default=20, metadata=limits(ge=1))
     """Stop the run when the scale has sat at min_loss_scale this many steps in a row."""
-    calibrate_steps: int = 40
+    calibrate_steps: int = field(default=40, metadata=limits(ge=1))
     """Steps of a loss-scale calibration run (starts at 2^16)."""
 
 
 @dataclass
 class CheckpointConfig:
-    every_epochs: int = 1
+    every_epochs: int = field(default=1, metadata=limits(ge=0))
     """Save a DeepSpeed checkpoint every N epochs (0: never)."""
-    every_steps: int = 0
+    every_steps: int = field(default=0, metadata=limits(ge=0))
     """Also save every N optimizer steps mid-epoch (0: never); resume skips the batches done."""
     resume: str = field(default="auto", metadata={"choices": ("auto", "true", "false")})
     """auto: resume when a complete checkpoint exists; true: must resume (error if none); false: fresh."""
@@ -133,9 +125,9 @@ class CheckpointConfig:
 
 @dataclass
 class DistConfig:
-    timeout_s: float = 120.0
+    timeout_s: float = field(default=120.0, metadata=limits(gt=0, le=86400))
     """Process-group timeout: a collective that waits longer fails instead of hanging
-    (PyTorch's 30 min default hides bring-up problems)."""
+    (PyTorch's 30 min default hides bring-up problems). At most a day: longer is a hang."""
     backend: str = field(default="auto", metadata={"choices": ("auto", "nccl", "gloo")})
     """auto: nccl on GPU, gloo on CPU."""
 
@@ -154,15 +146,15 @@ class TrainConfig:
     """When to save and whether to resume."""
     dist: DistConfig = field(default_factory=DistConfig)
     """Process-group settings."""
-    epochs: int = 20
+    epochs: int = field(default=20, metadata=limits(ge=1))
     """Passes over the training set."""
-    max_steps: int = 0
+    max_steps: int = field(default=0, metadata=limits(ge=0))
     """Stop after this many optimizer steps in total (0: no cap); benchmarks and calibration."""
-    micro_batch: int | str = 32
+    micro_batch: int | str = field(default=32, metadata=limits(ge=1, words=("auto",)))
     """Samples per rank per forward/backward, or 'auto' (largest that fits the GPU, see autofit)."""
-    grad_accum: int | None = None
+    grad_accum: int | None = field(default=None, metadata=limits(ge=1))
     """Micro-steps per optimizer step; default derived from global_batch, else 1."""
-    global_batch: int | None = None
+    global_batch: int | None = field(default=None, metadata=limits(ge=1))
     """Samples per optimizer step over all ranks; must equal micro_batch × grad_accum × world."""
     precision: str = field(default="auto", metadata={"choices": ("auto", "bf16", "fp16", "fp32")})
     """auto: DSCLUSTER_PRECISION from `dscluster check`, else what the local GPU supports, CPU fp32."""
@@ -177,30 +169,30 @@ class TrainConfig:
     1x H200: bf16 3,587 img/s, fp16 3,453 (0 overflows); bf16 weights 2,622, DeepSpeed fp16 2,581."""
     channels_last: bool = False
     """Keep image batches in channels_last memory format (faster convs on GPU)."""
-    log_every: int = 1
+    log_every: int = field(default=1, metadata=limits(ge=1))
     """Read loss/scale back to the host every N steps (GPU: fewer host syncs)."""
-    eval_every_epochs: int = 1
+    eval_every_epochs: int = field(default=1, metadata=limits(ge=1))
     """Held-out evaluation every N epochs (and always at the end)."""
-    seed: int = 0
-    """Seed of model init, data order and augmentation (same on every rank)."""
-    memory_cap_gb: float | None = None
+    seed: int = field(default=0, metadata=limits(ge=0, le=2**32 - 1))
+    """Seed of model init, data order and augmentation (same on every rank); numpy takes 32 bits."""
+    memory_cap_gb: float | None = field(default=None, metadata=limits(gt=0))
     """Cap this process's GPU memory (per-process fraction), e.g. 8 to act like an 8 GB card."""
-    autofit_margin: float = 0.9
+    autofit_margin: float = field(default=0.9, metadata=limits(gt=0, le=1))
     """Auto-fit keeps this fraction of the largest micro-batch that fitted."""
-    autofit_max: int = 1024
+    autofit_max: int = field(default=1024, metadata=limits(ge=1))
     """Largest micro-batch auto-fit tries."""
     batching: str = field(default="auto", metadata={"choices": ("auto", "uniform", "balanced")})
     """uniform: every rank takes micro_batch; balanced: rank shares from measured speed; auto:
     DSCLUSTER_BATCHING from `dscluster check` (balanced on a cluster of mixed GPUs), else uniform."""
-    shares: list[int] | None = None
+    shares: list[int] | None = field(default=None, metadata=limits(ge=1))
     """Per-rank micro-batch sizes for balanced batching (sum = global micro batch)."""
     overlap_comm: bool = True
     """Overlap gradient reduction with backward: ZeRO 1/2 through DeepSpeed's overlap_comm; ZeRO-0 on
     several ranks through torch DDP's bucketed all-reduce inside the engine (DeepSpeed's own ZeRO-0
     all-reduce starts after backward: 4x H200 ViT-B/16 lost 9% to it)."""
-    bucket_size_mb: int = 200
+    bucket_size_mb: int = field(default=200, metadata=limits(ge=1))
     """All-reduce / reduce-scatter bucket size in MB of elements."""
-    ddp_bucket_mb: int = 100
+    ddp_bucket_mb: int = field(default=100, metadata=limits(ge=1))
     """ZeRO-0 on several ranks: size in MB of the DDP gradient buckets that are all-reduced while
     backward runs (torch's bucket_cap_mb). Larger buckets mean fewer all-reduces and, compiled,
     fewer graph breaks; smaller ones start reducing earlier."""
@@ -214,10 +206,6 @@ class TrainConfig:
     """Run the fp16 loss-scale calibration instead of training."""
 
 
-def _choices(f: dataclasses.Field) -> tuple | None:
-    return f.metadata.get("choices") if f.metadata else None
-
-
 def _fields(cls) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls)}
 
@@ -226,8 +214,12 @@ def _hints(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _coerce(value: Any, tp: Any, where: str, key: str, f: dataclasses.Field | None = None) -> Any:
-    """Convert a YAML/override value to the field's declared type, or raise UsageError."""
+def _coerce(value: Any, tp: Any, where: str, key: str, written: str | None = None) -> Any:
+    """Convert a YAML/override value to the field's declared type, or raise UsageError (ranges and
+    choices are `validate`'s, so that a value is judged alike whether it came from a file or not).
+
+    `written` is the scalar as typed: YAML 1.1 reads off/on/yes/no as booleans, and a string
+    field such as sync_debug must get 'off', not 'false'."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -238,7 +230,7 @@ def _coerce(value: Any, tp: Any, where: str, key: str, f: dataclasses.Field | No
             if a is type(None):
                 continue
             try:
-                return _coerce(value, a, where, key, f)
+                return _coerce(value, a, where, key, written)
             except UsageError as e:
                 errors.append(str(e))
         names = " or ".join("null" if a is type(None) else getattr(a, "__name__", str(a)) for a in args)
@@ -272,12 +264,9 @@ def _coerce(value: Any, tp: Any, where: str, key: str, f: dataclasses.Field | No
     elif tp is str:
         if isinstance(value, (dict, list)) or value is None:
             raise UsageError(f"{where}: {key} must be a string, got {value!r}")
-        out = str(value).lower() if isinstance(value, bool) else str(value)
+        out = (str(value) if written is None else written).lower() if isinstance(value, bool) else str(value)
     else:
         raise UsageError(f"{where}: {key}: unsupported type {tp}")
-    choices = _choices(f) if f is not None else None
-    if choices is not None and out not in choices:
-        raise UsageError(f"{where}: {key} must be one of {', '.join(map(str, choices))}; got {value!r}")
     return out
 
 
@@ -310,14 +299,16 @@ def _from_node(cls, node: yaml.Node, path: str, section: str, lines: dict[str, i
             kwargs[key] = _from_node(tp, vnode, path, dotted, lines)
         else:
             value = yaml.safe_load(yaml.serialize(vnode))
-            kwargs[key] = _coerce(value, tp, where, dotted, fields[key])
+            kwargs[key] = _coerce(value, tp, where, dotted, vnode.value if isinstance(vnode, yaml.ScalarNode) else None)
     return cls(**kwargs)
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+def load_config(path: str | Path | None, overrides: list[str] = (), *, world: bool = False) -> TrainConfig:
     """Load a YAML preset (or the defaults when path is None), apply overrides, validate.
 
-    Range errors name where the value came from: FILE:LINE of its key, or the override."""
+    world=True also checks what the config points at (`check_world`: data folder, timm model,
+    checkpoint to resume); training asks for it, --print-config does not. Range and world errors
+    name where the value came from: FILE:LINE of its key, or the override."""
     origin: dict[str, str] = {}
     if path is None:
         cfg = TrainConfig()
@@ -343,6 +334,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         origin[key] = f"override {ov!r}"
     try:
         validate(cfg)
+        if world:
+            check_world(cfg)
     except ConfigValueError as e:
         where = next((origin[k] for k in (e.key, *e.also) if k in origin), None)
         if where is None and path is not None:
@@ -378,43 +371,32 @@ def apply_override(cfg: TrainConfig, text: str) -> str:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
             value = raw
-        setattr(obj, part, _coerce(value, tp, where, key, fields[part]))
+        setattr(obj, part, _coerce(value, tp, where, key, raw.strip()))
     return ".".join(parts)
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Range and cross-field rules that a single field's type cannot express (ConfigValueError)."""
+    """Every field's declared range or choices, then the rules that tie fields together
+    (ConfigValueError). Field rules come first: the cross-field ones divide by some of them."""
     E = ConfigValueError
-    if isinstance(cfg.micro_batch, str) and cfg.micro_batch != "auto":
-        raise E("micro_batch", f"micro_batch must be a positive whole number or 'auto', got {cfg.micro_batch!r}")
-    if isinstance(cfg.micro_batch, int) and cfg.micro_batch < 1:
-        raise E("micro_batch", f"micro_batch must be at least 1, got {cfg.micro_batch}")
-    for name in ("epochs", "log_every", "ddp_bucket_mb"):
-        if getattr(cfg, name) < 1:
-            raise E(name, f"{name} must be at least 1, got {getattr(cfg, name)}")
-    if cfg.grad_accum is not None and cfg.grad_accum < 1:
-        raise E("grad_accum", f"grad_accum must be at least 1, got {cfg.grad_accum}")
-    if cfg.global_batch is not None and cfg.global_batch < 1:
-        raise E("global_batch", f"global_batch must be at least 1, got {cfg.global_batch}")
-    if cfg.optim.lr_reference_batch is not None and cfg.optim.lr_reference_batch < 1:
-        raise E("optim.lr_reference_batch", f"optim.lr_reference_batch must be at least 1, got {cfg.optim.lr_reference_batch}")
-    if cfg.dist.timeout_s <= 0:
-        raise E("dist.timeout_s", f"dist.timeout_s must be a positive number of seconds, got {cfg.dist.timeout_s}")
-    if cfg.model.name == "vit_small_image" and cfg.model.embed_dim % cfg.model.num_heads:
+    check_fields(cfg)
+    if cfg.model.name == SMALL_IMAGE_MODEL and cfg.model.embed_dim % cfg.model.num_heads:
         raise E("model.embed_dim",
                 f"model.embed_dim={cfg.model.embed_dim} does not divide by model.num_heads={cfg.model.num_heads}",
                 also=("model.num_heads",))
-    if cfg.model.name == "vit_small_image" and cfg.data.img_size % cfg.model.patch_size:
+    if cfg.model.name == SMALL_IMAGE_MODEL and cfg.data.img_size % cfg.model.patch_size:
         raise E("data.img_size",
                 f"data.img_size={cfg.data.img_size} does not divide by model.patch_size={cfg.model.patch_size}",
                 also=("model.patch_size",))
     if cfg.data.dataset in ("cifar10", "imagefolder") and not cfg.data.path:
         raise E("data.dataset", f"data.dataset={cfg.data.dataset} needs data.path (the folder with the data)")
-    if not 0.0 < cfg.data.holdout_fraction < 1.0:
-        raise E("data.holdout_fraction",
-                f"data.holdout_fraction must be between 0 and 1, got {cfg.data.holdout_fraction}")
-    if cfg.batching == "balanced" and cfg.shares is not None and any(s < 1 for s in cfg.shares):
-        raise E("shares", f"shares must all be at least 1, got {cfg.shares}")
+    power = cfg.fp16.initial_scale_power
+    if cfg.fp16.min_loss_scale > 2.0 ** power:
+        raise E("fp16.min_loss_scale",
+                f"fp16.min_loss_scale={cfg.fp16.min_loss_scale:g} is above the starting scale 2^{power} = {2 ** power} "
+                f"(fp16.initial_scale_power={power}): the guard would stop the run at once; lower "
+                "fp16.min_loss_scale or raise fp16.initial_scale_power",
+                also=("fp16.initial_scale_power",))
 
 
 def to_dict(cfg: TrainConfig) -> dict:

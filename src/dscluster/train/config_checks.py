@@ -1,0 +1,187 @@
+"""Limits of the training config, declared on its fields, and the checks of what it points at.
+
+A field carries its rule beside its default, so the check, its message and the tests that try
+out-of-range values all read one declaration:
+
+    lr: float = field(default=1e-3, metadata=limits(gt=0))
+    precision: str = field(default="auto", metadata={"choices": ("auto", "bf16", "fp16", "fp32")})
+
+`check_fields` enforces every such rule (ConfigValueError naming the key, the allowed range and a
+value that works). `check_world` checks what the values refer to (data on disk, timm's model
+names, a checkpoint to resume) so that a mistake there stops every rank before a run
+directory exists, instead of inside the training loop after it was created.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from dscluster.errors import UsageError
+
+# Metadata keys a field may declare; tests read the same keys to derive the values they try.
+RULE_KEYS = ("ge", "gt", "le", "lt", "words", "length", "choices")
+
+SMALL_IMAGE_MODEL = "vit_small_image"  # built by dscluster itself, not a timm name
+CIFAR10_FILES = tuple(f"data_batch_{i}" for i in range(1, 6)) + ("test_batch",)
+
+
+class ConfigValueError(UsageError):
+    """A value out of range or inconsistent with another (found by `validate`).
+
+    `key` is the dotted config key at fault (`also` lists others involved); load_config
+    prefixes the message with where that key was set: FILE:LINE or the override.
+    """
+
+    def __init__(self, key: str, message: str, also: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.key, self.also = key, also
+
+
+def limits(*, ge: float | None = None, gt: float | None = None, le: float | None = None,
+           lt: float | None = None, words: tuple[str, ...] = (), length: int | None = None) -> dict:
+    """Field metadata for a number: at least `ge` / greater than `gt`, at most `le` / less than `lt`.
+
+    `words` are strings accepted instead of a number (micro_batch: 'auto'). On a list field the
+    bounds hold for every entry and `length` fixes how many entries there are."""
+    rule = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt), ("length", length)) if v is not None}
+    if words:
+        rule["words"] = tuple(words)
+    return rule
+
+
+def leaf_fields(cls, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field]]:
+    """(dotted key, field) of every value of a config dataclass, sections recursed."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from leaf_fields(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", f
+
+
+def default_of(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def value_at(cfg, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def describe(rule: dict) -> str:
+    """The allowed range in words: 'at least 1', 'greater than 0 and less than 1', "… or 'auto'"."""
+    parts = []
+    if "ge" in rule:
+        parts.append(f"at least {rule['ge']}")
+    if "gt" in rule:
+        parts.append(f"greater than {rule['gt']}")
+    if "le" in rule:
+        parts.append(f"at most {rule['le']}")
+    if "lt" in rule:
+        parts.append(f"less than {rule['lt']}")
+    text = " and ".join(parts) or "a number"
+    return text + "".join(f" or {w!r}" for w in rule.get("words", ()))
+
+
+def in_range(value: float, rule: dict) -> bool:
+    return (math.isfinite(value)
+            and ("ge" not in rule or value >= rule["ge"]) and ("gt" not in rule or value > rule["gt"])
+            and ("le" not in rule or value <= rule["le"]) and ("lt" not in rule or value < rule["lt"]))
+
+
+def _fix(key: str, default: Any) -> str:
+    if default is None:
+        return "set it in that range, or null (the default)"
+    text = f"[{', '.join(map(str, default))}]" if isinstance(default, list) else str(default)
+    return f"e.g. {key}={text} (the default)"
+
+
+def check_value(key: str, value: Any, rule: dict, default: Any = None) -> None:
+    """Raise ConfigValueError unless `value` keeps the field's declared rule (None always passes:
+    only fields typed `| None` can hold it)."""
+    if value is None or not rule:
+        return
+    if "choices" in rule:
+        if value not in rule["choices"]:
+            raise ConfigValueError(key, f"{key} must be one of {', '.join(map(str, rule['choices']))}; got {value!r}")
+        return
+    if isinstance(value, list):
+        if "length" in rule and len(value) != rule["length"]:
+            raise ConfigValueError(key, f"{key} must have {rule['length']} entries, got {len(value)} ({value}); "
+                                        f"{_fix(key, default)}")
+        for i, item in enumerate(value):
+            if not in_range(item, rule):
+                raise _out_of_range(key, f"{key}[{i}]", item, rule, default)
+        return
+    if isinstance(value, str) and value in rule.get("words", ()):
+        return
+    if isinstance(value, str) or not in_range(value, rule):
+        raise _out_of_range(key, key, value, rule, default)
+
+
+def _out_of_range(key: str, shown: str, value: Any, rule: dict, default: Any) -> ConfigValueError:
+    finite = "" if isinstance(value, str) or math.isfinite(value) else "a finite number, "
+    return ConfigValueError(key, f"{shown} must be {finite}{describe(rule)}, got {value!r}; {_fix(key, default)}")
+
+
+def check_fields(cfg) -> None:
+    """Every declared rule of every field of `cfg` (a config dataclass), in declaration order."""
+    for key, f in leaf_fields(type(cfg)):
+        check_value(key, value_at(cfg, key), {k: f.metadata[k] for k in RULE_KEYS if k in f.metadata},
+                    default_of(f))
+
+
+def checkpoint_dir(cfg, run_dir: Path) -> Path:
+    """Where checkpoints go: checkpoint.dir, else <run dir>/checkpoints."""
+    from dscluster import runinfo
+
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / runinfo.CHECKPOINT_DIR
+
+
+def check_world(cfg) -> None:
+    """What the values point at exists: the data folder, the timm model, the checkpoint to resume.
+
+    Read-only and cheap (no data is loaded, only the top of the data folder listed), so every
+    rank can run it before the run directory is created."""
+    E = ConfigValueError
+    if cfg.data.dataset in ("cifar10", "imagefolder") and cfg.data.path:
+        root = Path(cfg.data.path)
+        named, data = f"data.path {str(root)!r}", ("data.dataset",)
+        fix = f"point it at the folder with the {cfg.data.dataset} data"
+        if not root.exists():
+            raise E("data.path", f"{named} does not exist; {fix}", data)
+        if not root.is_dir():
+            raise E("data.path", f"{named} is a file; {fix}", data)
+        if cfg.data.dataset == "cifar10":
+            batches = root / "cifar-10-batches-py" if (root / "cifar-10-batches-py").is_dir() else root
+            missing = [n for n in CIFAR10_FILES if not (batches / n).is_file()]
+            if missing:
+                raise E("data.path", f"{named} lacks {', '.join(missing)}; it must be the cifar-10-batches-py "
+                                     "folder of the CIFAR-10 python version", data)
+        elif not any(p.is_dir() for p in root.iterdir()):
+            raise E("data.path", f"{named} has no class folders; imagefolder data is <path>/<class>/<image> "
+                                 "(or <path>/train/<class>/… beside val/)", data)
+    if cfg.model.name != SMALL_IMAGE_MODEL:
+        import timm
+
+        if not timm.is_model(cfg.model.name):
+            close = [m for m in timm.list_models("vit_*") if cfg.model.name.split("_")[0] in m][:5]
+            raise E("model.name", f"model.name {cfg.model.name!r} is not a timm model; "
+                                  f"e.g. {', '.join(close + [SMALL_IMAGE_MODEL])}")
+    if cfg.checkpoint.dir and Path(cfg.checkpoint.dir).exists() and not Path(cfg.checkpoint.dir).is_dir():
+        raise E("checkpoint.dir", f"checkpoint.dir {cfg.checkpoint.dir!r} is a file; point it at a folder "
+                                  "(it is created when missing)")
+    if cfg.checkpoint.resume == "true":
+        from dscluster import runinfo
+        from dscluster.train.checkpoint import resume_decision
+
+        try:
+            resume_decision("true", checkpoint_dir(cfg, runinfo.run_dir()))
+        except UsageError as e:
+            raise E("checkpoint.resume", str(e), also=("checkpoint.dir",)) from None
