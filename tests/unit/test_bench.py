@@ -38,7 +38,7 @@ def test_bench_overrides_are_valid_dscluster_train_keys(model):
     opts = vit.VitBenchOptions(model=model, micro_batch="auto", memory_cap_gb=8, compile=True, zero=1)
     cfg = load_config(None, vit.train_overrides(opts))
     assert cfg.data.dataset == "synthetic"
-    assert cfg.micro_batch == "auto" and cfg.memory_cap_gb == 8 and cfg.compile and cfg.zero_stage == 1
+    assert cfg.micro_batch == "auto" and cfg.memory_cap_gb == 8 and cfg.compile == "true" and cfg.zero_stage == 1
     assert cfg.max_steps == opts.warmup + opts.steps
     bal = load_config(None, mixed.train_overrides(mixed.MixedBenchOptions(model=model), "balanced"))
     assert bal.batching == "balanced"

