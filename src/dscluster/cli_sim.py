@@ -14,17 +14,19 @@ from rich.table import Table
 
 from dscluster import console, sim
 from dscluster.errors import JobFailed, UsageError
+from dscluster.sim_options import parse_env, parse_gpus, parse_link, resolve_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "sim", help="simulated lab: N nodes with sshd in network namespaces (root)",
         description="A lab of N machines on this host for tests and the demo: one network namespace "
-        "per node on a private bridge, each with its own hostname, sshd, host key, /etc and home, "
+        "per node on a private switch, each with its own hostname, sshd, host key, /etc and home, "
         "a non-root account 'lab', and the interface-name and docker0 differences of real labs. "
-        "Needs root; nothing on the host is edited.",
+        "On a host with NVIDIA GPUs each node can own some of them (--gpus), and every node's "
+        "link can be shaped (--link). Needs root; nothing on the host is edited.",
         epilog="example: sudo dscluster sim up --nodes 3 --hostfile hosts.txt && "
-        "sudo dscluster sim exec node1 -- hostname",
+        "sudo dscluster sim exec node1 -- hostname; GPU lab: sudo dscluster sim up --gpus 1,1,2 --link 1gbit",
     )
     ss = p.add_subparsers(dest="sim_command", metavar="COMMAND", required=True)
 
@@ -35,10 +37,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         "up", help="build the lab (safe to repeat)",
         description="Build the lab and print its nodes. Running it again on a healthy lab with the "
         "same node count changes nothing (it rewrites the hostfile and restarts a dead sshd).",
-        epilog="example: sudo dscluster sim up --nodes 5 --slots 2 --hostfile hosts.txt",
+        epilog="examples: sudo dscluster sim up --nodes 5 --slots 2 --hostfile hosts.txt; "
+        "sudo dscluster sim up --gpus 1,1,2 --link 1gbit --hostfile hosts.txt",
     )
-    u.add_argument("--nodes", type=int, default=3, help="number of nodes (default 3)")
-    u.add_argument("--slots", type=int, default=1, help="slots per node in the hostfile (default 1)")
+    u.add_argument("--nodes", type=int, help="number of nodes (default 3, or as many as --gpus lists)")
+    u.add_argument("--slots", type=int, help="slots per node in the hostfile (default 1; with --gpus, "
+                   "each node's GPU count)")
+    u.add_argument("--gpus", metavar="N,N,...", help="GPUs per node, e.g. 1,1,2: three nodes owning GPUs 0, 1 "
+                   "and 2-3 (CUDA_VISIBLE_DEVICES in every process of the node); needs nvidia-smi")
+    u.add_argument("--link", default="none", metavar="RATE",
+                   help="shape every node's link, both directions, with tc tbf: 1gbit, 10gbit, <n>mbit or "
+                   "none (default)")
+    u.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="set in every process of every node (repeatable), e.g. --env NCCL_DEBUG=INFO")
     u.add_argument("--hostfile", help="write the OpenMPI hostfile here (default: inside the lab directory); "
                    "the lab user must be able to read it from node1")
     u.add_argument("--json", action="store_true", help="print the lab as JSON instead of a table")
@@ -86,24 +97,36 @@ def _exec_options(parser: argparse.ArgumentParser) -> None:
 def _lab_dict(lab: sim.Lab) -> dict:
     return {
         "lab": lab.name, "subnet": lab.subnet, "host_ip": lab.host_ip, "user": lab.user,
-        "hostfile": str(lab.hostfile), "shared": str(lab.shared),
+        "hostfile": str(lab.hostfile), "shared": str(lab.shared), "link": lab.state.link,
+        "env": lab.state.env,
         "nodes": [{"name": n.name, "hostname": n.hostname, "ip": n.ip, "iface": n.iface,
-                   "decoys": n.decoys, "netns": n.netns} for n in lab.nodes],
+                   "decoys": n.decoys, "netns": n.netns, "gpus": n.gpus} for n in lab.nodes],
     }
 
 
+def _gpu_cell(gpus: list[int]) -> str:
+    return ",".join(map(str, gpus)) if gpus else "-"
+
+
 def up_command(args: argparse.Namespace) -> int:
+    # Every input is checked before anything is built or written (exit 2).
+    gpus = parse_gpus(args.gpus) if args.gpus is not None else None
+    resolve_size(args.nodes, args.slots, gpus)
+    link, env = parse_link(args.link), parse_env(args.env)
     start = time.monotonic()
-    lab = sim.up(nodes=args.nodes, slots=args.slots, lab=args.lab, hostfile=args.hostfile)
+    lab = sim.up(nodes=args.nodes, slots=args.slots, lab=args.lab, hostfile=args.hostfile,
+                 gpus=gpus, link=link, env=env)
     seconds = time.monotonic() - start
     if args.json:
         print(json.dumps(_lab_dict(lab) | {"seconds": round(seconds, 2)}, indent=2))
         return 0
-    table = Table(title=f"lab {lab.name}: {len(lab.nodes)} nodes on {lab.subnet} (up in {seconds:.1f} s)")
-    for col in ("node", "hostname", "ip", "iface", "user", "decoys"):
+    table = Table(title=f"lab {lab.name}: {len(lab.nodes)} nodes on {lab.subnet}, link "
+                  f"{'unshaped' if lab.state.link == 'none' else lab.state.link} (up in {seconds:.1f} s)")
+    for col in ("node", "hostname", "ip", "iface", "gpus", "link", "user", "decoys"):
         table.add_column(col)
     for n in lab.nodes:
-        table.add_row(n.name, n.hostname, n.ip, n.iface, lab.user, " ".join(n.decoys))
+        table.add_row(n.name, n.hostname, n.ip, n.iface, _gpu_cell(n.gpus), lab.state.link, lab.user,
+                      " ".join(n.decoys))
     console.out.print(table)
     console.out.print(f"hostfile: {lab.hostfile}\nshared:   {lab.shared} (same path on every node)")
     console.out.print(f"password: `dscluster sim status --lab {lab.name} --show-password`")
@@ -136,12 +159,13 @@ def status_command(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(st, indent=2))
         return 0 if st["healthy"] else 1
-    table = Table(title=f"lab {st['lab']} on {st['subnet']}: {'healthy' if st['healthy'] else 'NOT healthy'}")
-    for col in ("node", "hostname", "ip", "iface", "namespaces", "sshd", "port 22", "link"):
+    table = Table(title=f"lab {st['lab']} on {st['subnet']}, link {st['link']}: "
+                  f"{'healthy' if st['healthy'] else 'NOT healthy'}")
+    for col in ("node", "hostname", "ip", "iface", "gpus", "namespaces", "sshd", "port 22", "link"):
         table.add_column(col)
     for n in st["nodes"]:
         yes = lambda b: "ok" if b else "[red]no[/red]"  # noqa: E731
-        table.add_row(n["name"], n["hostname"], n["ip"], n["iface"], yes(n["anchor_alive"]),
+        table.add_row(n["name"], n["hostname"], n["ip"], n["iface"], _gpu_cell(n["gpus"]), yes(n["anchor_alive"]),
                       yes(n["sshd_running"]), yes(n["ssh_port_open"]), "up" if n["connected"] else "[red]down[/red]")
     console.out.print(table)
     console.out.print(f"user: {st['user']}  hostfile: {st['hostfile']}  shared: {st['shared']}")
@@ -172,7 +196,7 @@ def exec_command(args: argparse.Namespace) -> int:
     node = lab.node(args.node)
     # Pass our stdin/stdout through (interactive use), so this does not go through Lab.run.
     argv = lab.command(node.name, cmd, user="root" if args.root else None)
-    env = lab._env("root" if args.root else None, None)
+    env = lab.env("root" if args.root else None, node=node.name)
     # Its own process group, so a timeout or Ctrl-C stops CMD's children (mpirun, ranks) too.
     proc = subprocess.Popen(argv, env=env, process_group=0)
     try:

@@ -1,12 +1,14 @@
 """The simulated lab: N "machines" on one Linux host, for tests and the demo (root only).
 
-Each node is a network namespace on a private bridge with its own hostname, its own sshd on
-port 22 with its own host key, and its own /etc (passwd, shadow, hosts, ssh) and /home laid
-over the host's through a private mount namespace, so nothing on the host is edited. Software
-(the repository and its .venv) is visible at the same path on every node, like NFS, and so is
-`Lab.shared`, the place for run directories and state.
+Each node is a network namespace cabled to a private switch (a bridge in a namespace of its
+own) with its own hostname, its own sshd on port 22 with its own host key, and its own /etc
+(passwd, shadow, hosts, ssh) and /home laid over the host's through a private mount namespace,
+so nothing on the host is edited. Software (the repository and its .venv) is visible at the
+same path on every node, like NFS, and so is `Lab.shared`, the place for run directories and
+state. On a host with NVIDIA GPUs each node can own some of them (`gpus=[1, 1, 2]`), and every
+node's cable can be shaped to a link rate (`link="1gbit"`).
 
-    lab = up(nodes=3, lab="dslab")        # idempotent for the same name
+    lab = up(nodes=3, lab="dslab")        # idempotent for the same arguments
     lab.run("node1", ["hostname"])        # inside node1, as the lab user, cwd = repo root
     down("dslab")                          # returns once no namespace, link or process is left
 
@@ -35,45 +37,20 @@ from dscluster.errors import UsageError
 from dscluster.fsutil import atomic_write_text
 from dscluster.hosts import is_valid_host
 from dscluster.sim_build import build, restart_sshd, save_state
-from dscluster.sim_ns import (
-    REQUIRED_TOOLS, SSHD, SimError, host_mounts_under, kill_and_wait, link_names, netns_exists,
-    netns_pids, nsenter_argv, pid_in_netns, read_pid, sh, wait_for,
+from dscluster.sim_host import (
+    check_gpus, check_link, extra_path_dirs, plan_shared_reach, repo_root, require_root, require_tools,
 )
+from dscluster.sim_ns import (
+    SimError, host_mounts_under, kill_and_wait, link_names, netns_exists, netns_pids, nsenter_argv,
+    pid_in_netns, read_pid, sh, wait_for,
+)
+from dscluster.sim_options import LINK_NONE, parse_link, resolve_size, validate_env, validate_lab_name
 from dscluster.sim_plan import (
-    HOST_KEY_TYPES, SIM_ROOT, LabState, SimNode, free_id, pick_lab_index, plan_lab,
-    render_hostfile, validate_lab_name, validate_node_count, validate_slots,
+    HOST_KEY_TYPES, ROOT_PATH, SIM_ROOT, USER_PATH, LabState, SimNode, free_id, node_path,
+    node_session_env, pick_lab_index, plan_lab, render_hostfile,
 )
 
 __all__ = ["Lab", "SimNode", "SimError", "up", "down", "load", "status", "require_root", "repo_root"]
-
-USER_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/games"          # what Debian's sshd gives a user
-ROOT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-
-def repo_root() -> Path:
-    """The checkout this package runs from (src layout); it is visible on every node."""
-    here = Path(__file__).resolve()
-    root = here.parents[2]
-    return root if (root / "pyproject.toml").exists() else Path.cwd()
-
-
-def require_root() -> None:
-    if os.geteuid() != 0:
-        raise UsageError(
-            "the simulated lab needs root (network namespaces, mounts, sshd): run it as root, "
-            "e.g. `sudo .venv/bin/dscluster sim up`"
-        )
-
-
-def _require_tools() -> None:
-    missing = [t for t in REQUIRED_TOOLS if shutil.which(t) is None]
-    if not Path(SSHD).exists():
-        missing.append(SSHD)
-    if missing:
-        raise UsageError(
-            f"missing {', '.join(missing)}: install them with "
-            "`apt-get install openssh-server openssh-client iproute2 util-linux openssl`"
-        )
 
 
 class Lab:
@@ -102,14 +79,22 @@ class Lab:
                 return n
         raise UsageError(f"lab {self.name!r} has no node {name!r} (nodes: {', '.join(n.name for n in self.nodes)})")
 
-    def _env(self, user: str | None, env: dict | None) -> dict[str, str]:
+    def env(self, user: str | None = None, extra: dict | None = None, *, node: str | None = None) -> dict[str, str]:
+        """The environment of a command run in a node: what a login through its sshd gets (PATH
+        with any carried tools, --env, and with `node` that node's CUDA_VISIBLE_DEVICES), then
+        `extra`."""
+        session = node_session_env(self.state, self.node(node) if node else None)
         if user == "root":
-            base = {"HOME": "/root", "USER": "root", "LOGNAME": "root", "PATH": ROOT_PATH}
+            base = {"HOME": "/root", "USER": "root", "LOGNAME": "root",
+                    "PATH": node_path(self.state.extra_path, ROOT_PATH)}
+            session.pop("PATH", None)
         else:
             base = {"HOME": f"/home/{self.user}", "USER": self.user, "LOGNAME": self.user, "PATH": USER_PATH}
-        base.update({"SHELL": "/bin/bash", "LANG": "C.UTF-8"})
-        base.update({k: str(v) for k, v in (env or {}).items()})
+        base.update({"SHELL": "/bin/bash", "LANG": "C.UTF-8"}, **session)
+        base.update({k: str(v) for k, v in (extra or {}).items()})
         return base
+
+    _env = env   # older callers: lab._env(user, extra)
 
     def command(self, node_name: str, cmd: list[str] | str, *, user: str | None = None) -> list[str]:
         """argv that runs `cmd` inside the node as `user` (lab user by default); built apart
@@ -119,11 +104,15 @@ class Lab:
         if node.anchor_pid is None or not pid_in_netns(node.anchor_pid, node.netns):
             raise SimError(f"{node.name} of lab {self.name!r} is not running; "
                            f"`dscluster sim up --lab {self.name}` rebuilds it")
-        argv = nsenter_argv(node.anchor_pid, wd=str(repo_root()))
+        argv = nsenter_argv(node.anchor_pid)
         if user != "root":
             if user not in (None, self.user):
                 raise UsageError(f"user {user!r}: a lab node has only root and {self.user!r}")
             argv += ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--init-groups", "--"]
+        # cwd = the checkout, entered inside the node (not nsenter's --wd, which opens the directory
+        # in the host's mounts: under a folder only the node's overlay makes reachable, getcwd()
+        # then fails with EACCES and Python cannot import from '').
+        argv += ["env", "-C", str(repo_root())]
         return argv + (["/bin/bash", "-c", cmd] if isinstance(cmd, str) else list(cmd))
 
     def run(
@@ -141,7 +130,7 @@ class Lab:
         user with HOME set and cwd = repo root. On timeout the whole process group is killed."""
         argv = self.command(node_name, cmd, user=user)
         proc = subprocess.Popen(
-            argv, env=self._env(user, env), text=True, start_new_session=True,
+            argv, env=self.env(user, env, node=node_name), text=True, start_new_session=True,
             stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )
@@ -185,15 +174,21 @@ class Lab:
     def disconnect(self, node_name: str) -> None:
         """Pull the node's cable: its link goes down, connections to it time out."""
         node = self.node(node_name)
-        sh(["ip", "link", "set", node.veth_host, "down"])
+        _set_port(self.state, node, "down")
         node.connected = False
         save_state(self.state)
 
     def reconnect(self, node_name: str) -> None:
         node = self.node(node_name)
-        sh(["ip", "link", "set", node.veth_host, "up"])
+        _set_port(self.state, node, "up")
         node.connected = True
         save_state(self.state)
+
+
+def _set_port(state: LabState, node: SimNode, updown: str) -> None:
+    # A state file from before the switch namespace has its ports in the host's namespace.
+    where = ["-n", state.switch_netns] if state.switch_netns else []
+    sh(["ip", *where, "link", "set", node.switch_port, updown])
 
 
 # ---- state file ---------------------------------------------------------------------------
@@ -240,28 +235,38 @@ def _sshd_running(node: SimNode) -> bool:
     return pid is not None and pid_in_netns(pid, node.netns)
 
 
-def up(nodes: int = 3, slots: int = 1, lab: str = "dslab", hostfile: str | os.PathLike | None = None) -> Lab:
-    """Build the lab, or return it if it is already up with the same number of nodes."""
+def up(
+    nodes: int | None = None,
+    slots: int | None = None,
+    lab: str = "dslab",
+    hostfile: str | os.PathLike | None = None,
+    *,
+    gpus: list[int] | None = None,
+    link: str = LINK_NONE,
+    env: dict[str, str] | None = None,
+) -> Lab:
+    """Build the lab, or return it if it is already up with the same nodes, GPUs and link.
+    `gpus=[1, 1, 2]`: three nodes owning GPUs 0, 1 and 2-3 (sets the node count; one hostfile
+    slot per GPU). `link="1gbit"`: every node's cable shaped to that rate, both ways."""
     validate_lab_name(lab)
-    validate_node_count(nodes)
-    validate_slots(slots)
+    nodes, slots = resolve_size(nodes, slots, gpus)
+    link, env = parse_link(link), validate_env(env or {})
     require_root()
-    _require_tools()
+    tools = require_tools(link)
+    if gpus:
+        check_gpus(gpus)
+    check_link(link)
     with _lock():
         state = _read_state(lab)
         if state is not None:
             if all(_node_healthy(n) for n in state.nodes):
-                if len(state.nodes) != nodes:
-                    raise UsageError(
-                        f"lab {lab!r} is already up with {len(state.nodes)} nodes; "
-                        f"run `dscluster sim down --lab {lab}` first to rebuild it with {nodes}"
-                    )
+                _same_lab_or_refuse(state, nodes, gpus, link, env)
                 _refresh(state, slots, hostfile)
                 return Lab(state)
             _teardown(state)  # half-built or broken (e.g. after a reboot): start again
         else:
             _teardown_netns(_stray_netns(lab))  # namespaces of a lab whose state was lost
-        state = _plan(lab, nodes, slots, hostfile)
+        state = _plan(lab, nodes, slots, hostfile, gpus=gpus, link=link, env=env, tools=tools)
         try:
             build(state)
         except BaseException:
@@ -270,12 +275,28 @@ def up(nodes: int = 3, slots: int = 1, lab: str = "dslab", hostfile: str | os.Pa
         return Lab(state)
 
 
+def _same_lab_or_refuse(state: LabState, nodes: int, gpus, link: str, env) -> None:
+    """`up` again changes no node, GPU, link or environment of a running lab: say how to rebuild."""
+    def described(n, g, lk, e) -> list[str]:
+        return [f"{n} nodes", f"GPUs {','.join(map(str, g))}" if g else "no GPUs", f"link {lk}",
+                f"env {' '.join(f'{k}={v}' for k, v in e.items()) or 'none'}"]
+    had = described(len(state.nodes), [len(n.gpus) for n in state.nodes] if state.uses_gpus else None,
+                    state.link, state.env)
+    asked = described(nodes, gpus, link, dict(env or {}))
+    diff = [i for i in range(len(had)) if had[i] != asked[i]]
+    if diff:
+        raise UsageError(
+            f"lab {state.name!r} is already up with {', '.join(had[i] for i in diff)}; run "
+            f"`dscluster sim down --lab {state.name}` first to rebuild it with {', '.join(asked[i] for i in diff)}"
+        )
+
+
 def _refresh(state: LabState, slots: int, hostfile: str | os.PathLike | None) -> None:
     """`up` on a lab that is up: undo what fault helpers or crashes left (a pulled cable,
     a dead sshd) and rewrite the hostfile; the nodes, keys and homes stay as they are."""
     for node in state.nodes:
         if not node.connected:
-            sh(["ip", "link", "set", node.veth_host, "up"])
+            _set_port(state, node, "up")
             node.connected = True
         if not _sshd_running(node):
             restart_sshd(state, node)
@@ -286,7 +307,7 @@ def _refresh(state: LabState, slots: int, hostfile: str | os.PathLike | None) ->
     save_state(state)
 
 
-def _plan(lab: str, nodes: int, slots: int, hostfile) -> LabState:
+def _plan(lab: str, nodes: int, slots: int, hostfile, *, gpus, link: str, env, tools: dict[str, str]) -> LabState:
     used = set()
     for p in SIM_ROOT.glob("*/state.json"):
         try:
@@ -300,10 +321,14 @@ def _plan(lab: str, nodes: int, slots: int, hostfile) -> LabState:
     uid = free_id(ids)
     alphabet = string.ascii_letters + string.digits
     password = "".join(secrets.choice(alphabet) for _ in range(14))
-    return plan_lab(
+    state = plan_lab(
         lab, index=index, nodes=nodes, slots=slots, uid=uid, gid=uid, password=password,
         created=time.time(), hostfile=str(Path(hostfile).absolute()) if hostfile else None,
+        gpus=gpus, link=link, sshd=tools["sshd"], extra_path=extra_path_dirs(tools), env=env,
     )
+    # Refused here, before anything is made, if the lab user cannot reach what the nodes share.
+    state.mounts = plan_shared_reach(state.shared, state.hostfile, state.extra_path, uid, uid)
+    return state
 
 
 def _read_lines(path: str) -> list[str]:
@@ -335,7 +360,7 @@ def down(lab: str = "dslab") -> bool:
 
 
 def _stray_netns(lab: str) -> list[str]:
-    return [ns for ns in _netns_names() if re.fullmatch(rf"dscluster-{re.escape(lab)}-node[0-9]+", ns)]
+    return [ns for ns in _netns_names() if re.fullmatch(rf"dscluster-{re.escape(lab)}-(node[0-9]+|sw)", ns)]
 
 
 def _netns_names() -> list[str]:
@@ -360,14 +385,14 @@ def _teardown_netns(names: list[str]) -> list[int]:
 
 
 def _teardown(state: LabState) -> None:
-    names = [n.netns for n in state.nodes]
+    names = [n.netns for n in state.nodes] + ([state.switch_netns] if state.switch_netns else [])
     left = _teardown_netns(names)
-    links = set(link_names())
-    for name in [n.veth_host for n in state.nodes] + [state.bridge]:
-        if name in links:
-            sh(["ip", "link", "del", name], check=False)
+    # Deleting the switch namespace deleted the host's cable to it; a state file from before the
+    # switch namespace has the bridge and its ports in the host's namespace.
+    ours = {n.switch_port for n in state.nodes} | {state.bridge} | ({state.uplink} if state.uplink else set())
+    for name in ours & set(link_names()):
+        sh(["ip", "link", "del", name], check=False)
     # The kernel frees a namespace's veth ends asynchronously; wait for them to be gone.
-    ours = {n.veth_host for n in state.nodes} | {state.bridge}
     wait_for(lambda: not ours & set(link_names()), 10, interval=0.05)
     problems = []
     if left:
@@ -397,7 +422,7 @@ def status(lab: str = "dslab") -> dict | None:
         alive = _node_healthy(n)
         nodes.append({
             "name": n.name, "hostname": n.hostname, "ip": n.ip, "iface": n.iface, "netns": n.netns,
-            "veth_host": n.veth_host,
+            "switch_port": n.switch_port, "gpus": n.gpus,
             "decoys": n.decoys, "connected": n.connected, "anchor_alive": alive,
             "sshd_running": alive and _sshd_running(n),
             "ssh_port_open": alive and n.connected and _port_open(n.ip, 22),
@@ -405,8 +430,10 @@ def status(lab: str = "dslab") -> dict | None:
     healthy = all(x["anchor_alive"] and x["sshd_running"] for x in nodes)
     return {
         "lab": state.name, "healthy": healthy, "subnet": state.subnet, "host_ip": state.host_ip,
-        "bridge": state.bridge, "user": state.user, "uid": state.uid, "hostfile": state.hostfile,
-        "shared": state.shared, "slots": state.slots, "created": state.created, "nodes": nodes,
+        "bridge": state.bridge, "switch_netns": state.switch_netns, "uplink": state.uplink,
+        "link": state.link, "env": state.env, "user": state.user, "uid": state.uid,
+        "hostfile": state.hostfile, "shared": state.shared, "slots": state.slots,
+        "created": state.created, "mounts": state.mounts, "nodes": nodes,
     }
 
 

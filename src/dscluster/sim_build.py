@@ -17,13 +17,15 @@ from pathlib import Path
 
 from dscluster.fsutil import atomic_write_text
 from dscluster.sim_ns import (
-    SimError, anchor_script, kill_and_wait, link_names, netns_exists, pid_in_netns, read_pid, sh,
-    start_anchor, start_sshd, wait_anchor, wait_sshd,
+    SimError, anchor_script, kill_and_wait, netns_exists, pid_in_netns, read_pid, sh, start_anchor,
+    start_sshd, wait_anchor, wait_sshd,
 )
+from dscluster.sim_options import LINK_NONE, tbf_argv
 from dscluster.sim_plan import (
-    DECOY_CIDR, HOST_KEY_TYPES, LabState, SimNode, render_group, render_hostfile, render_hosts,
-    render_passwd, render_shadow, render_sshd_config,
+    DECOY_CIDR, HOST_KEY_TYPES, LabState, SimNode, free_id, node_path, node_session_env, render_group,
+    render_hostfile, render_hosts, render_passwd, render_shadow, render_sshd_config, uplink_names,
 )
+from dscluster.sim_reach import HOME_BIND, OVERLAY, REBIND
 
 
 def save_state(state: LabState) -> None:
@@ -55,7 +57,7 @@ def build(state: LabState) -> None:
         node.anchor_pid = wait_anchor(Path(node.nodedir))
     save_state(state)
     for node in state.nodes:
-        start_sshd(node.anchor_pid, node.sshd_pidfile, Path(node.nodedir) / "sshd.log")
+        start_sshd(node.anchor_pid, state.sshd, node.sshd_pidfile, Path(node.nodedir) / "sshd.log")
     for node in state.nodes:
         wait_sshd(node.sshd_pidfile, Path(node.nodedir) / "sshd.log")
     atomic_write_text(state.hostfile, render_hostfile(state), mode=0o644)
@@ -69,11 +71,15 @@ def write_node_files(state: LabState, node: SimNode, pw_hash: str) -> list[subpr
                       ("root-work", 0o700), ("home", 0o755)):
         (nd / sub).mkdir(parents=True, exist_ok=True)
         os.chmod(nd / sub, mode)
+    _make_mount_dirs(state, nd)
     etc = nd / "etc-upper"
     days = int(time.time() // 86400)
     home_in_node = f"/home/{state.user}"
+    host_passwd = Path("/etc/passwd").read_text()
+    used_ids = {int(l.split(":")[2]) for l in host_passwd.splitlines() if l.count(":") >= 3} | {state.uid}
     files = {
-        "passwd": (render_passwd(Path("/etc/passwd").read_text(), state.user, state.uid, state.gid, home_in_node), 0o644),
+        "passwd": (render_passwd(host_passwd, state.user, state.uid, state.gid, home_in_node,
+                                 sshd_uid=free_id(used_ids, start=100)), 0o644),
         "group": (render_group(Path("/etc/group").read_text(), state.user, state.gid), 0o644),
         "shadow": (render_shadow(Path("/etc/shadow").read_text(), state.user, pw_hash, days), 0o640),
         "hosts": (render_hosts(state), 0o644),
@@ -83,6 +89,9 @@ def write_node_files(state: LabState, node: SimNode, pw_hash: str) -> list[subpr
         # own lo is closed, so lookups fail at once, as with a DNS server that answers NXDOMAIN.
         "resolv.conf": ("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n", 0o644),
     }
+    if state.extra_path:
+        # A login shell's /etc/profile resets PATH; put the carried tools back in front.
+        files["profile.d/dscluster-sim-path.sh"] = (f"export PATH={node_path(state.extra_path)}\n", 0o644)
     for name, (text, mode) in files.items():
         atomic_write_text(etc / name, text, mode=mode)
     shadow_gid = os.stat("/etc/shadow").st_gid
@@ -90,7 +99,7 @@ def write_node_files(state: LabState, node: SimNode, pw_hash: str) -> list[subpr
 
     ssh = etc / "ssh"
     ssh.mkdir(exist_ok=True)
-    atomic_write_text(ssh / "sshd_config", render_sshd_config(node), mode=0o644)
+    atomic_write_text(ssh / "sshd_config", render_sshd_config(node, node_session_env(state, node)), mode=0o644)
     ours = {f"ssh_host_{t}_key{suffix}" for t in HOST_KEY_TYPES for suffix in ("", ".pub")}
     for host_key in Path("/etc/ssh").glob("ssh_host_*"):
         if host_key.name not in ours and not (ssh / host_key.name).exists():
@@ -104,7 +113,8 @@ def write_node_files(state: LabState, node: SimNode, pw_hash: str) -> list[subpr
         os.lchown(p, state.uid, state.gid)
     os.chmod(home, 0o755)
 
-    atomic_write_text(nd / "anchor.sh", anchor_script(hostname=node.hostname, nodedir=nd), mode=0o755)
+    atomic_write_text(nd / "anchor.sh", anchor_script(hostname=node.hostname, nodedir=nd, mounts=state.mounts),
+                      mode=0o755)
     procs = []
     for t in HOST_KEY_TYPES:
         key = ssh / f"ssh_host_{t}_key"
@@ -118,18 +128,45 @@ def write_node_files(state: LabState, node: SimNode, pw_hash: str) -> list[subpr
     return procs
 
 
+def _make_mount_dirs(state: LabState, nd: Path) -> None:
+    """Host-side directories the anchor's reach mounts use (sim_reach): where a shared directory
+    is set aside, an overlay's layers, and mount points in the node's own /home."""
+    for i, (kind, path) in enumerate(state.mounts):
+        if kind in (REBIND, HOME_BIND):
+            (nd / "keep" / str(i)).mkdir(parents=True, exist_ok=True)
+        if kind == OVERLAY:
+            for sub, mode in (("upper", 0o711), ("work", 0o700)):
+                (nd / "reach" / str(i) / sub).mkdir(parents=True, exist_ok=True)
+                os.chmod(nd / "reach" / str(i) / sub, mode)
+        if kind == HOME_BIND:
+            point = nd / "home"
+            for part in Path(path).relative_to("/home").parts:
+                point = point / part
+                if not point.exists():
+                    point.mkdir(mode=0o711)   # traversable by the lab user, like /root in a node
+
+
 def build_network(state: LabState) -> None:
+    """The switch namespace with its bridge, the host's cable to it, and one cable per node
+    (node end named like a real NIC, in the node's namespace; other end a bridge port)."""
     prefix = ipaddress.IPv4Network(state.subnet).prefixlen
-    if state.bridge not in link_names():
-        sh(["ip", "link", "add", "name", state.bridge, "type", "bridge", "forward_delay", "0"])
-    sh(["ip", "addr", "replace", f"{state.host_ip}/{prefix}", "dev", state.bridge])
-    sh(["ip", "link", "set", state.bridge, "up"])
+    sw = state.switch_netns
+    up_host, up_switch = uplink_names(state.index)
+    if not netns_exists(sw):
+        sh(["ip", "netns", "add", sw])
+    sh(["ip", "-n", sw, "link", "add", "name", state.bridge, "type", "bridge", "forward_delay", "0"])
+    sh(["ip", "-n", sw, "link", "set", state.bridge, "up"])
+    # The host's address sits on its end of a plain veth: nothing is bridged in its namespace.
+    sh(["ip", "link", "add", up_host, "type", "veth", "peer", "name", up_switch, "netns", sw])
+    sh(["ip", "-n", sw, "link", "set", up_switch, "master", state.bridge, "up"])
+    sh(["ip", "addr", "replace", f"{state.host_ip}/{prefix}", "dev", up_host])
+    sh(["ip", "link", "set", up_host, "up"])
     for node in state.nodes:
         ns = node.netns
         if not netns_exists(ns):
             sh(["ip", "netns", "add", ns])
-        sh(["ip", "link", "add", node.veth_host, "type", "veth", "peer", "name", node.iface, "netns", ns])
-        sh(["ip", "link", "set", node.veth_host, "master", state.bridge, "up"])
+        sh(["ip", "-n", sw, "link", "add", node.switch_port, "type", "veth", "peer", "name", node.iface, "netns", ns])
+        sh(["ip", "-n", sw, "link", "set", node.switch_port, "master", state.bridge, "up"])
         sh(["ip", "-n", ns, "link", "set", "lo", "up"])
         sh(["ip", "-n", ns, "addr", "add", f"{node.ip}/{prefix}", "dev", node.iface])
         sh(["ip", "-n", ns, "link", "set", node.iface, "up"])
@@ -138,6 +175,11 @@ def build_network(state: LabState) -> None:
             sh(["ip", "-n", ns, "link", "add", decoy, "type", "bridge"])
             sh(["ip", "-n", ns, "addr", "add", DECOY_CIDR, "dev", decoy])
             sh(["ip", "-n", ns, "link", "set", decoy, "up"])
+        if state.link != LINK_NONE:
+            # tbf shapes what leaves an interface: the node's end limits what the node sends,
+            # the bridge port what it receives.
+            sh(tbf_argv(ns, node.iface, state.link))
+            sh(tbf_argv(sw, node.switch_port, state.link))
 
 
 def restart_sshd(state: LabState, node: SimNode) -> None:
@@ -147,5 +189,5 @@ def restart_sshd(state: LabState, node: SimNode) -> None:
         if left:
             raise SimError(f"{node.name}: old sshd (pid {pid}) did not exit")
     log = Path(node.nodedir) / "sshd.log"
-    start_sshd(node.anchor_pid, node.sshd_pidfile, log)
+    start_sshd(node.anchor_pid, state.sshd, node.sshd_pidfile, log)
     wait_sshd(node.sshd_pidfile, log)

@@ -14,15 +14,29 @@ stay a zombie until pytest exits, and teardown waits for processes to be *gone*)
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import time
 from pathlib import Path
 
 from dscluster.errors import DsclusterError
+from dscluster.sim_reach import HOME_BIND, OVERLAY, REBIND
 
-SSHD = "/usr/sbin/sshd"
-REQUIRED_TOOLS = ("ip", "unshare", "nsenter", "setsid", "setpriv", "ssh-keygen", "openssl")
+# Found on PATH, never at a fixed place: a host without them (a GPU server) is given a folder of
+# carried binaries whose bin/ goes first on PATH. ssh: OpenMPI starts its daemons through it.
+REQUIRED_TOOLS = ("ip", "unshare", "nsenter", "setsid", "setpriv", "ssh", "ssh-keygen", "openssl", "sshd")
+LINK_TOOLS = ("tc",)
+TOOL_PACKAGES = "iproute2 util-linux openssh-server openssh-client openssl"
+
+
+def find_tool(name: str) -> str | None:
+    """Absolute path of a tool on PATH. Not resolved through links: a carried `sshd` is a small
+    wrapper script that finds its real binary relative to its own path, and sshd re-executes
+    itself by the path it was started with."""
+    found = shutil.which(name)
+    return os.path.abspath(found) if found else None
 
 
 class SimError(DsclusterError):
@@ -36,7 +50,8 @@ def sh(argv: list[str], *, check: bool = True, timeout: float = 30, input: str |
     try:
         res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, input=input)
     except FileNotFoundError:
-        raise SimError(f"{argv[0]}: not installed (the lab needs iproute2, util-linux, openssh-server, openssl)") from None
+        raise SimError(f"{argv[0]}: not on PATH (the lab needs {TOOL_PACKAGES}, or a folder of carried "
+                       "binaries first on PATH)") from None
     except subprocess.TimeoutExpired:
         raise SimError(f"{' '.join(argv)}: no answer after {timeout:.0f} s") from None
     if check and res.returncode != 0:
@@ -111,22 +126,37 @@ def wait_for(predicate, timeout: float, interval: float = 0.02) -> bool:
     return bool(predicate())
 
 
-def anchor_script(*, hostname: str, nodedir: Path) -> str:
+def anchor_script(*, hostname: str, nodedir: Path, mounts: list[list[str]] = ()) -> str:
     """Shell run inside the node's new namespaces. Overlays, not edits: the host's /etc and
     /root stay untouched; the node sees its own passwd/shadow/hosts/ssh keys on top of them and
     a /root that is mode 711 (a venv's python may live under a pyenv in /root; the lab user must be
-    able to traverse /root to run it, as on a workstation where Python was installed there)."""
+    able to traverse /root to run it, as on a workstation where Python was installed there).
+    `mounts` (sim_reach.plan_reach) make the rest of what the nodes share reachable: the host
+    directories to bind back are set aside first, before overlays and /home hide them."""
     n = str(nodedir)
-    return f"""#!/bin/sh
-set -eu
-echo '{hostname}' > /proc/sys/kernel/hostname
-mount -t overlay dscluster-etc -o lowerdir=/etc,upperdir={n}/etc-upper,workdir={n}/etc-work /etc
-mount -t overlay dscluster-root -o lowerdir=/root,upperdir={n}/root-upper,workdir={n}/root-work /root
-mount --bind {n}/home /home
-echo $$ > {n}/anchor.pid.tmp
-mv {n}/anchor.pid.tmp {n}/anchor.pid
-exec sleep infinity
-"""
+    q = shlex.quote
+    keep = {i: f"{n}/keep/{i}" for i, (kind, _) in enumerate(mounts) if kind in (REBIND, HOME_BIND)}
+    lines = [
+        "#!/bin/sh",
+        "set -eu",
+        f"echo {q(hostname)} > /proc/sys/kernel/hostname",
+        *(f"mount --bind {q(mounts[i][1])} {q(k)}" for i, k in keep.items()),
+        f"mount -t overlay dscluster-etc -o lowerdir=/etc,upperdir={n}/etc-upper,workdir={n}/etc-work /etc",
+        f"mount -t overlay dscluster-root -o lowerdir=/root,upperdir={n}/root-upper,workdir={n}/root-work /root",
+        f"mount --bind {n}/home /home",
+    ]
+    for i, (kind, path) in enumerate(mounts):
+        if kind == OVERLAY:
+            opts = f"lowerdir={path},upperdir={n}/reach/{i}/upper,workdir={n}/reach/{i}/work"
+            lines.append(f"mount -t overlay dscluster-reach -o {q(opts)} {q(path)}")
+        else:
+            lines.append(f"mount --bind {q(keep[i])} {q(path)}")
+    lines += [
+        f"echo $$ > {n}/anchor.pid.tmp",
+        f"mv {n}/anchor.pid.tmp {n}/anchor.pid",
+        "exec sleep infinity",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def start_anchor(netns: str, nodedir: Path) -> None:
@@ -153,21 +183,19 @@ def wait_anchor(nodedir: Path, timeout: float = 10) -> int:
     return int(pidfile.read_text().strip())
 
 
-def nsenter_argv(anchor_pid: int, *, wd: str | None = None) -> list[str]:
-    argv = ["nsenter", "-t", str(anchor_pid), "-m", "-u", "-n"]
-    if wd:
-        argv.append(f"--wd={wd}")
-    return argv + ["--"]
+def nsenter_argv(anchor_pid: int) -> list[str]:
+    return ["nsenter", "-t", str(anchor_pid), "-m", "-u", "-n", "--"]
 
 
-def start_sshd(anchor_pid: int, pidfile: Path, log: Path) -> None:
-    """Start the node's sshd (it daemonises itself); `wait_sshd` waits for its pid file,
-    which sshd writes only after its listening socket is bound."""
+def start_sshd(anchor_pid: int, sshd: str, pidfile: Path, log: Path) -> None:
+    """Start the node's sshd (it daemonises itself) by absolute path, which it needs to
+    re-execute itself; `wait_sshd` waits for its pid file, which sshd writes only after its
+    listening socket is bound."""
     try:
         pidfile.unlink()
     except FileNotFoundError:
         pass
-    sh(nsenter_argv(anchor_pid) + [SSHD, "-f", "/etc/ssh/sshd_config", "-E", str(log)])
+    sh(nsenter_argv(anchor_pid) + [sshd, "-f", "/etc/ssh/sshd_config", "-E", str(log)])
 
 
 def wait_sshd(pidfile: Path, log: Path, timeout: float = 10) -> int:
@@ -205,11 +233,31 @@ def host_mounts_under(path: str) -> list[str]:
     return out
 
 
-def link_names() -> list[str]:
-    res = sh(["ip", "-o", "link", "show"], check=False)
+def link_names(netns: str | None = None) -> list[str]:
+    """Interface names in the host's namespace, or in `netns`."""
+    if netns is not None and not netns_exists(netns):
+        return []
+    res = sh(["ip", *(["-n", netns] if netns else []), "-o", "link", "show"], check=False)
     names = []
     for line in res.stdout.splitlines():
         parts = line.split(":", 2)
         if len(parts) >= 2:
             names.append(parts[1].strip().split("@", 1)[0])
     return names
+
+
+def tbf_available(probe_netns: str) -> str | None:
+    """Why `tc ... tbf` cannot shape a link here (None if it can): tried on the loopback of a
+    throwaway namespace, so nothing of the host is touched."""
+    if find_tool("tc") is None:
+        return "`tc` is not on PATH (apt-get install iproute2, or put carried binaries first on PATH)"
+    sh(["ip", "netns", "add", probe_netns])
+    try:
+        res = sh(["tc", "-n", probe_netns, "qdisc", "replace", "dev", "lo", "root", "tbf",
+                  "rate", "1gbit", "burst", "500000", "latency", "50ms"], check=False)
+    finally:
+        sh(["ip", "netns", "del", probe_netns], check=False)
+    if res.returncode != 0:
+        return (f"this kernel cannot shape links with tbf ({res.stderr.strip() or 'tc failed'}): "
+                "`modprobe sch_tbf`, or leave out --link")
+    return None

@@ -4,25 +4,30 @@ Everything here is pure (no root, no processes) so it can be unit-tested and so 
 writes the whole plan to the state file *before* it creates the first namespace: a crash
 half-way leaves a state file that `sim down` can use to remove what was made.
 
-Address plan: lab number k (1..250) owns 10.77.k.0/24; the host end of the lab bridge is
-10.77.k.254 and node i is 10.77.k.(10+i). Kernel interface names are at most 15 characters, so
-host-side names carry the lab number, not the lab name: bridge `dsl<k>br`, veth `dsl<k>n<i>`.
+Address plan: lab number k (1..250) owns 10.77.k.0/24; the host's own address on the lab is
+10.77.k.254 and node i is 10.77.k.(10+i). The nodes' cables meet on a bridge `dsl<k>sw` inside a
+switch namespace of its own (`dscluster-<lab>-sw`): a bridge in the host's namespace is subject to
+the host's firewall (on a Docker host its FORWARD policy drops bridged traffic), one in its own
+namespace is not. The host joins the switch through one veth pair (`dsl<k>h` on the host,
+`dsl<k>up` on the bridge), so it reaches the nodes without forwarding anything. Kernel interface
+names are at most 15 characters, so they carry the lab number, not the lab name.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import json
-import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from dscluster.errors import UsageError
+from dscluster.sim_options import (  # noqa: F401  (validators re-exported: callers import them here)
+    LINK_NONE, MAX_NODES, assign_gpus, parse_link, validate_lab_name, validate_node_count, validate_slots,
+)
 
 SIM_ROOT = Path("/run/dscluster-sim")
 SUBNET_BASE = "10.77"
 MAX_LAB_INDEX = 250
-MAX_NODES = 32
 HOST_OCTET = 254
 NODE_OCTET_OFFSET = 10
 # Real labs name the same NIC differently on each machine (old udev, PCIe slot, onboard).
@@ -32,30 +37,13 @@ DECOY_IFACE = "docker0"
 DECOY_CIDR = "172.17.0.1/16"
 LAB_USER = "lab"
 LAB_SHELL = "/bin/bash"
-STATE_VERSION = 1
-
-_LAB_NAME_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,22}[a-z0-9])?$")
-
-
-def validate_lab_name(name: str) -> str:
-    """Lab names become directory and namespace names: keep them short and plain."""
-    if not _LAB_NAME_RE.match(name):
-        raise UsageError(
-            f"invalid lab name {name!r}: use 1-24 lowercase letters, digits and inner '-' (e.g. 'dslab')"
-        )
-    return name
-
-
-def validate_node_count(nodes: int) -> int:
-    if not 1 <= nodes <= MAX_NODES:
-        raise UsageError(f"--nodes {nodes}: a simulated lab has 1 to {MAX_NODES} nodes")
-    return nodes
-
-
-def validate_slots(slots: int) -> int:
-    if slots < 1:
-        raise UsageError(f"--slots {slots}: each node needs at least one slot")
-    return slots
+# sshd's privilege-separation user: a host without openssh-server (a GPU host given a carried
+# sshd) has none, and sshd refuses to start without it.
+SSHD_USER = "sshd"
+# What Debian's sshd gives a session; a node's PATH puts the directories of carried tools first.
+USER_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/games"
+ROOT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+STATE_VERSION = 2
 
 
 def iface_name(index: int) -> str:
@@ -86,15 +74,25 @@ def node_ip(lab_index: int, node_index: int) -> str:
 
 
 def bridge_name(lab_index: int) -> str:
-    return f"dsl{lab_index}br"
+    # Not `br`: `ip` reads that word as a keyword, not as a device name.
+    return f"dsl{lab_index}sw"
 
 
 def veth_name(lab_index: int, node_index: int) -> str:
     return f"dsl{lab_index}n{node_index}"
 
 
+def uplink_names(lab_index: int) -> tuple[str, str]:
+    """(host end, switch end) of the host's cable to the lab switch."""
+    return f"dsl{lab_index}h", f"dsl{lab_index}up"
+
+
 def netns_name(lab: str, node: str) -> str:
     return f"dscluster-{lab}-{node}"
+
+
+def switch_netns_name(lab: str) -> str:
+    return f"dscluster-{lab}-sw"
 
 
 def pick_lab_index(used: set[int], taken_subnets: list[ipaddress.IPv4Network] = ()) -> int:
@@ -118,10 +116,11 @@ class SimNode:
     ip: str
     iface: str           # the node's own name for its lab NIC
     netns: str
-    veth_host: str       # host end of the node's cable, a port of the lab bridge
+    switch_port: str     # the switch end of the node's cable, a port of the lab bridge
     nodedir: str         # host-side directory with this node's files
     home: str            # host-side path of the lab user's home on this node
     decoys: list[str] = field(default_factory=list)
+    gpus: list[int] = field(default_factory=list)   # physical indices; [] = every GPU, unmanaged
     anchor_pid: int | None = None   # process that keeps the namespaces alive; nsenter target
     connected: bool = True
 
@@ -158,6 +157,13 @@ class LabState:
     password: str
     created: float
     nodes: list[SimNode]
+    switch_netns: str = ""       # "" in a state file from before the switch namespace
+    uplink: str = ""             # the host's end of its cable to the switch
+    link: str = LINK_NONE        # shaped rate of every node's cable, both directions
+    sshd: str = "/usr/sbin/sshd"  # absolute path sshd was found at (it re-executes itself by it)
+    extra_path: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)   # --env, set in every node
+    mounts: list[list[str]] = field(default_factory=list)  # sim_reach ops: [kind, path]
     version: int = STATE_VERSION
 
     def to_dict(self) -> dict:
@@ -168,8 +174,18 @@ class LabState:
         known = {f.name for f in fields(cls)}
         node_known = {f.name for f in fields(SimNode)}
         kwargs = {k: v for k, v in data.items() if k in known}
-        kwargs["nodes"] = [SimNode(**{k: v for k, v in n.items() if k in node_known}) for n in data["nodes"]]
+        nodes = []
+        for n in data["nodes"]:
+            n = dict(n)
+            if "veth_host" in n:   # version 1: the bridge port lived in the host's namespace
+                n.setdefault("switch_port", n.pop("veth_host"))
+            nodes.append(SimNode(**{k: v for k, v in n.items() if k in node_known}))
+        kwargs["nodes"] = nodes
         return cls(**kwargs)
+
+    @property
+    def uses_gpus(self) -> bool:
+        return any(n.gpus for n in self.nodes)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
@@ -191,11 +207,19 @@ def plan_lab(
     created: float,
     root: Path = SIM_ROOT,
     hostfile: str | None = None,
+    gpus: list[int] | None = None,
+    link: str = LINK_NONE,
+    sshd: str = "/usr/sbin/sshd",
+    extra_path: list[str] = (),
+    env: dict[str, str] | None = None,
 ) -> LabState:
     """The whole lab on paper: names, addresses and paths for `nodes` machines."""
     validate_lab_name(name)
     validate_node_count(nodes)
     validate_slots(slots)
+    if gpus is not None and len(gpus) != nodes:
+        raise ValueError(f"{len(gpus)} GPU counts for {nodes} nodes")
+    per_node = assign_gpus(gpus) if gpus else [[] for _ in range(nodes)]
     labdir = root / name
     plan_nodes = []
     for i in range(1, nodes + 1):
@@ -208,10 +232,11 @@ def plan_lab(
                 ip=node_ip(index, i),
                 iface=iface_name(i),
                 netns=netns_name(name, node),
-                veth_host=veth_name(index, i),
+                switch_port=veth_name(index, i),
                 nodedir=str(nodedir),
                 home=str(nodedir / "home" / LAB_USER),
                 decoys=[DECOY_IFACE] if has_decoy(i) else [],
+                gpus=per_node[i - 1],
             )
         )
     return LabState(
@@ -230,6 +255,12 @@ def plan_lab(
         password=password,
         created=created,
         nodes=plan_nodes,
+        switch_netns=switch_netns_name(name),
+        uplink=uplink_names(index)[0],
+        link=parse_link(link),
+        sshd=sshd,
+        extra_path=list(extra_path),
+        env=dict(env or {}),
     )
 
 
@@ -248,7 +279,32 @@ def render_hosts(state: LabState) -> str:
 
 
 def render_hostfile(state: LabState) -> str:
-    return "".join(f"{n.name} slots={state.slots}\n" for n in state.nodes)
+    """One slot per GPU in a GPU lab (one rank per GPU), else --slots per node."""
+    return "".join(f"{n.name} slots={len(n.gpus) or state.slots}\n" for n in state.nodes)
+
+
+def node_path(extra_dirs: list[str], base: str = USER_PATH) -> str:
+    """PATH inside a node: directories of tools found outside the usual ones (a folder of
+    carried ssh/ip/tc binaries on a host that lacks them) first, then the standard PATH."""
+    std = base.split(":")
+    extra = [d for d in dict.fromkeys(extra_dirs) if d not in std]
+    return ":".join(extra + std)
+
+
+def node_session_env(state: LabState, node: SimNode | None) -> dict[str, str]:
+    """Variables every process in the node gets, whether it came through the node's sshd (so
+    mpirun's remote daemons and their ranks have them) or through `Lab.run`/`sim exec`.
+    Without a node: what every node has in common (no GPU variables)."""
+    env = {}
+    if state.extra_path:
+        env["PATH"] = node_path(state.extra_path)
+    if node is not None and node.gpus:
+        # PCI order, so that index 2 is the GPU `nvidia-smi` calls 2 (CUDA's default order is
+        # fastest first, which on a mixed host is not nvidia-smi's).
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, node.gpus))
+    env.update(state.env)
+    return env
 
 
 def free_id(used: set[int], start: int = 2000) -> int:
@@ -264,8 +320,13 @@ def _replace_or_append(text: str, name: str, line: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def render_passwd(host_passwd: str, user: str, uid: int, gid: int, home: str, shell: str = LAB_SHELL) -> str:
-    return _replace_or_append(host_passwd, user, f"{user}:x:{uid}:{gid}:dscluster lab user:{home}:{shell}")
+def render_passwd(host_passwd: str, user: str, uid: int, gid: int, home: str, shell: str = LAB_SHELL,
+                  sshd_uid: int | None = None) -> str:
+    text = _replace_or_append(host_passwd, user, f"{user}:x:{uid}:{gid}:dscluster lab user:{home}:{shell}")
+    if sshd_uid is not None and not any(l.split(":", 1)[0] == SSHD_USER for l in text.splitlines()):
+        # 65534 is nogroup on Debian and Ubuntu; the user owns nothing, it only needs to exist.
+        text = _replace_or_append(text, SSHD_USER, f"{SSHD_USER}:x:{sshd_uid}:65534::/run/sshd:/usr/sbin/nologin")
+    return text
 
 
 def render_group(host_group: str, user: str, gid: int) -> str:
@@ -276,9 +337,11 @@ def render_shadow(host_shadow: str, user: str, password_hash: str, days_since_ep
     return _replace_or_append(host_shadow, user, f"{user}:{password_hash}:{days_since_epoch}:0:99999:7:::")
 
 
-def render_sshd_config(node: SimNode) -> str:
+def render_sshd_config(node: SimNode, env: dict[str, str] | None = None) -> str:
     """sshd for one node. PAM is off: pam_loginuid cannot work in a namespace and sshd checks
-    the password against the node's own /etc/shadow itself."""
+    the password against the node's own /etc/shadow itself. `env` (node_session_env) goes into
+    one SetEnv line (OpenSSH >= 7.8; sshd uses only the first SetEnv line it reads)."""
+    setenv = [f"SetEnv {' '.join(f'{k}={v}' for k, v in env.items())}"] if env else []
     return "\n".join([
         f"# sshd of simulated node {node.name}",
         "Port 22",
@@ -295,7 +358,10 @@ def render_sshd_config(node: SimNode) -> str:
         # OpenMPI's tree launch and a parallel `check` open many sessions at once.
         "MaxStartups 200:30:400",
         "MaxSessions 100",
-        "Subsystem sftp /usr/lib/openssh/sftp-server",
+        # Built into sshd: a host with a carried sshd has no sftp-server binary, and
+        # `dscluster setup` writes the nodes' files over sftp.
+        "Subsystem sftp internal-sftp",
+        *setenv,
         "",
     ])
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -80,7 +82,7 @@ def test_password_login_sees_the_nodes_own_interface_and_hostname(lab):
     for node in lab.nodes:
         client = _password_client(node, lab)
         try:
-            addrs = _remote(client, "/usr/sbin/ip -o -4 addr show")
+            addrs = _remote(client, f"{shutil.which('ip')} -o -4 addr show")
             assert _remote(client, "hostname").strip() == node.hostname
         finally:
             client.close()
@@ -194,12 +196,55 @@ def test_fault_helpers_change_what_a_client_sees(lab):
     socket.create_connection((node.ip, 22), timeout=5).close()
 
 
+def test_a_fresh_clone_in_a_0700_folder_runs_on_the_nodes_without_touching_the_host(lab_factory):
+    """Issue 20: the lab works wherever the checkout is. A clone inside a `mkdtemp` folder (0700)
+    is reached by the lab user through the nodes' own mounts; the host's folder keeps its mode."""
+    name = "simclone"
+    tmp = Path(tempfile.mkdtemp())
+    clone = tmp / "clone"
+    try:
+        subprocess.run(["sh", "-c", 'umask 022 && git clone -q "$0" "$1"', str(sim.repo_root()), str(clone)],
+                       check=True, timeout=120)
+        # The code under test is this working tree's, not the last commit's.
+        shutil.copytree(sim.repo_root() / "src", clone / "src", dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        env = dict(os.environ, PYTHONPATH=str(clone / "src"))
+        cli = [sys.executable, "-m", "dscluster", "sim"]
+        up = subprocess.run([*cli, "up", "--nodes", "2", "--lab", name, "--json"], cwd=clone, env=env,
+                            capture_output=True, text=True, timeout=120)
+        assert up.returncode == 0, up.stderr
+        mounts = sim.load(name).state.mounts
+        assert ["overlay", str(tmp)] in mounts and ["bind", str(clone)] in mounts
+        probe = "import dscluster, os; print(dscluster.__file__, os.getcwd())"
+        res = subprocess.run([*cli, "exec", "node2", "--lab", name, "--", "env", f"PYTHONPATH={clone / 'src'}",
+                              sys.executable, "-c", probe], cwd=clone, env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert res.returncode == 0, res.stderr
+        assert res.stdout.split() == [str(clone / "src" / "dscluster" / "__init__.py"), str(clone)]
+        # writes into the clone (root's: the lab user may not write there) reach the host's folder,
+        # which every node shares, not one node's overlay layer
+        subprocess.run([*cli, "exec", "--root", "node2", "--lab", name, "--", "sh", "-c", "hostname > from-node"],
+                       cwd=clone, env=env, check=True, timeout=120)
+        assert (clone / "from-node").read_text() == "node2\n"
+        as_lab_user = subprocess.run([*cli, "exec", "node1", "--lab", name, "--", "env",
+                                      f"PYTHONPATH={clone / 'src'}", sys.executable, "-m", "dscluster", "sim", "up",
+                                      "--lab", "nope"], cwd=clone, env=env, capture_output=True, text=True, timeout=120)
+        assert as_lab_user.returncode == 2 and "needs root" in as_lab_user.stderr, as_lab_user.stderr
+        assert "Traceback" not in as_lab_user.stderr
+        assert os.stat(tmp).st_mode & 0o777 == 0o700
+    finally:
+        down = subprocess.run([sys.executable, "-m", "dscluster", "sim", "down", "--lab", name],
+                              capture_output=True, text=True, timeout=120)
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert down.returncode == 0, down.stderr
+
+
 def _leftovers(state: dict, pids: list[int]) -> list[str]:
     found = []
     netns = set(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else set()
-    found += [f"netns {n['netns']}" for n in state["nodes"] if n["netns"] in netns]
+    found += [f"netns {ns}" for ns in [n["netns"] for n in state["nodes"]] + [state["switch_netns"]] if ns in netns]
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
-    for name in [state["bridge"]] + [n["veth_host"] for n in state["nodes"]]:
+    for name in [state["bridge"], state["uplink"]] + [n["switch_port"] for n in state["nodes"]]:
         if f": {name}:" in links or f": {name}@" in links:
             found.append(f"link {name}")
     found += [f"mount {line.split()[4]}" for line in Path("/proc/self/mountinfo").read_text().splitlines()
@@ -230,6 +275,7 @@ def test_down_leaves_no_namespace_link_mount_or_process(lab_factory):
         pids = sorted({int(p) for n in lab.nodes for p in subprocess.run(
             ["ip", "netns", "pids", n.netns], capture_output=True, text=True).stdout.split()})
         assert len(pids) >= 5 * 2 + 2  # anchor + sshd per node, the sleeps
+        assert st["uplink"] in subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     finally:
         down = subprocess.run([*cli, "down", "--lab", name], capture_output=True, text=True, timeout=120)
     assert down.returncode == 0, down.stderr

@@ -36,7 +36,7 @@ def test_anchor_script_is_valid_shell_that_mounts_the_nodes_own_layers(tmp_path:
     script = anchor_script(hostname="node2", nodedir=tmp_path / "node2")
     (tmp_path / "a.sh").write_text(script)
     assert subprocess.run(["sh", "-n", str(tmp_path / "a.sh")]).returncode == 0
-    assert "echo 'node2' > /proc/sys/kernel/hostname" in script
+    assert "echo node2 > /proc/sys/kernel/hostname" in script
     for layer in ("/etc", "/root"):
         assert f"lowerdir={layer}," in script
     assert f"mount --bind {tmp_path}/node2/home /home" in script
@@ -45,3 +45,21 @@ def test_anchor_script_is_valid_shell_that_mounts_the_nodes_own_layers(tmp_path:
     assert lines[1] == "set -eu" and lines[-1] == "exec sleep infinity"
     assert lines.index(f"mv {tmp_path}/node2/anchor.pid.tmp {tmp_path}/node2/anchor.pid") > max(
         i for i, l in enumerate(lines) if l.startswith("mount"))
+
+
+def test_anchor_sets_shared_folders_aside_before_overlays_hide_them_and_binds_them_back_after(tmp_path: Path):
+    nd = tmp_path / "node1"
+    mounts = [["overlay", "/tmp/tmpab12"], ["bind", "/tmp/tmpab12/clone"], ["home-bind", "/home/alice/repo"]]
+    script = anchor_script(hostname="node1", nodedir=nd, mounts=mounts)
+    (tmp_path / "a.sh").write_text(script)
+    assert subprocess.run(["sh", "-n", str(tmp_path / "a.sh")]).returncode == 0
+    lines = script.splitlines()
+    aside = [f"mount --bind /tmp/tmpab12/clone {nd}/keep/1", f"mount --bind /home/alice/repo {nd}/keep/2"]
+    overlay = (f"mount -t overlay dscluster-reach -o lowerdir=/tmp/tmpab12,upperdir={nd}/reach/0/upper,"
+               f"workdir={nd}/reach/0/work /tmp/tmpab12")
+    back = [f"mount --bind {nd}/keep/1 /tmp/tmpab12/clone", f"mount --bind {nd}/keep/2 /home/alice/repo"]
+    home = f"mount --bind {nd}/home /home"
+    at = {line: i for i, line in enumerate(lines)}
+    assert all(at[a] < at[overlay] for a in aside) and at[aside[1]] < at[home]
+    assert at[overlay] < at[back[0]] and at[home] < at[back[1]]
+    assert at[f"mv {nd}/anchor.pid.tmp {nd}/anchor.pid"] > max(at[b] for b in back)

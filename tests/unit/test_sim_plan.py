@@ -8,10 +8,16 @@ import pytest
 
 from dscluster.errors import UsageError
 from dscluster.hosts import parse_hostfile_text
-from dscluster.sim_plan import (
-    LabState, bridge_name, iface_name, pick_lab_index, plan_lab, render_group, render_hostfile,
-    render_hosts, render_passwd, render_shadow, render_sshd_config, validate_lab_name, veth_name,
+from dscluster.sim_options import (
+    assign_gpus, check_gpu_supply, count_listed_gpus, link_rate_bps, parse_env, parse_gpus, parse_link,
+    resolve_size, tbf_argv,
 )
+from dscluster.sim_plan import (
+    LabState, bridge_name, iface_name, node_path, node_session_env, pick_lab_index, plan_lab, render_group,
+    render_hostfile, render_hosts, render_passwd, render_shadow, render_sshd_config, uplink_names,
+    validate_lab_name, veth_name,
+)
+from dscluster.sim_reach import DirInfo, ancestors, plan_reach
 
 
 def _plan(nodes=3, **kw):
@@ -27,7 +33,7 @@ def test_addresses_are_unique_inside_the_lab_subnet_and_differ_between_labs():
     assert len(set(ips)) == 6 and all(ipaddress.IPv4Address(ip) in net for ip in ips)
     assert a.host_ip == "10.77.1.254" and a.nodes[0].ip == "10.77.1.11"
     assert not net.overlaps(ipaddress.IPv4Network(b.subnet))
-    assert a.bridge != b.bridge and {n.veth_host for n in a.nodes}.isdisjoint(n.veth_host for n in b.nodes)
+    assert a.bridge != b.bridge and {n.switch_port for n in a.nodes}.isdisjoint(n.switch_port for n in b.nodes)
 
 
 def test_kernel_interface_names_fit_in_15_characters_for_the_largest_lab():
@@ -110,3 +116,212 @@ def test_sshd_config_allows_password_login_without_pam_and_has_a_pid_file_per_no
         assert {"PasswordAuthentication yes", "UsePAM no", "Port 22", "PermitRootLogin no"} <= lines
         assert f"PidFile {node.nodedir}/sshd.pid" in lines
     assert configs[0] != configs[1]
+
+
+# ---- GPU lab: GPUs per node, link shaping, what each node's processes see -------------------
+
+# `nvidia-smi -L` on a 4x H100 host, one GPU split by MIG on another.
+SMI_4_H100 = """GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-5b1c7c55-0c5e-1b2a-3f4d-0a1b2c3d4e5f)
+GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-6c2d8d66-1d6f-2c3b-4e5e-1b2c3d4e5f60)
+GPU 2: NVIDIA H100 80GB HBM3 (UUID: GPU-7d3e9e77-2e70-3d4c-5f6f-2c3d4e5f6071)
+GPU 3: NVIDIA H100 80GB HBM3 (UUID: GPU-8e4fa088-3f81-4e5d-6070-3d4e5f607182)
+"""
+SMI_MIG = """GPU 0: NVIDIA A100-SXM4-40GB (UUID: GPU-1b1c7c55-0c5e-1b2a-3f4d-0a1b2c3d4e5f)
+  MIG 3g.20gb     Device  0: (UUID: MIG-2c2d8d66-1d6f-2c3b-4e5e-1b2c3d4e5f60)
+  MIG 3g.20gb     Device  1: (UUID: MIG-3d3e9e77-2e70-3d4c-5f6f-2c3d4e5f6071)
+"""
+
+
+def test_gpus_per_node_get_consecutive_physical_indices_and_set_the_node_count():
+    assert parse_gpus("1,1,2") == [1, 1, 2] and parse_gpus(" 2 , 1") == [2, 1]
+    assert assign_gpus([1, 1, 2]) == [[0], [1], [2, 3]]
+    assert resolve_size(None, None, [1, 1, 2]) == (3, 1)
+    assert resolve_size(3, None, [1, 1, 2]) == (3, 1)
+    assert resolve_size(None, None, None) == (3, 1) and resolve_size(5, 2, None) == (5, 2)
+    lab = _plan(nodes=3, gpus=[1, 1, 2])
+    assert [n.gpus for n in lab.nodes] == [[0], [1], [2, 3]] and lab.uses_gpus
+    assert not _plan(nodes=3).uses_gpus and all(n.gpus == [] for n in _plan(nodes=3).nodes)
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("1,0,2", r"entry 2 \('0'\) is not a whole number >= 1"),
+    ("1,,2", r"entry 2 \(''\)"),
+    ("", r"entry 1 \(''\)"),
+    ("two", r"entry 1 \('two'\)"),
+    ("1,-1", r"entry 2 \('-1'\)"),
+    (",".join(["1"] * 33), "1 to 32 nodes"),
+])
+def test_bad_gpu_lists_are_refused_with_the_entry_named(text, msg):
+    with pytest.raises(UsageError, match=msg):
+        parse_gpus(text)
+
+
+def test_gpus_contradicting_nodes_or_slots_are_refused():
+    with pytest.raises(UsageError, match=r"--nodes 2 but --gpus 1,1,2 lists 3 nodes"):
+        resolve_size(2, None, [1, 1, 2])
+    with pytest.raises(UsageError, match="--slots with --gpus"):
+        resolve_size(None, 2, [1, 1])
+
+
+def test_gpu_count_comes_from_nvidia_smi_list_and_a_shortfall_names_both_numbers():
+    assert count_listed_gpus(SMI_4_H100) == 4
+    assert count_listed_gpus(SMI_MIG) == 1 and count_listed_gpus("") == 0
+    check_gpu_supply([1, 1, 2], 4)
+    with pytest.raises(UsageError, match=r"asks for 4 GPUs but `nvidia-smi -L` lists 2 .* --gpus 1,1\)"):
+        check_gpu_supply([1, 1, 2], 2)
+
+
+def test_gpu_lab_hostfile_has_one_slot_per_gpu():
+    lab = _plan(nodes=3, gpus=[1, 1, 2])
+    assert render_hostfile(lab) == "node1 slots=1\nnode2 slots=1\nnode3 slots=2\n"
+    assert parse_hostfile_text(render_hostfile(lab)).total_slots == 4
+
+
+def test_each_node_sees_only_its_own_gpus_in_pci_order():
+    lab = _plan(nodes=3, gpus=[1, 1, 2], env={"NCCL_DEBUG": "INFO"})
+    envs = [node_session_env(lab, n) for n in lab.nodes]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0", "1", "2,3"]
+    assert all(e["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID" and e["NCCL_DEBUG"] == "INFO" for e in envs)
+    assert "PATH" not in envs[0]   # nothing carried: sshd's own PATH stays
+    assert node_session_env(lab, None) == {"NCCL_DEBUG": "INFO"}
+    assert node_session_env(_plan(nodes=2), _plan(nodes=2).nodes[0]) == {}
+
+
+def test_sshd_config_sets_the_nodes_environment_in_one_setenv_line():
+    lab = _plan(nodes=3, gpus=[1, 1, 2], extra_path=["/opt/carried/bin"])
+    cfg = render_sshd_config(lab.nodes[2], node_session_env(lab, lab.nodes[2])).splitlines()
+    setenv = [l for l in cfg if l.startswith("SetEnv")]
+    assert setenv == ["SetEnv PATH=/opt/carried/bin:/usr/local/bin:/usr/bin:/bin:/usr/games "
+                      "CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=2,3"]
+    assert "Subsystem sftp internal-sftp" in cfg
+    assert not [l for l in render_sshd_config(_plan(nodes=1).nodes[0], {}).splitlines() if l.startswith("SetEnv")]
+
+
+def test_node_path_puts_carried_tool_folders_first_once():
+    assert node_path([]) == "/usr/local/bin:/usr/bin:/bin:/usr/games"
+    assert node_path(["/x/bin", "/usr/bin", "/x/bin"]) == "/x/bin:/usr/local/bin:/usr/bin:/bin:/usr/games"
+
+
+@pytest.mark.parametrize("items,msg", [(["NOEQUALS"], "write NAME=VALUE"), (["1X=2"], "write NAME=VALUE"),
+                                       (["A=b c"], "blanks, quotes"), (["A=\"x\""], "blanks, quotes")])
+def test_bad_env_options_are_refused(items, msg):
+    with pytest.raises(UsageError, match=msg):
+        parse_env(items)
+
+
+def test_env_options_become_a_dict():
+    assert parse_env(["NCCL_DEBUG=INFO", "X=", "NCCL_DEBUG=WARN"]) == {"NCCL_DEBUG": "WARN", "X": ""}
+
+
+def test_link_rates_parse_to_a_canonical_spelling():
+    assert parse_link("none") == "none" and parse_link(" 1Gbit ") == "1gbit"
+    assert link_rate_bps("1gbit") == 10**9 and link_rate_bps("10gbit") == 10**10
+    assert link_rate_bps("2.5gbit") == 2_500_000_000 and link_rate_bps("100mbit") == 10**8
+
+
+@pytest.mark.parametrize("bad", ["1g", "fast", "1 gbit", "0mbit", "500gbit", "-1gbit"])
+def test_bad_link_rates_are_refused(bad):
+    with pytest.raises(UsageError, match="--link"):
+        parse_link(bad)
+
+
+def test_tbf_argv_shapes_one_interface_in_its_namespace():
+    assert tbf_argv("dscluster-dslab-node1", "eth0", "1gbit") == [
+        "tc", "-n", "dscluster-dslab-node1", "qdisc", "replace", "dev", "eth0", "root", "tbf",
+        "rate", "1000000000bit", "burst", "500000", "latency", "50ms"]
+    assert tbf_argv("dscluster-dslab-sw", "dsl4n1", "10gbit") == [
+        "tc", "-n", "dscluster-dslab-sw", "qdisc", "replace", "dev", "dsl4n1", "root", "tbf",
+        "rate", "10000000000bit", "burst", "5000000", "latency", "50ms"]
+    # a slow link still holds two 64 KiB GSO packets
+    assert tbf_argv("n", "eth0", "100mbit")[12] == "131072"
+
+
+def test_switch_lives_in_its_own_namespace_with_names_ip_can_parse():
+    lab = _plan(nodes=2)
+    assert lab.switch_netns == "dscluster-dslab-sw" and lab.bridge == "dsl4sw" and lab.uplink == "dsl4h"
+    assert uplink_names(4) == ("dsl4h", "dsl4up")
+    for name in (*uplink_names(250), bridge_name(250)):
+        assert len(name) <= 15 and name != "br"
+
+
+def test_state_file_keeps_gpus_link_and_reads_a_version_1_file():
+    lab = _plan(nodes=3, gpus=[1, 1, 2], link="10gbit", env={"A": "1"}, sshd="/opt/t/bin/sshd")
+    lab.mounts = [["overlay", "/tmp/x"], ["bind", "/tmp/x/repo"]]
+    assert LabState.from_json(lab.to_json()) == lab
+    old = _plan(nodes=2).to_dict()
+    for key in ("switch_netns", "uplink", "link", "sshd", "extra_path", "env", "mounts"):
+        del old[key]
+    for n in old["nodes"]:
+        n["veth_host"] = n.pop("switch_port")
+        del n["gpus"]
+    back = LabState.from_dict(old)
+    assert back.switch_netns == "" and back.link == "none" and back.nodes[1].switch_port == "dsl4n2"
+    assert back.nodes[0].gpus == [] and not back.uses_gpus
+
+
+def test_sshd_privilege_separation_user_is_added_only_where_the_host_has_none():
+    ubuntu = "root:x:0:0:root:/root:/bin/bash\nnobody:x:65534:65534::/nonexistent:/usr/sbin/nologin\n"
+    out = render_passwd(ubuntu, "lab", 2000, 2000, "/home/lab", sshd_uid=101).splitlines()
+    assert out[-1] == "sshd:x:101:65534::/run/sshd:/usr/sbin/nologin"
+    debian = ubuntu + "sshd:x:105:65534::/run/sshd:/usr/sbin/nologin\n"
+    out = render_passwd(debian, "lab", 2000, 2000, "/home/lab", sshd_uid=101).splitlines()
+    assert [l for l in out if l.startswith("sshd:")] == ["sshd:x:105:65534::/run/sshd:/usr/sbin/nologin"]
+
+
+# ---- what the lab user must reach inside the nodes (sim_reach) ------------------------------
+
+def _fs(modes: dict[str, int], owner: int = 0):
+    """A host's directories by path: mode (owner root unless told), for plan_reach's stat."""
+    return lambda p: DirInfo(modes[p], owner, owner) if p in modes else None
+
+
+BASE = {"/": 0o755, "/root": 0o700, "/root/.pyenv": 0o755, "/root/.pyenv/versions": 0o755,
+        "/root/.pyenv/versions/3.11.7": 0o755, "/run": 0o755, "/run/dscluster-sim": 0o755,
+        "/tmp": 0o1777, "/home": 0o755}
+PY = "/root/.pyenv/versions/3.11.7"
+
+
+def test_a_clone_in_a_0700_temp_folder_is_overlaid_there_and_bound_back_shared():
+    fs = _fs(BASE | {"/tmp/tmpab12": 0o700, "/tmp/tmpab12/clone": 0o755, "/tmp/tmpab12/clone/.venv": 0o755})
+    ops = plan_reach(["/tmp/tmpab12/clone", "/tmp/tmpab12/clone/.venv", PY, "/run/dscluster-sim/x/shared"],
+                     fs, uid=2000, gid=2000, keep_clear=("/run/dscluster-sim",))
+    # /root is overlaid by every node anyway: the Python under it is bound back, like the clone
+    assert ops == [["overlay", "/tmp/tmpab12"], ["bind", "/tmp/tmpab12/clone"], ["bind", PY]]
+
+
+def test_nested_unreachable_folders_are_overlaid_shallowest_first():
+    fs = _fs(BASE | {"/srv": 0o750, "/srv/a": 0o700, "/srv/a/repo": 0o755})
+    assert plan_reach(["/srv/a/repo"], fs, uid=2000, gid=2000) == [
+        ["overlay", "/srv"], ["overlay", "/srv/a"], ["bind", "/srv/a/repo"]]
+
+
+def test_reachable_paths_need_no_mounts_and_group_or_owner_access_counts():
+    fs = _fs(BASE | {"/work": 0o755, "/work/repo": 0o755, "/usr": 0o755})
+    assert plan_reach(["/work/repo", "/usr"], fs, uid=2000, gid=2000) == []
+    owned = lambda p: DirInfo(0o710, 0, 2000) if p == "/work" else fs(p)  # noqa: E731  group 2000 may enter
+    assert plan_reach(["/work/repo"], owned, uid=2000, gid=2000) == []
+
+
+def test_a_checkout_in_a_0750_home_is_bound_into_the_nodes_own_home():
+    fs = _fs(BASE | {"/home/alice": 0o750, "/home/alice/src": 0o755, "/home/alice/src/repo": 0o755})
+    assert plan_reach(["/home/alice/src/repo"], fs, uid=2000, gid=2000) == [["home-bind", "/home/alice/src/repo"]]
+
+
+def test_a_shared_folder_the_lab_user_cannot_read_is_refused_with_the_fix():
+    fs = _fs(BASE | {"/tmp/tmpab12": 0o700, "/tmp/tmpab12/clone": 0o700})
+    with pytest.raises(UsageError, match=r"/tmp/tmpab12/clone \(mode 0700\).*cannot read it; fix: `chmod o\+rx "
+                                         r"/tmp/tmpab12/clone`"):
+        plan_reach(["/tmp/tmpab12/clone"], fs, uid=2000, gid=2000)
+    inner = _fs(BASE | {"/work": 0o755, "/work/repo": 0o755, "/work/repo/.venv": 0o700, "/work/repo/.venv/bin": 0o755})
+    with pytest.raises(UsageError, match=r"/work/repo/.venv \(mode 0700\).*cannot enter it; fix: `chmod o\+x"):
+        plan_reach(["/work/repo", "/work/repo/.venv/bin"], inner, uid=2000, gid=2000)
+
+
+def test_an_unreachable_folder_above_the_labs_own_directory_is_refused():
+    fs = _fs(BASE | {"/run": 0o700})
+    with pytest.raises(UsageError, match=r"/run \(mode 0700\).*lab's own directory lies below it.*chmod o\+x /run"):
+        plan_reach(["/run/dscluster-sim/x/shared"], fs, uid=2000, gid=2000, keep_clear=("/run/dscluster-sim",))
+
+
+def test_ancestors_run_from_the_root_down():
+    assert ancestors("/a/b/c") == ["/", "/a", "/a/b"] and ancestors("/a") == ["/"]
