@@ -10,6 +10,7 @@ the GPU is slower than the host that queues its work (a slow rank is injected: i
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import statistics
@@ -79,8 +80,6 @@ def test_reported_throughput_is_images_over_wall_clock_with_a_slow_gpu(tmp_path)
     job = readme_command(tmp_path, "slow-gpu", fault=f"slow_gpu:rank={RANKS - 1},ms={SLOW_MS}")
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-4000:]
     run = tmp_path / "runs" / "slow-gpu"
-    import json
-
     summary = json.loads((run / "summary.json").read_text())
     steps = [r for r in records(run, 0) if r["kind"] == "step"]
     # log_every=1: each record is written after the read-back that waits for its step, so its
@@ -88,7 +87,9 @@ def test_reported_throughput_is_images_over_wall_clock_with_a_slow_gpu(tmp_path)
     first, last = steps[WARMUP_STEPS - 1], steps[-1]
     wall_ips = summary["global_batch"] * (last["step"] - first["step"]) / (last["t"] - first["t"])
     assert summary["images_per_s"] == pytest.approx(wall_ips, rel=0.05), (summary, wall_ips)
-    # Every rank waits for the slow GPU in the all-reduce: every rank's step takes at least that long.
+    # Every rank waits for the slow GPU in the all-reduce, so every rank's step holds the spin. The
+    # spin is sized at idle clocks and runs shorter at boost clocks (66 ms of 80 on an H100), while
+    # the host queues a step in a few ms: half the spin tells the two apart.
     for rank in range(RANKS):
         times = [r["step_time"] for r in records(run, rank) if r["kind"] == "step"][WARMUP_STEPS:]
-        assert statistics.median(times) >= SLOW_MS / 1000, (rank, statistics.median(times))
+        assert statistics.median(times) >= 0.5 * SLOW_MS / 1000, (rank, statistics.median(times))
