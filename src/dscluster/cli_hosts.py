@@ -16,9 +16,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     hs = p.add_subparsers(dest="hosts_command", metavar="COMMAND", required=True)
     c = hs.add_parser(
         "check",
-        help="validate a hostfile (OpenMPI syntax)",
-        description="Validate an OpenMPI hostfile: 'host slots=N [max_slots=M]', '#' comments. "
-        "Errors name FILE:LINE and exit 2.",
+        help="validate a hostfile (the syntax both mpirun and DeepSpeed's launcher accept)",
+        description="Validate a hostfile: 'host slots=N [max_slots=M]' per line, '#' comments. "
+        "slots=N is required right after the host (DeepSpeed's launcher refuses a bare host line "
+        "that OpenMPI would take). Errors name FILE:LINE and the fix, and exit 2.",
         epilog="example: dscluster hosts check hosts.txt --json",
     )
     c.add_argument("hostfile")

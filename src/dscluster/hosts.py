@@ -1,11 +1,17 @@
-"""The hostfile: the one file passed to `mpirun --hostfile`, so it stays OpenMPI syntax.
+"""The hostfile: passed to `mpirun --hostfile` and to DeepSpeed's launcher, so it is the
+syntax both accept.
 
     # comment
     node1 slots=2
     node2 slots=2 max_slots=4
-    node3                 # a bare host is one slot
 
-Every rejection names FILE:LINE and the reason; `parse_hostfile` raises UsageError (exit 2).
+OpenMPI would also take a bare `node3` (one slot) or `node3 max_slots=4 slots=2`, but
+DeepSpeed's launcher (`runner._parse_hostfile`) matches every line against
+`^(\\S+)\\s+slots=(\\d+)` and refuses the others as a bad entry. The stricter rule wins:
+`slots=N` comes right after the host name; OpenMPI's max_slots=M may follow it (DeepSpeed
+ignores the rest of the line).
+
+Every rejection names FILE:LINE, the reason and the fix; `parse_hostfile` raises UsageError (exit 2).
 """
 
 from __future__ import annotations
@@ -78,6 +84,21 @@ def _positive_int(text: str, where: str, key: str) -> int:
     return value
 
 
+def _deepspeed_order_problem(tokens: list[str]) -> str:
+    """Why DeepSpeed's launcher would refuse a line that lacks `slots=N` right after the host,
+    and the line that both launchers take."""
+    name, keys = tokens[0], tokens[1:]
+    slots = next((t for t in keys if t.startswith("slots=")), "slots=1")
+    fixed = " ".join([name, slots, *(t for t in keys if t != slots)])
+    if not keys:
+        what = f"host {name!r} has no slots=N (OpenMPI reads one slot, DeepSpeed's launcher refuses the line)"
+    elif slots not in keys:
+        what = f"host {name!r} has no slots=N (DeepSpeed's launcher refuses the line)"
+    else:
+        what = "slots=N must come right after the host name (DeepSpeed's launcher refuses the line)"
+    return f"{what}; write '{fixed}'"
+
+
 def parse_hostfile_text(text: str, path: str = "<hostfile>") -> Hostfile:
     hosts: list[Host] = []
     seen: dict[str, int] = {}
@@ -117,8 +138,8 @@ def parse_hostfile_text(text: str, path: str = "<hostfile>") -> Hostfile:
                 if max_slots is not None:
                     raise UsageError(f"{where}: max_slots given twice (keep one max_slots=N on the line)")
                 max_slots = _positive_int(v, where, "max_slots")
-        if slots is None:
-            slots = 1
+        if slots is None or not tokens[1].startswith("slots="):
+            raise UsageError(f"{where}: {_deepspeed_order_problem(tokens)}")
         if max_slots is not None and max_slots < slots:
             raise UsageError(f"{where}: max_slots={max_slots} is below slots={slots} (raise max_slots or lower slots)")
         seen[key] = lineno

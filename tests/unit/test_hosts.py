@@ -10,9 +10,9 @@ from dscluster.errors import UsageError
 from dscluster.hosts import parse_hostfile, parse_hostfile_text
 
 
-def test_valid_hostfile_with_comments_blank_lines_and_bare_hosts():
+def test_valid_hostfile_with_comments_blank_lines_and_addresses():
     hf = parse_hostfile_text(
-        "# lab\n\nnode1 slots=2   # the 3070\nnode2 slots=1 max_slots=4\n10.0.0.7\n", "hosts.txt"
+        "# lab\n\nnode1 slots=2   # the 3070\nnode2 slots=1 max_slots=4\n10.0.0.7\tslots=1\n", "hosts.txt"
     )
     assert hf.names == ["node1", "node2", "10.0.0.7"]
     assert [h.slots for h in hf.hosts] == [2, 1, 1]
@@ -24,8 +24,8 @@ def test_valid_hostfile_with_comments_blank_lines_and_bare_hosts():
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("node1\nnode2\nnode1 slots=2\n", "hosts.txt:3: duplicate host 'node1' (first on line 1)"),
-        ("node1\nNODE1\n", "hosts.txt:2: duplicate host 'NODE1'"),
+        ("node1 slots=1\nnode2 slots=1\nnode1 slots=2\n", "hosts.txt:3: duplicate host 'node1' (first on line 1)"),
+        ("node1 slots=1\nNODE1 slots=1\n", "hosts.txt:2: duplicate host 'NODE1'"),
         ("node1 slots=0\n", "hosts.txt:1: slots must be at least 1"),
         ("node1 slots=-2\n", "hosts.txt:1: slots='-2' is not a whole number"),
         ("node1 slots=two\n", "hosts.txt:1: slots='two' is not a whole number"),
@@ -48,6 +48,45 @@ def test_rejections_name_file_and_line(text, message):
     assert message in str(e.value)
 
 
+def deepspeed_parse(text):
+    """DeepSpeed's own hostfile parser (the launcher's), or None when DeepSpeed is not installed."""
+    runner = pytest.importorskip("deepspeed.launcher.runner")
+    return runner._parse_hostfile(text.splitlines())
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("node1 slots=2\nnode3\n",
+         "hosts.txt:2: host 'node3' has no slots=N (OpenMPI reads one slot, DeepSpeed's launcher refuses "
+         "the line); write 'node3 slots=1'"),
+        ("node3   # the old box\n", "hosts.txt:1: host 'node3' has no slots=N"),
+        ("node2 max_slots=4 slots=2\n",
+         "hosts.txt:1: slots=N must come right after the host name (DeepSpeed's launcher refuses the line); "
+         "write 'node2 slots=2 max_slots=4'"),
+        ("node2 max_slots=4\n",
+         "hosts.txt:1: host 'node2' has no slots=N (DeepSpeed's launcher refuses the line); "
+         "write 'node2 slots=1 max_slots=4'"),
+    ],
+)
+def test_lines_deepspeeds_launcher_refuses_are_refused_with_the_fix(text, message, tmp_path, capsys):
+    with pytest.raises(UsageError) as e:
+        parse_hostfile_text(text, "hosts.txt")
+    assert message in str(e.value)
+    with pytest.raises(ValueError, match="bad entry"):
+        deepspeed_parse(text)
+    path = tmp_path / "hosts.txt"
+    path.write_text(text)
+    assert main(["hosts", "check", str(path)]) == 2
+    assert f"{path}:" in capsys.readouterr().err
+
+
+def test_accepted_lines_are_what_deepspeeds_launcher_reads():
+    text = "# lab\nnode1 slots=2   # the 3070\nnode2 slots=1 max_slots=4\n10.0.0.7\tslots=3\n"
+    hf = parse_hostfile_text(text, "hosts.txt")
+    assert dict(deepspeed_parse(text)) == {h.name: h.slots for h in hf.hosts}
+
+
 def test_missing_and_unreadable_files(tmp_path):
     with pytest.raises(UsageError, match="no such hostfile"):
         parse_hostfile(tmp_path / "nope.txt")
@@ -59,7 +98,7 @@ def test_missing_and_unreadable_files(tmp_path):
         parse_hostfile(binary)
     if os.geteuid() != 0:  # root reads anything
         locked = tmp_path / "locked.txt"
-        locked.write_text("node1\n")
+        locked.write_text("node1 slots=1\n")
         locked.chmod(0)
         with pytest.raises(UsageError, match="permission denied"):
             parse_hostfile(locked)
@@ -67,7 +106,7 @@ def test_missing_and_unreadable_files(tmp_path):
 
 def test_cli_check_prints_hosts_and_exit_codes(tmp_path, capsys):
     good = tmp_path / "hosts.txt"
-    good.write_text("node1 slots=2\nnode2\n")
+    good.write_text("node1 slots=2\nnode2 slots=1\n")
     assert main(["hosts", "check", str(good), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["total_slots"] == 3
@@ -78,7 +117,7 @@ def test_cli_check_prints_hosts_and_exit_codes(tmp_path, capsys):
     assert "node2" in out and "3 slots" in out
 
     bad = tmp_path / "bad.txt"
-    bad.write_text("node1\nnode1\n")
+    bad.write_text("node1 slots=1\nnode1 slots=1\n")
     assert main(["hosts", "check", str(bad)]) == 2
     assert f"{bad}:2: duplicate host 'node1'" in capsys.readouterr().err
 
