@@ -20,7 +20,7 @@ from pathlib import Path
 
 from dscluster import launch as builders
 from dscluster import state
-from dscluster.errors import JobFailed, UsageError
+from dscluster.errors import UsageError
 from dscluster.fsutil import atomic_write_text
 from dscluster.hosts import parse_hostfile
 from dscluster.runinfo import resolve_run_id, runs_root
@@ -205,7 +205,7 @@ def launch_command(args: argparse.Namespace) -> int:
 
 def _run_local(args: argparse.Namespace, report: dict, argv: list[str], plan: builders.LaunchPlan,
                env_extra: dict[str, str]) -> int:
-    from dscluster.launch_exec import launcher_env, run_streaming
+    from dscluster.launch_exec import job_exit_code, launcher_env, run_streaming
 
     report["argv"] = argv
     report["env"] = env_extra
@@ -224,7 +224,12 @@ def _run_local(args: argparse.Namespace, report: dict, argv: list[str], plan: bu
     print(f"+ {prefix}{line}", file=sys.stderr, flush=True)
     rc = run_streaming(argv, env=launcher_env(plan.bin_dir, env_extra))
     if rc != 0:
-        raise JobFailed(f"{args.launcher} exited {rc}; per-rank logs and metrics are in {report['run_dir']}")
+        # The job's own code, not a blanket 1: a wrapper script or CI can tell failures apart.
+        code = job_exit_code(rc)
+        how = f"was killed by signal {-rc}" if rc < 0 else f"exited {rc}"
+        print(f"dscluster launch: {args.launcher} {how}; per-rank logs and metrics are in {report['run_dir']}",
+              file=sys.stderr)
+        return code
     print(f"dscluster launch: done; run directory {report['run_dir']}", file=sys.stderr)
     return 0
 
@@ -239,7 +244,7 @@ def _run_torchrun(args: argparse.Namespace, report: dict, plan: builders.LaunchP
             for c in commands:
                 print(f"ssh {shlex.quote(c.host)} {shlex.quote(c.shell)}")
         return 0
-    from dscluster.launch_exec import run_over_ssh
+    from dscluster.launch_exec import nodes_exit_code, run_over_ssh
 
     key = Path.home() / ".ssh" / "id_ed25519"
     print(f"dscluster launch: run {report['run_id']} -> {report['run_dir']} "
@@ -250,8 +255,8 @@ def _run_torchrun(args: argparse.Namespace, report: dict, plan: builders.LaunchP
     for r in bad:
         print(f"dscluster launch: {r.host}: " + (r.error or f"torchrun exited {r.rc}"), file=sys.stderr)
     if bad:
-        raise JobFailed(f"torchrun failed on {', '.join(r.host for r in bad)}")
-    return 0
+        print(f"dscluster launch: torchrun failed on {', '.join(r.host for r in bad)}", file=sys.stderr)
+    return nodes_exit_code(results)
 
 
 def _write_slurm(args: argparse.Namespace, report: dict, plan: builders.LaunchPlan, out: CheckOutput) -> int:

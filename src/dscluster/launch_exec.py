@@ -47,6 +47,12 @@ def run_streaming(argv: list[str], env: dict[str, str] | None = None, cwd: str |
                 return proc.wait()
 
 
+def job_exit_code(rc: int) -> int:
+    """What `dscluster launch` returns for a launcher's wait status, as a shell would report it:
+    the job's own code, or 128+N when signal N killed it (Popen gives -N)."""
+    return 128 - rc if rc < 0 else rc
+
+
 @dataclass
 class NodeResult:
     host: str
@@ -128,6 +134,15 @@ def run_over_ssh(commands: list[NodeCommand], *, known_hosts: Path, key_filename
         for c in clients:
             c.close()
     return [results.get(c.host, NodeResult(c.host, None, "stopped: another node failed")) for c in commands]
+
+
+def nodes_exit_code(results: list[NodeResult]) -> int:
+    """The first failed node's own exit code; 1 when a node failed without one (no connection,
+    stopped, or an SSH server that sent no status: Paramiko's -1)."""
+    for r in results:
+        if r.rc:
+            return r.rc if r.rc > 0 else 1
+    return 1 if any(r.rc is None for r in results) else 0
 
 
 def launcher_env(bin_dir: str | None, extra: dict[str, str]) -> dict[str, str]:

@@ -98,3 +98,41 @@ def test_slurm_writes_an_executable_script_and_prints_how_to_submit(lab_dir, cap
     assert "srun --kill-on-bad-exit=1 --export=ALL " in text and text.rstrip().endswith("entry_cn.sh epochs=2")
     assert "slurm-${SLURM_JOB_ID}" in text
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+
+
+def stand_in_mpirun(root, monkeypatch, body):
+    """A bin dir whose `mpirun` is a shell script: launch runs it in place of OpenMPI's."""
+    bin_dir = root / "bin"
+    bin_dir.mkdir()
+    tool = bin_dir / "mpirun"
+    tool.write_text(f"#!/bin/sh\n{body}\n")
+    tool.chmod(0o755)
+    monkeypatch.setattr("dscluster.cli_launch._bin_dir", lambda: str(bin_dir))
+    return tool
+
+
+@pytest.mark.parametrize("body, code", [("exit 0", 0), ("exit 3", 3), ("exit 1", 1), ("kill -TERM $$", 128 + 15)])
+def test_launch_returns_the_jobs_own_exit_code(lab_dir, monkeypatch, capsys, body, code):
+    write_check(lab_dir)
+    stand_in_mpirun(lab_dir, monkeypatch, body)
+    assert main(["launch", "--run-id", "r3"]) == code
+    err = capsys.readouterr().err
+    if code == 3:
+        assert "mpirun exited 3" in err and "r3" in err
+    if code == 143:
+        assert "killed by signal 15" in err
+
+
+def test_launch_bad_input_stays_2_even_with_a_launcher_at_hand(lab_dir, monkeypatch):
+    write_check(lab_dir)
+    stand_in_mpirun(lab_dir, monkeypatch, "exit 3")
+    assert main(["launch", "--np", "9"]) == 2
+
+
+def test_torchrun_exit_code_is_the_first_failed_nodes():
+    from dscluster.launch_exec import NodeResult, nodes_exit_code
+
+    assert nodes_exit_code([NodeResult("node1", 0), NodeResult("node2", 0)]) == 0
+    assert nodes_exit_code([NodeResult("node1", 0), NodeResult("node2", 3), NodeResult("node3", 5)]) == 3
+    assert nodes_exit_code([NodeResult("node1", None, "connection refused"), NodeResult("node2", 0)]) == 1
+    assert nodes_exit_code([NodeResult("node1", -1)]) == 1  # the SSH server sent no exit status
