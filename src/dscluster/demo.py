@@ -2,7 +2,9 @@
 
 As root, on a simulated three-node lab (different interface names, a decoy docker0):
     sim up -> dscluster setup -> dscluster check -> mpirun -np 3 --hostfile H entry_cn.sh
-    -> python analysis/plot.py RUN_DIR -> sim down (always)
+    -> python analysis/plot.py RUN_DIR -> dscluster diagnose RUN_DIR -> sim down (always)
+On a host with NVIDIA GPUs, the GPU lab: `--gpus 1,1,2 --link 1gbit` gives the nodes their own
+GPUs and a shaped link, and mpirun starts one rank per GPU.
 Not root, on this machine's own slots:
     dscluster check (if it can) -> mpirun -np 2 --oversubscribe entry_cn.sh -> plots
 
@@ -50,6 +52,20 @@ class Options:
     """Where the run directory ends up (default: the repository's runs/)."""
     train_args: tuple[str, ...] = ()
     """Passed to entry_cn.sh (empty: the digits preset)."""
+    gpus: tuple[int, ...] = ()
+    """GPUs per node of a GPU lab (empty: the CPU lab of NODES nodes)."""
+    link: str = "none"
+    """Shaped link rate of every node (1gbit, 10gbit, none)."""
+    env: tuple[tuple[str, str], ...] = ()
+    """NAME=VALUE set in every node (e.g. the library path of a GPU driver)."""
+
+    @property
+    def nodes(self) -> int:
+        return len(self.gpus) or NODES
+
+    @property
+    def ranks(self) -> int:
+        return sum(self.gpus) or NODES
 
     @property
     def runs(self) -> Path:
@@ -170,9 +186,8 @@ class _Stop(Exception):
 
 
 def lab_env(lab) -> dict[str, str]:
-    """What a login on a node gives the lab user; used to stream commands run inside node1."""
-    return {"HOME": f"/home/{lab.user}", "USER": lab.user, "LOGNAME": lab.user, "SHELL": "/bin/bash",
-            "LANG": "C.UTF-8", "PATH": "/usr/local/bin:/usr/bin:/bin"}
+    """What a login on node1 gives the lab user (its GPUs, --env); used to stream commands run there."""
+    return lab.env(node="node1")
 
 
 def lab_demo(journey: Journey, opts: Options) -> int:
@@ -181,8 +196,10 @@ def lab_demo(journey: Journey, opts: Options) -> int:
     repo = repo_root()
     dscluster = f"{repo}/.venv/bin/dscluster"
     run_dir_local: Path | None = None
-    step = journey.start(f"sim up --nodes {NODES}")
-    lab = sim.up(nodes=NODES, slots=1, lab=opts.lab)
+    what = f"--gpus {','.join(map(str, opts.gpus))}" if opts.gpus else f"--nodes {NODES}"
+    step = journey.start(f"sim up {what} --link {opts.link}")
+    lab = sim.up(nodes=None if opts.gpus else NODES, slots=None if opts.gpus else 1, lab=opts.lab,
+                 gpus=list(opts.gpus) or None, link=opts.link, env=dict(opts.env))
     journey.done(step, "ok", ", ".join(f"{n.name}={n.ip} ({n.iface})" for n in lab.nodes))
     try:
         work = lab.shared / "work"
@@ -215,7 +232,7 @@ def lab_demo(journey: Journey, opts: Options) -> int:
         else:
             runs = work / "runs"
             before = {p.name for p in runs.iterdir()} if runs.is_dir() else set()
-            cmd = f"{repo}/.venv/bin/mpirun -np {NODES} --hostfile {hostfile} {repo}/entry_cn.sh"
+            cmd = f"{repo}/.venv/bin/mpirun -np {opts.ranks} --hostfile {hostfile} {repo}/entry_cn.sh"
             if opts.train_args:
                 cmd += " " + shlex.join(opts.train_args)
             step = journey.start(f"{cmd}  (in node1, cwd {work})")
@@ -232,7 +249,16 @@ def lab_demo(journey: Journey, opts: Options) -> int:
         sim.down(opts.lab)
         journey.done(step, "ok")
     pictures = plot(journey, run_dir_local)
+    diagnose(journey, run_dir_local)
     return finish(journey, run_dir_local, pictures)
+
+
+def diagnose(journey: Journey, run_dir: Path | None) -> None:
+    if run_dir is None:
+        return
+    step = journey.start(f"dscluster diagnose {run_dir}")
+    rc = stream([sys.executable, "-m", "dscluster", "diagnose", str(run_dir)], timeout=300)
+    journey.done(step, "ok" if rc in (0, 1) else "failed", f"exit {rc}" + (" (found problems)" if rc == 1 else ""))
 
 
 # --- not root: this machine's own slots -------------------------------------------------------
@@ -293,13 +319,28 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog="example: make demo")
     parser.add_argument("--lab", default=LAB, help=f"simulated lab name (default {LAB})")
     parser.add_argument("--runs-dir", type=Path, help="where to put the run directory (default: runs/)")
+    parser.add_argument("--gpus", help="GPU lab: GPUs per node, e.g. 1,1,2 (root, NVIDIA GPUs)")
+    parser.add_argument("--link", default="none", help="GPU or CPU lab: shape every node's link (1gbit, 10gbit)")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="set in every node of the lab (repeatable)")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then arguments for dscluster train")
     args = parser.parse_args(argv)
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    from dscluster.errors import UsageError
+    from dscluster.sim_options import parse_gpus
+
+    try:
+        gpus = tuple(parse_gpus(args.gpus)) if args.gpus else ()
+    except UsageError as e:
+        parser.error(str(e))
+    env = tuple(tuple(e.split("=", 1)) for e in args.env if "=" in e)
+    if len(env) != len(args.env):
+        parser.error("--env takes NAME=VALUE")
     opts = Options(lab=args.lab, runs_dir=args.runs_dir.absolute() if args.runs_dir else None,
-                   train_args=tuple(train_args))
+                   train_args=tuple(train_args), gpus=gpus, link=args.link, env=env)
     if os.geteuid() == 0 and available("dscluster.sim"):
-        journey = Journey(mode=f"simulated {NODES}-node lab, as root")
+        journey = Journey(mode=f"simulated {opts.nodes}-node lab" + (f" with GPUs {','.join(map(str, opts.gpus))}"
+                          if opts.gpus else "") + (f", {opts.link} links" if opts.link != "none" else "") + ", as root")
         console.out.print(f"dscluster demo: {journey.mode}")
         return lab_demo(journey, opts)
     why = "not root" if os.geteuid() != 0 else "the simulated lab is not available yet"
