@@ -106,6 +106,16 @@ def load_check_output(state_dir: Path, hostfile: Path, check: dict) -> CheckOutp
     return CheckOutput(state_dir=state_dir, check=check, cluster_env=cluster_env, deepspeed_env=ds_env)
 
 
+def cluster_has_gpus(check: dict) -> bool | None:
+    """Whether check found GPUs on the nodes it reached; None when it reached none (or the
+    check.json predates facts), so the builders fall back to a GPU per slot."""
+    facts = [n["facts"] for n in check.get("nodes") or []
+             if isinstance(n, dict) and isinstance(n.get("facts"), dict)]
+    if not facts:
+        return None
+    return any(f.get("gpus") for f in facts)
+
+
 def _check_says_failed(check: dict) -> bool:
     if check.get("ok") is False:
         return True
@@ -174,6 +184,7 @@ def build_plan(args: argparse.Namespace) -> tuple[builders.LaunchPlan, CheckOutp
         bind_to=args.bind_to,
         bin_dir=_bin_dir(),
         workdir=str(Path.cwd()),
+        gpus=cluster_has_gpus(check),
     )
     return plan, out
 

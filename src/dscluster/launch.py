@@ -60,6 +60,9 @@ class LaunchPlan:
     workdir: str | None = None
     """Where ranks start (relative train arguments resolve here); None means the repo root.
     mpirun and DeepSpeed take it from the launching shell; torchrun and Slurm are told."""
+    gpus: bool | None = None
+    """Whether the nodes have GPUs, from check's facts; None when check could not tell, and
+    then a GPU per slot is assumed (slots are usually the GPU count)."""
 
     @property
     def entry(self) -> str:
@@ -207,7 +210,11 @@ def torchrun_node_commands(plan: LaunchPlan) -> list[NodeCommand]:
 def slurm_script(plan: LaunchPlan, job_name: str = "dscluster") -> str:
     """An sbatch script that runs the same training command with srun, one task per slot.
 
-    Without DSCLUSTER_RUN_ID in the exports the run id is `slurm-<job id>`; the head's address is Slurm's first node unless the environment already names one.
+    It asks for the hostfile's nodes by name and, on GPU nodes, for as many GPUs per node as
+    the largest slots=N: Slurm hides ungranted GPUs from the job (cgroups), so without
+    --gres every rank would find no GPU.
+    Without DSCLUSTER_RUN_ID in the exports the run id is `slurm-<job id>`; the head's address
+    is Slurm's first node unless the environment already names one.
     """
     nodes = len(plan.hosts)
     slots = {s for _, s in plan.hosts}
@@ -221,6 +228,9 @@ def slurm_script(plan: LaunchPlan, job_name: str = "dscluster") -> str:
     ]
     if len(slots) == 1 and plan.np == nodes * next(iter(slots)):
         lines.append(f"#SBATCH --ntasks-per-node={next(iter(slots))}")
+    lines.append(f"#SBATCH --nodelist={','.join(host for host, _ in plan.hosts)}")
+    if plan.gpus is not False:
+        lines.append(f"#SBATCH --gres=gpu:{max(slots)}")
     lines += [
         f"#SBATCH --chdir={plan.cwd}",
         "set -euo pipefail",

@@ -137,6 +137,33 @@ def test_slurm_uneven_slots_leave_placement_to_slurm_and_keep_given_run_id():
     assert "slurm-${SLURM_JOB_ID}" not in script
 
 
+@pytest.mark.parametrize("gpus", [True, None])
+def test_slurm_script_asks_for_the_hostfiles_nodes_and_a_gpu_per_slot(gpus):
+    # None: check could not tell whether the nodes have GPUs, so slots stand for GPUs.
+    lines = launch.slurm_script(make_plan(gpus=gpus)).splitlines()
+    assert [l for l in lines if l.startswith("#SBATCH")] == [
+        "#SBATCH --job-name=dscluster",
+        "#SBATCH --nodes=3",
+        "#SBATCH --ntasks=5",
+        "#SBATCH --nodelist=node1,node2,node3",
+        "#SBATCH --gres=gpu:2",
+        "#SBATCH --chdir=/srv/lab",
+    ]
+
+
+def test_slurm_script_on_cpu_nodes_asks_for_no_gpus():
+    plan = make_plan(hosts=(("node1", 1), ("node2", 1)), np=2, gpus=False)
+    lines = launch.slurm_script(plan).splitlines()
+    assert [l for l in lines if l.startswith("#SBATCH")] == [
+        "#SBATCH --job-name=dscluster",
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --nodelist=node1,node2",
+        "#SBATCH --chdir=/srv/lab",
+    ]
+
+
 def test_every_launcher_ends_in_the_same_training_command():
     plan = make_plan()
     tail = launch.train_command(plan)

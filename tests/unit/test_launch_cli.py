@@ -23,12 +23,12 @@ def lab_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
-def write_check(root, hostfile_text=HOSTS):
+def write_check(root, hostfile_text=HOSTS, **extra):
     state = root / ".dscluster"
     (state / "env").mkdir(parents=True)
     (state / "check.json").write_text(json.dumps({
         "created": time.time(), "hostfile": str(root / "hosts.txt"),
-        "hostfile_sha256": hashlib.sha256(hostfile_text.encode()).hexdigest()}))
+        "hostfile_sha256": hashlib.sha256(hostfile_text.encode()).hexdigest(), **extra}))
     (state / "cluster.env").write_text(
         "# cluster-wide\nexport MASTER_ADDR='10.9.0.1'\nexport MASTER_PORT='29511'\n"
         "export DSCLUSTER_BTL_TCP_IF_INCLUDE='10.9.0.0/24'\nexport DSCLUSTER_PRECISION='fp32'\n")
@@ -98,6 +98,26 @@ def test_slurm_writes_an_executable_script_and_prints_how_to_submit(lab_dir, cap
     assert "srun --kill-on-bad-exit=1 --export=ALL " in text and text.rstrip().endswith("entry_cn.sh epochs=2")
     assert "slurm-${SLURM_JOB_ID}" in text
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+
+
+def _node(name, gpus):
+    return {"name": name, "reachable": True, "facts": {"hostname": name, "gpus": gpus}}
+
+
+@pytest.mark.parametrize("nodes, gres", [
+    ([_node("node1", [{"name": "RTX 3070"}] * 2), _node("node2", [{"name": "GTX 1080"}])], "#SBATCH --gres=gpu:2\n"),
+    ([_node("node1", []), _node("node2", [])], None),
+    ([], "#SBATCH --gres=gpu:2\n"),  # check reached no node: a GPU per slot
+])
+def test_slurm_script_asks_for_gpus_only_where_check_found_them(lab_dir, capsys, nodes, gres):
+    write_check(lab_dir, nodes=nodes)
+    assert main(["launch", "--launcher", "slurm", "--dry-run"]) == 0
+    script = capsys.readouterr().out
+    assert "#SBATCH --nodelist=node1,node2\n" in script
+    if gres:
+        assert gres in script
+    else:
+        assert "--gres" not in script
 
 
 def stand_in_mpirun(root, monkeypatch, body):
