@@ -9,13 +9,26 @@ import argparse
 import importlib
 import sys
 
-from dscluster import __version__
 from dscluster.errors import DsclusterError
 
 # Each module defines register(subparsers) and sets `func` on its parsers.
 COMMAND_MODULES = [
-    "hosts", "sim", "setup", "check", "launch", "train", "telemetry", "plot", "diagnose", "bench",
+    "hosts", "sim", "setup", "check", "launch", "train", "telemetry", "plot", "diagnose", "bench", "env",
 ]
+
+
+class VersionAction(argparse.Action):
+    """`--version`: the summary line of `dscluster env` (dscluster, python, torch, deepspeed),
+    read from package metadata when asked, so that building the parser stays cheap."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from dscluster.envreport import package_versions, versions_line
+
+        print(versions_line(package_versions()))
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Typical day: dscluster setup; dscluster check; "
         "mpirun -np 5 --hostfile hosts.txt ./entry_cn.sh; python analysis/plot.py runs/<id>",
     )
-    parser.add_argument("--version", action="version", version=f"dscluster {__version__}")
+    parser.add_argument("--version", action=VersionAction,
+                        help="print dscluster, python, torch and deepspeed versions and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         try:
