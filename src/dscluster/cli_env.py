@@ -21,7 +21,8 @@ meaning bumps "schema".
       "deepspeed": {"version": str|null, "accelerator": str|null,
                     "ops": {op: {"installed": bool, "compatible": bool}}|null,  # as ds_report
                     "error": str|null},
-      "mpi": {"mpirun": str|null,            # the one `dscluster launch` would start
+      "mpi": {"mpirun": str|null,            # the one `dscluster check` runs: beside this
+                                             # Python, else the checkout's venv, else PATH
               "version": str|null,           # first line of `mpirun --version`
               "error": str|null},
       "env": {NAME: str},                    # NCCL_* GLOO_* MASTER_* OMPI_* DS_* DSCLUSTER_*

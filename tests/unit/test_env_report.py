@@ -74,23 +74,23 @@ def test_state_dirs_check_json_is_read_or_reported_missing_or_unreadable(tmp_pat
     assert envreport.load_check(env)["nodes"][1]["status"] == "error"
 
 
-def test_mpirun_is_looked_up_venv_first_and_its_first_version_line_kept(tmp_path):
-    venv_bin, system_bin = tmp_path / "venv", tmp_path / "usr"
-    for d in (venv_bin, system_bin):
-        d.mkdir()
-        (d / "mpirun").write_text("#!/bin/sh\n")
-        (d / "mpirun").chmod(0o755)
+def test_mpirun_path_and_its_first_version_line(tmp_path, monkeypatch):
+    tool = tmp_path / "mpirun"
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
     seen = []
 
     def fake_run(argv, **kw):
         seen.append(argv)
         return subprocess.CompletedProcess(argv, 0, "mpirun (Open MPI) 5.0.5\n\nReport bugs to ...\n", "")
 
-    info = envreport.collect_mpi(str(venv_bin), str(system_bin), run=fake_run)
-    assert info == {"mpirun": str(venv_bin / "mpirun"), "version": "mpirun (Open MPI) 5.0.5", "error": None}
-    assert seen == [[str(venv_bin / "mpirun"), "--version"]]
-    missing = envreport.collect_mpi(None, str(tmp_path / "nowhere"), run=fake_run)
+    info = envreport.collect_mpi(str(tool), run=fake_run)
+    assert info == {"mpirun": str(tool), "version": "mpirun (Open MPI) 5.0.5", "error": None}
+    assert seen == [[str(tool), "--version"]]
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    missing = envreport.collect_mpi("mpirun", run=fake_run)
     assert missing["mpirun"] is None and "not found" in missing["error"]
+    assert envreport.collect_mpi(str(tmp_path / "gone" / "mpirun"), run=fake_run)["mpirun"] is None
 
 
 def test_nccl_version_formats():
