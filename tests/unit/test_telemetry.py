@@ -189,3 +189,20 @@ def test_a_failing_gpu_query_is_recorded_and_sampling_goes_on(tmp_path):
     samples = [r for r in _lines(tmp_path / "telemetry" / "n1.jsonl") if r["kind"] == "sample"]
     assert "GPU is lost" in samples[1]["error"] and samples[1]["gpus"] == []
     assert samples[2]["gpus"] == [{"index": 0, "util_percent": 50.0}]
+
+
+UUIDS = ["GPU-2026f024-622f", "GPU-99c3cba6-1a43", "GPU-86a0ff3c-d33b", "GPU-441e95f2-1090"]
+
+
+@pytest.mark.parametrize("cvd,expected", [
+    (None, [0, 1, 2, 3]),            # unset: the whole machine
+    ("2,3", [2, 3]),                 # a lab node that owns GPUs 2 and 3 (GPU lab, node3)
+    ("1", [1]),
+    ("GPU-86a0,GPU-2026f024-622f", [2, 0]),  # UUID prefixes, in the order given
+    ("", []),                        # CUDA_VISIBLE_DEVICES="" hides every GPU
+    ("0,7,1", [0]),                  # as in CUDA: an entry that names no GPU ends the list
+])
+def test_a_node_samples_only_the_gpus_its_processes_see(cvd, expected):
+    from dscluster.telemetry.backends import visible_indices
+
+    assert visible_indices(cvd, UUIDS) == expected

@@ -7,6 +7,7 @@ has to know which backend sampled.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -61,6 +62,28 @@ class GpuBackend(Protocol):
     def close(self) -> None: ...
 
 
+def visible_indices(cuda_visible: str | None, uuids: list[str | None]) -> list[int]:
+    """Which of the machine's GPUs (NVML order) this node's processes see, by CUDA_VISIBLE_DEVICES.
+
+    NVML and nvidia-smi list every GPU of the machine whatever CUDA_VISIBLE_DEVICES says, so two
+    lab nodes on one host (or a user who gave a node's jobs GPUs 2,3) would each sample all of
+    them. Entries are indices or UUID prefixes (GPU-..., MIG-...); as in CUDA, an entry that names
+    no GPU ends the list. Unset: every GPU. Indices are read in NVML's (PCI bus) order, which is
+    CUDA's with CUDA_DEVICE_ORDER=PCI_BUS_ID."""
+    if cuda_visible is None:
+        return list(range(len(uuids)))
+    out: list[int] = []
+    for token in (t.strip() for t in cuda_visible.split(",")):
+        if token.isdigit() and int(token) < len(uuids):
+            found = int(token)
+        else:
+            found = next((i for i, u in enumerate(uuids) if token and u and u.startswith(token)), None)
+        if found is None or found in out:
+            break
+        out.append(found)
+    return out
+
+
 def empty_gpu(index: int) -> dict[str, Any]:
     return {
         "index": index, "uuid": None, "name": None, "util_percent": None, "mem_used_mb": None,
@@ -92,8 +115,11 @@ class NvmlBackend:
 
         self._nv = pynvml
         pynvml.nvmlInit()
-        self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-        self._static = [self._static_info(i, h) for i, h in enumerate(self._handles)]
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        static = [self._static_info(i, h) for i, h in enumerate(handles)]
+        mine = visible_indices(os.environ.get("CUDA_VISIBLE_DEVICES"), [s["uuid"] for s in static])
+        self._handles = [handles[i] for i in mine]
+        self._static = [static[i] for i in mine]
         # nvmlDeviceGetPcieThroughput samples for ~20 ms per call; turning it off is the
         # knob when the sampler's own cost matters more than PCIe numbers.
         self._pcie = pcie
@@ -162,12 +188,15 @@ class GputilBackend:
 
         self._gputil = GPUtil
         # GPUtil swallows a missing or failing nvidia-smi and returns []: decide now, not mid-run.
-        if not self._gputil.getGPUs():
+        gpus = self._gputil.getGPUs()
+        if not gpus:
             raise RuntimeError("nvidia-smi reports no GPUs (or is not installed)")
+        self._mine = {gpus[i].id for i in visible_indices(os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                                         [g.uuid for g in gpus])}
 
     def sample(self) -> list[dict[str, Any]]:
         out = []
-        for gpu in self._gputil.getGPUs():
+        for gpu in (g for g in self._gputil.getGPUs() if g.id in self._mine):
             g = empty_gpu(int(gpu.id))
             g.update({
                 "uuid": gpu.uuid, "name": gpu.name,
