@@ -18,6 +18,7 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from dscluster.analysis.load import RunData  # noqa: E402
 from dscluster.analysis.stats import find_stragglers, rank_stats, summary_row  # noqa: E402
+from dscluster.train.timing import WARMUP_STEPS  # noqa: E402
 from dscluster.telemetry.backends import SLOWDOWN_REASONS  # noqa: E402
 
 DPI = 80
@@ -155,7 +156,7 @@ def plot_throughput(run: RunData, out: Path) -> Plot:
         ax_t.plot(xs, ys, color=colour, ls=ls, label=label + (" — straggler" if rank in stragglers else ""),
                   lw=2.2 if rank in stragglers else 1.3)
         plot.series[f"samples_per_s {label}"] = {"x": xs, "y": ys}
-        times = [s["step_time"] for s in steps[1:] or steps if isinstance(s.get("step_time"), (int, float))]
+        times = [s["step_time"] for s in steps[WARMUP_STEPS:] or steps if isinstance(s.get("step_time"), (int, float))]
         if times:
             box_data.append(times)
             box_labels.append(f"r{rank}\n{run.ranks[rank].host or '?'}")
@@ -172,7 +173,7 @@ def plot_throughput(run: RunData, out: Path) -> Plot:
             patch.set_facecolor(c)
             patch.set_alpha(0.6)
     ax_b.set_ylabel("step time (s)")
-    ax_b.set_title("step time per rank (first step excluded)" + (
+    ax_b.set_title(f"wall-clock step time per rank (first {WARMUP_STEPS} steps excluded)" + (
         f"; straggler: rank {', '.join(map(str, stragglers))}" if stragglers else "; no straggler"), fontsize=9)
     ax_b.grid(alpha=0.3, axis="y")
     plot.notes.append(f"stragglers: {stragglers}" if stragglers else "no straggler")

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dscluster.analysis.load import RunData
+from dscluster.train.timing import WARMUP_STEPS
 
 STRAGGLER_FACTOR = 1.15
 """A rank is a straggler when its median step time is this much above the median rank's.
@@ -36,8 +37,10 @@ class RankStat:
 
 
 def _steady(steps: list[dict]) -> list[dict]:
-    """Drop the first step (JIT, allocator and communicator warm-up) when there are others."""
-    return steps[1:] if len(steps) > 2 else steps
+    """Drop the warm-up steps (JIT, compilation, allocator, communicator set-up), which the run's
+    own images/s leaves out too (train/timing.py), when there are steps after them."""
+    rest = steps[WARMUP_STEPS:]
+    return rest if rest else steps
 
 
 def _quantile(values: list[float], q: float) -> float:
