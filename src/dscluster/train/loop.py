@@ -325,7 +325,6 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
     while not done and epoch < cfg.epochs:
         counts = dist.all_gather_ints([spe + (1 if "mismatch_steps" in my_fault else 0)], device)
         guards.check_equal_steps([c[0] for c in counts], hosts, epoch)
-        window.restart()
         step_in_epoch = start_step - 1
         for step_in_epoch, micro in enumerate(sampler.steps(epoch, start_step), start=start_step):
             global_step += 1
@@ -372,7 +371,6 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
             if save_now:
                 _save(engine, ckpt_dir, checkpoint.Position(epoch, step_in_epoch + 1, global_step), info.rank,
                       my_fault, progress, boundary)
-                window.restart()
             if done:
                 break
         flush()
