@@ -18,6 +18,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 
+from dscluster.gpus import visible_indices
 from dscluster.netif import Interface, merge_interfaces, parse_ip_addr, parse_ip_link
 
 SECTION_MARK = "@@dscluster-section"
@@ -332,6 +333,11 @@ def node_facts(name: str, text: str, *, clock_offset_s: float | None = None,
         f.python = parse_python_json(sec.text)
     if sec := ok("nvidia_smi", "nvidia-smi"):
         f.gpus = parse_nvidia_smi_gpus(sec.text)
+        # nvidia-smi lists the whole machine; the node's jobs see only CUDA_VISIBLE_DEVICES
+        # (a GPU lab node, or a workstation whose user gave the cluster two of its four GPUs).
+        if f.gpus and (vis := s.get("cuda_visible")) is not None and vis.rc == 0:
+            keep = visible_indices(vis.text.strip(), [g.uuid for g in f.gpus])
+            f.gpus = [f.gpus[i] for i in keep]
     if f.gpus and (sec := s.get("nvidia_topo")) and sec.rc == 0:
         f.topology = parse_topology(sec.text)
     if sec := ok("mpirun"):

@@ -117,6 +117,7 @@ sec disk runsdf
 sec date date +%s.%N
 sec python pyfacts
 sec nvidia_smi gpuq
+sec cuda_visible printenv CUDA_VISIBLE_DEVICES
 sec nvidia_topo topo
 sec mpirun "$MPIRUN" --version
 """

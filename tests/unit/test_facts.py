@@ -110,3 +110,16 @@ def test_real_4gpu_nvlink_topology_and_gpus():
     gpus = parse_nvidia_smi_gpus((DATA / "h200-4gpu" / "query-gpu.csv").read_text())
     assert [g.name for g in gpus] == ["NVIDIA H200"] * 4
     assert len({g.uuid for g in gpus}) == 4
+
+
+def test_a_node_whose_jobs_see_one_of_two_gpus_counts_one():
+    # nvidia-smi lists the whole machine; the probe's CUDA_VISIBLE_DEVICES section narrows it, as
+    # on a GPU lab node or a workstation that gives the cluster only some of its GPUs. Without the
+    # narrowing, check told every GPU lab node "4 GPUs, slots=1: 3 GPU(s) idle".
+    text = (DATA / "h200x2-probe" / "probe.txt").read_text()
+    whole = node_facts("gpu", text)
+    uuid = whole.gpus[1].uuid
+    narrowed = node_facts("gpu", text + "@@dscluster-section cuda_visible\n1\n@@dscluster-rc cuda_visible 0\n")
+    assert [g.uuid for g in narrowed.gpus] == [uuid]
+    unset = node_facts("gpu", text + "@@dscluster-section cuda_visible\n@@dscluster-rc cuda_visible 1\n")
+    assert len(unset.gpus) == 2
