@@ -98,14 +98,16 @@ def test_sampler_equal_steps_disjoint_and_resumable():
         StepSampler(10, [8, 8], 1, 0, 0)
 
 
-@pytest.mark.parametrize("local_rank,visible,index,shares", [(0, 2, 0, False), (1, 2, 1, False), (3, 4, 3, False),
-                                                              (1, 1, 0, True), (2, 2, 0, True)])
-def test_each_local_rank_takes_its_own_visible_gpu_and_says_when_it_must_share(local_rank, visible, index, shares):
-    got, warning = dist.device_for(local_rank, visible)
-    assert got == index
-    assert (warning is not None) == shares
-    if shares:
-        assert f"only {visible} GPU" in warning and "slots=" in warning
+@pytest.mark.parametrize("local_rank,visible,index", [(0, 2, 0), (1, 2, 1), (3, 4, 3), (1, 1, 0), (2, 2, 0)])
+def test_each_local_rank_takes_its_own_visible_gpu(local_rank, visible, index):
+    assert dist.device_for(local_rank, visible) == index
+
+
+def test_ranks_that_landed_on_one_physical_gpu_are_found():
+    # Slurm's per-task binding: each rank sees one GPU, all different: nothing shared.
+    assert dist.shared_gpus(["n1/GPU-a", "n1/GPU-b", "n2/GPU-a"]) == []
+    # Two ranks on a node whose CUDA_VISIBLE_DEVICES lists one GPU: they share it.
+    assert dist.shared_gpus(["n1/GPU-a", "n1/GPU-a", "n2/GPU-c"]) == [[0, 1]]
 
 
 def test_a_rank_without_a_visible_gpu_is_told_why():

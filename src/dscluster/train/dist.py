@@ -202,18 +202,24 @@ def init_process_group(info: RankInfo, backend: str, timeout_s: float, device=No
                                rank=info.rank, world_size=info.world_size, verbose=False)
 
 
-def device_for(local_rank: int, visible: int) -> tuple[int, str | None]:
-    """The CUDA index a local rank uses among the GPUs it sees, and a warning when it must share.
+def device_for(local_rank: int, visible: int) -> int:
+    """The CUDA index a local rank uses among the GPUs it sees.
 
     Every rank of a node sees all of the node's GPUs (or the user's CUDA_VISIBLE_DEVICES), the
-    convention of torchrun and DeepSpeed's launcher: local rank r takes the r-th visible GPU."""
+    convention of torchrun and DeepSpeed's launcher: local rank r takes the r-th visible GPU. A
+    rank that sees one GPU (Slurm's --gpus-per-task) takes that one; whether two ranks then share
+    a card is only known once they compare (`shared_gpus`)."""
     if visible <= 0:
         raise UsageError("no GPU is visible to this rank (CUDA_VISIBLE_DEVICES is empty?)")
-    index = local_rank % visible
-    if local_rank >= visible:
-        return index, (f"local rank {local_rank} but only {visible} GPU{'s' if visible > 1 else ''} visible here: "
-                       f"sharing cuda:{index} (start at most {visible} ranks on this node: slots= in the hostfile)")
-    return index, None
+    return local_rank % visible
+
+
+def shared_gpus(placements: list[str]) -> list[list[int]]:
+    """Groups of ranks that ended up on the same physical GPU, from each rank's GPU UUID."""
+    by_gpu: dict[str, list[int]] = {}
+    for rank, where in enumerate(placements):
+        by_gpu.setdefault(where, []).append(rank)
+    return [ranks for ranks in by_gpu.values() if len(ranks) > 1]
 
 
 def ensure_single_process_group() -> None:

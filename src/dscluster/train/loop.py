@@ -107,16 +107,20 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
     try:
         device = torch.device("cpu")
         if has_cuda:
-            index, sharing = dist.device_for(info.local_rank, torch.cuda.device_count())
-            if sharing:
-                console.err.print(f"[yellow]warning:[/yellow] {sharing}")
-            device = torch.device("cuda", index)
+            device = torch.device("cuda", dist.device_for(info.local_rank, torch.cuda.device_count()))
             torch.cuda.set_device(device)
             has_cuda_device = True
         backend = cfg.dist.backend if cfg.dist.backend != "auto" else ("nccl" if has_cuda else "gloo")
         dist.init_process_group(info, backend, cfg.dist.timeout_s, device)
         hosts = dist.all_gather_strings(host)
         facts["hosts"] = sorted(set(hosts))
+        if has_cuda_device:
+            gpu = str(torch.cuda.get_device_properties(device).uuid)  # unique per card, across hosts too
+            for ranks in dist.shared_gpus(dist.all_gather_strings(gpu)):
+                if primary:
+                    console.err.print(f"[yellow]warning:[/yellow] ranks {', '.join(map(str, ranks))} share one GPU "
+                                      f"on {hosts[ranks[0]]}: start at most one rank per GPU (slots= in the hostfile, "
+                                      "or CUDA_VISIBLE_DEVICES listing as many GPUs as the node has ranks)")
         precision = decide_here(cfg.precision).precision
         if calibrate:
             if precision != "fp16" and not has_cuda:
