@@ -116,7 +116,8 @@ def needs_memory_fit(cfg: TrainConfig, device_type: str) -> bool:
 def _auto_micro(cfg: TrainConfig, model, splits, device, dtype, notes: list[str]) -> int | None:
     """Largest micro-batch that fits this rank's GPU (None on CPU: no memory limit to find)."""
     if device.type != "cuda":
-        notes.append("micro_batch=auto on CPU: no GPU memory to fit, using 32")
+        if cfg.global_batch is None:  # with a global batch, even_split sizes the shares and says so
+            notes.append("micro_batch=auto on CPU: no GPU memory to fit, using 32")
         return None
 
     def make(b):
