@@ -13,7 +13,7 @@ from dscluster.errors import DsclusterError
 
 # Each module defines register(subparsers) and sets `func` on its parsers.
 COMMAND_MODULES = [
-    "hosts", "sim", "setup", "check", "launch", "train", "telemetry", "plot", "diagnose", "bench", "env",
+    "hosts", "sim", "setup", "check", "launch", "train", "telemetry", "plot", "diagnose", "bench", "env", "plan",
 ]
 
 

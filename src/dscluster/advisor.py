@@ -1,0 +1,305 @@
+"""Scaling advisor: predict a data-parallel step before the run, and what would make it scale.
+
+Pure arithmetic, no torch: `dscluster plan` (cli_plan) measures the inputs, this module turns
+them into a step-time split, images/s, the speed-up over the fastest node alone, a verdict in
+plain words and the smallest change that scales. docs/advisor.md is the reference.
+
+Why a model at all: ViT-B/16 on four GPUs over 1 GbE trained at 109 img/s, while one of those
+GPUs alone trains at about 3,000. Each step waited 4.3 s for 344 MB of fp32 gradients to cross
+the links. The user should hear that before the run, with the remedy.
+
+The model, per optimizer step (dscluster's ZeRO-0 path: torch DDP all-reduces the gradients in
+buckets during the last micro-step's backward; the other accumulation micro-steps run under
+`no_sync` and communicate nothing):
+
+    compute  = grad_accum × slowest compute_s     every rank waits for the slowest (uniform batching)
+    comm     = wire_bytes × 2(N−1)/N ÷ busbw      ring all-reduce over N ranks; busbw as nccl-tests
+                                                  and `dscluster check` define it
+    backward = BACKWARD_SHARE × slowest compute_s the last micro-step's backward, the only one that
+                                                  overlaps the all-reduce
+    hidden   = min(overlap_fraction × backward, comm × (1 − last bucket's share))
+    step     = compute + comm − hidden
+
+The last bucket is the one DDP can only reduce after backward has finished, so its time is never
+hidden. ZeRO-1/2 move the same volume (reduce-scatter plus all-gather), so the estimate holds
+for them too. Not modelled: the optimizer step, data loading, the all-reduce's start-up latency
+(milliseconds against seconds on Ethernet), balanced batching.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from dscluster.errors import UsageError
+
+BACKWARD_SHARE = 2 / 3
+"""Backward is about two thirds of a forward+backward (twice the forward's matmul FLOPs)."""
+COMPRESSION_FACTOR = {"none": 1.0, "fp16": 0.5, "bf16": 0.5}
+"""Bytes on the wire per byte of fp32 gradient: fp16/bf16 compression halves them."""
+ACCUM_CHOICES = (1, 2, 4, 8, 16, 32)
+"""Gradient accumulation steps the recommendation tries, smallest first."""
+TARGET_EFFICIENCY = 0.8
+"""Scaling efficiency (img/s ÷ the nodes' summed single-node img/s) a recommendation aims for."""
+MAX_GLOBAL_BATCH = 4096
+"""Largest global batch recommended: DeiT/ViT recipes train at 1024–4096."""
+DDP_BUCKET_BYTES = 100 * 2**20
+"""torch DDP bucket_cap_mb=100 (the training config's ddp_bucket_mb default)."""
+SLOWER = "adding nodes makes training SLOWER"
+
+
+def gradient_bytes(params: int, bytes_per_grad: int = 4) -> int:
+    """What DDP all-reduces per optimizer step before any compression: fp32 gradients (amp keeps
+    fp32 weights, so the gradients are fp32 too) → 4 bytes a parameter."""
+    return params * bytes_per_grad
+
+
+def ring_allreduce_s(nbytes: float, ranks: int, busbw_GBps: float) -> float:
+    """nccl-tests: busbw = algbw × 2(N−1)/N and algbw = bytes ÷ time, so
+    time = bytes × 2(N−1)/N ÷ busbw. One rank communicates nothing."""
+    if ranks <= 1:
+        return 0.0
+    return nbytes * 2 * (ranks - 1) / ranks / (busbw_GBps * 1e9)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Node:
+    name: str
+    """Hostfile name."""
+    ranks: int = 1
+    """Ranks (GPUs) on this node: the hostfile's slots."""
+    compute_s: float
+    """Measured seconds of one forward+backward of one micro-batch on one of its ranks."""
+
+    def images_per_s(self, micro_batch: int) -> float:
+        """This node alone, its ranks' own communication left out (NVLink/PCIe is fast)."""
+        return self.ranks * micro_batch / self.compute_s
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Scenario:
+    nodes: tuple[Node, ...]
+    """Every node of the job, as the hostfile lists them."""
+    micro_batch: int
+    """Samples per rank per micro-step."""
+    grad_accum: int = 1
+    """Micro-steps per optimizer step."""
+    grad_bytes: float
+    """Gradient bytes DDP all-reduces per optimizer step, uncompressed (`gradient_bytes`)."""
+    compression: str = "none"
+    """Gradients on the wire: none (fp32), fp16 or bf16 (half the bytes)."""
+    busbw_GBps: float
+    """Measured all-reduce bus bandwidth across these nodes (`dscluster check`), GB/s."""
+    overlap_fraction: float = 1.0
+    """Share of the last backward during which the all-reduce may run; 0 = none overlaps."""
+    bucket_bytes: float = DDP_BUCKET_BYTES
+    """DDP bucket size: the last bucket is reduced after backward, never hidden."""
+
+    def __post_init__(self):
+        if not self.nodes:
+            raise UsageError("the plan needs at least one node")
+        for n in self.nodes:
+            if n.ranks < 1:
+                raise UsageError(f"node {n.name}: ranks must be at least 1, got {n.ranks}")
+            if not n.compute_s > 0:
+                raise UsageError(f"node {n.name}: compute time per micro-batch must be > 0 s, got {n.compute_s}")
+        checks = [("micro_batch", self.micro_batch >= 1), ("grad_accum", self.grad_accum >= 1),
+                  ("grad_bytes", self.grad_bytes > 0), ("busbw_GBps", self.busbw_GBps > 0),
+                  ("overlap_fraction", 0 <= self.overlap_fraction <= 1), ("bucket_bytes", self.bucket_bytes > 0)]
+        for name, good in checks:
+            if not good:
+                raise UsageError(f"{name}={getattr(self, name)!r} is out of range")
+        if self.compression not in COMPRESSION_FACTOR:
+            raise UsageError(f"compression {self.compression!r}: expected one of {', '.join(COMPRESSION_FACTOR)}")
+
+    @property
+    def world(self) -> int:
+        return sum(n.ranks for n in self.nodes)
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.grad_accum * self.world
+
+    @property
+    def wire_bytes(self) -> float:
+        return self.grad_bytes * COMPRESSION_FACTOR[self.compression]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Prediction:
+    compute_s: float
+    """grad_accum forward+backward passes of the slowest node."""
+    comm_s: float
+    """The whole all-reduce of one optimizer step."""
+    hidden_s: float
+    """Part of comm_s that runs during the last backward."""
+    exposed_s: float
+    """Part of comm_s the step waits for: comm_s − hidden_s."""
+    step_s: float
+    """compute_s + exposed_s."""
+    images_per_s: float
+    global_batch: int
+    node_images_per_s: dict[str, float]
+    """Each node alone (no communication)."""
+    fastest_node: str
+    speedup: float
+    """images_per_s ÷ the fastest node alone: below 1 the extra nodes cost time."""
+    efficiency: float
+    """images_per_s ÷ the sum of every node alone."""
+    slower: bool
+    """Several nodes and speedup < 1."""
+    verdict: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def predict(s: Scenario) -> Prediction:
+    slowest = max(n.compute_s for n in s.nodes)
+    compute = s.grad_accum * slowest
+    comm = ring_allreduce_s(s.wire_bytes, s.world, s.busbw_GBps)
+    last_share = min(1.0, s.bucket_bytes / s.grad_bytes)
+    hidden = min(s.overlap_fraction * BACKWARD_SHARE * slowest, comm * (1 - last_share))
+    step = compute + comm - hidden
+    rate = s.global_batch / step
+    alone = {n.name: n.images_per_s(s.micro_batch) for n in s.nodes}
+    fastest = max(alone, key=alone.get)
+    speedup, efficiency = rate / alone[fastest], rate / sum(alone.values())
+    slower = len(s.nodes) > 1 and speedup < 1
+    comm_share = (comm - hidden) / step
+    if len(s.nodes) == 1:
+        verdict = (f"one node: {efficiency:.0%} of its ranks' summed speed"
+                   + (f"; communication takes {comm_share:.0%} of each step" if comm_share >= 0.05 else ""))
+    elif slower:
+        verdict = (f"{SLOWER}: {s.world} ranks {rate:,.0f} img/s against {alone[fastest]:,.0f} for {fastest} "
+                   f"alone; each step waits {comm - hidden:.2f} s for the gradients against {compute:.2f} s "
+                   "of compute")
+    elif efficiency >= TARGET_EFFICIENCY:
+        verdict = f"scales well: {speedup:.1f}× {fastest} alone, {efficiency:.0%} of the nodes' summed speed"
+    else:
+        verdict = (f"faster than {fastest} alone ({speedup:.1f}×), but communication takes {comm_share:.0%} "
+                   f"of each step: {efficiency:.0%} of the nodes' summed speed")
+    return Prediction(compute_s=compute, comm_s=comm, hidden_s=hidden, exposed_s=comm - hidden, step_s=step,
+                      images_per_s=rate, global_batch=s.global_batch, node_images_per_s=alone, fastest_node=fastest,
+                      speedup=speedup, efficiency=efficiency, slower=slower, verdict=verdict)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Option:
+    """One setting the recommendation tried, and its prediction."""
+
+    grad_accum: int
+    compression: str
+    prediction: Prediction
+
+    def to_dict(self) -> dict:
+        return {"grad_accum": self.grad_accum, "compression": self.compression,
+                "global_batch": self.prediction.global_batch, "prediction": self.prediction.to_dict()}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Recommendation:
+    target_efficiency: float
+    max_global_batch: int
+    reached: bool
+    """Some option within max_global_batch reaches target_efficiency."""
+    choice: Option | None
+    """The smallest change that reaches the target, else the fastest option within the limit;
+    None when not even the current micro-batch × ranks fits the limit."""
+    without_compression: Option | None
+    """When choice compresses: the same search with fp32 gradients (compression may not be
+    available in the training yet)."""
+    needed: Option | None
+    """When nothing within the limit reaches the target: the smallest accumulation (a power of 2
+    up to 4096, fp16 compression) that would, beyond the limit; None if none does."""
+    train_alone: bool
+    """Even choice is slower than the fastest node alone: train there."""
+    summary: str
+
+    def to_dict(self) -> dict:
+        return {"target_efficiency": self.target_efficiency, "max_global_batch": self.max_global_batch,
+                "reached": self.reached, "train_alone": self.train_alone, "summary": self.summary,
+                **{k: (getattr(self, k).to_dict() if getattr(self, k) else None)
+                   for k in ("choice", "without_compression", "needed")}}
+
+
+def _options(s: Scenario, compressions: tuple[str, ...], accums, max_global_batch: int | None) -> list[Option]:
+    """Options in order of preference: the smallest global batch first (a larger one changes the
+    optimisation: learning rate, steps per epoch), then no compression before compression."""
+    out = []
+    for accum in accums:
+        for comp in compressions:
+            trial = replace(s, grad_accum=accum, compression=comp)
+            if max_global_batch is None or trial.global_batch <= max_global_batch:
+                out.append(Option(grad_accum=accum, compression=comp, prediction=predict(trial)))
+    return out
+
+
+def _first_reaching(options: list[Option], target: float) -> Option | None:
+    return next((o for o in options if o.prediction.efficiency >= target), None)
+
+
+def _best(options: list[Option]) -> Option | None:
+    # max() keeps the first of equals: the smaller batch, the uncompressed one
+    return max(options, key=lambda o: o.prediction.images_per_s) if options else None
+
+
+def recommend(s: Scenario, *, target: float = TARGET_EFFICIENCY,
+              max_global_batch: int = MAX_GLOBAL_BATCH) -> Recommendation:
+    """The smallest gradient accumulation of ACCUM_CHOICES, with or without fp16 compression, that
+    reaches `target` efficiency within `max_global_batch`; else the fastest within it."""
+    if not 0 < target <= 1:
+        raise UsageError(f"target efficiency {target} must be in (0, 1]")
+    if max_global_batch < 1:
+        raise UsageError(f"max global batch {max_global_batch} must be at least 1")
+    comps = ("none", "fp16") if s.compression == "none" else (s.compression,)
+    options = _options(s, comps, ACCUM_CHOICES, max_global_batch)
+    plain = [o for o in options if o.compression == "none"]
+    choice = _first_reaching(options, target)
+    reached = choice is not None
+    choice = choice or _best(options)
+    without = None
+    if choice is not None and choice.compression != "none":
+        without = _first_reaching(plain, target) or _best(plain)
+    needed = None
+    if not reached:
+        needed = _first_reaching(_options(s, comps[-1:], [2**k for k in range(13)], None), target)
+    train_alone = len(s.nodes) > 1 and (choice is None or choice.prediction.speedup < 1)
+    return Recommendation(target_efficiency=target, max_global_batch=max_global_batch, reached=reached,
+                          choice=choice, without_compression=without, needed=needed, train_alone=train_alone,
+                          summary=_summary(s, choice, reached, needed, train_alone, target, max_global_batch))
+
+
+def describe(o: Option) -> str:
+    comp = f" with {o.compression} gradient compression" if o.compression != "none" else ""
+    p = o.prediction
+    return (f"grad_accum {o.grad_accum} (global batch {p.global_batch:,}){comp}: {p.step_s:.2f} s/step, "
+            f"{p.images_per_s:,.0f} img/s, {p.efficiency:.0%} efficiency, {p.speedup:.1f}× {p.fastest_node} alone")
+
+
+def _summary(s, choice, reached, needed, train_alone, target, limit) -> str:
+    if choice is None:
+        return (f"micro_batch {s.micro_batch} × {s.world} ranks is already above the global batch limit "
+                f"{limit:,}: lower micro_batch")
+    if reached:
+        return f"reaches {target:.0%}: {describe(choice)}"
+    text = f"nothing within global batch {limit:,} reaches {target:.0%}; the best is {describe(choice)}"
+    if needed is not None:
+        text += f"; {target:.0%} would need {describe(needed)}"
+    if train_alone:
+        best = max(choice.prediction.node_images_per_s.items(), key=lambda kv: kv[1])
+        text += f". Train on {best[0]} alone ({best[1]:,.0f} img/s) until the network is faster"
+    return text
+
+
+def implied_busbw_GBps(s: Scenario, measured_step_s: float) -> float | None:
+    """The bus bandwidth that would explain a measured step time (the model inverted): what
+    the all-reduce really reached in training. None when compute alone explains the step."""
+    slowest = max(n.compute_s for n in s.nodes)
+    exposed = measured_step_s - s.grad_accum * slowest
+    if exposed <= 0 or s.world <= 1:
+        return None
+    # step = compute + comm − min(backward, comm × (1 − share)); on slow links backward is the smaller
+    last_share = min(1.0, s.bucket_bytes / s.grad_bytes)
+    backward = s.overlap_fraction * BACKWARD_SHARE * slowest
+    comm = exposed + backward if backward <= (exposed + backward) * (1 - last_share) else exposed / last_share
+    return ring_allreduce_s(s.wire_bytes, s.world, 1.0) / comm

@@ -1,0 +1,369 @@
+"""`dscluster plan`: predict the scaling of a training config on the hostfile's nodes, before the run.
+
+Inputs: the all-reduce bus bandwidth `dscluster check` measured (<state>/check.json; --busbw wins),
+the model's parameter count (built from the config on the meta device: no memory, no GPU), and the
+compute time of one micro-batch (--compute-s, else a few forward+backward passes measured here).
+The model and its assumptions: dscluster.advisor and docs/advisor.md.
+
+JSON schema (`dscluster plan --json`), version 1. Keys are only ever added.
+
+    {
+      "schema": 1,
+      "config": str, "model": str, "params": int,
+      "hostfile": str, "world_size": int,
+      "nodes": [{"name": str, "ranks": int, "compute_s": float, "images_per_s": float}],
+      "micro_batch": int, "grad_accum": int, "global_batch": int,
+      "grad_bytes": int,                 # fp32 gradients DDP all-reduces per optimizer step
+      "busbw_GBps": float, "busbw_source": str,          # "--busbw" or the check.json path
+      "compute": {"seconds": float,      # one forward+backward of one micro-batch, one rank
+                  "source": "--compute-s" | "measured",
+                  "device": str | null,  # what it was measured on
+                  "note": str | null},
+      "assumptions": {"backward_share": float, "overlap_fraction": float, "bucket_bytes": int},
+      "prediction": {compute_s, comm_s, hidden_s, exposed_s, step_s, images_per_s, global_batch,
+                     node_images_per_s: {node: float}, fastest_node, speedup, efficiency,
+                     slower: bool, verdict: str},
+      "recommendation": {"target_efficiency", "max_global_batch", "reached": bool,
+                         "train_alone": bool, "summary": str,
+                         "choice" | "without_compression" | "needed":
+                             {"grad_accum", "compression", "global_batch", "prediction": {...}} | null,
+                         "overrides": [str],          # key=value to paste after ./entry_cn.sh
+                         "pending": [str]},           # advice no training option implements yet
+      "notes": [str]
+    }
+Exit status: 0 the prediction was made (whatever it says), 2 bad input (config, hostfile, no
+bandwidth: run `dscluster check` or pass --busbw).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+from rich import box
+from rich.markup import escape
+from rich.table import Table
+
+from dscluster import advisor, console, state
+from dscluster.errors import UsageError
+
+SCHEMA_VERSION = 1
+COMPRESSION_KEY: str | None = None
+"""The training config key that compresses gradients on the wire, once training has one (issue 18's
+communication options). Until then the pasted overrides are the best setting without compression,
+and the compressed one is reported under "pending"."""
+CPU_PROBE_BATCH = 4
+"""On CPU the probe runs at most this many samples and scales linearly: ViT-B/16 at 128 would
+take minutes, and a CPU figure is only a stand-in for the GPUs anyway."""
+CPU_PROBE_BUDGET_S = 10.0
+"""After its first 3 timed steps the CPU probe takes more (up to 7) while this many seconds have not
+passed: a steadier median on a busy machine."""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="predict step time, img/s and speed-up on the hostfile's nodes before the run, and what scales",
+        description="Predict one optimizer step of data-parallel training (compute, all-reduce, overlap), the "
+        "images/s, the speed-up over the fastest node alone and a verdict; recommend the smallest gradient "
+        "accumulation and compression that reach 80% scaling efficiency. Needs the all-reduce bandwidth of "
+        "`dscluster check` (or --busbw). Exit 0 predicted, 2 bad input.",
+        epilog="examples:\n"
+        "  dscluster plan --config configs/vit_base.yaml\n"
+        "  dscluster plan --config configs/vit_base.yaml --busbw 0.119 --compute-s 0.043 micro_batch=128\n"
+        "  dscluster plan --config configs/vit_base.yaml --compute-s node1=0.2,node2=0.2,node3=0.45 --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", metavar="YAML", required=True, help="training preset (configs/*.yaml)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, as for `dscluster train`")
+    p.add_argument("--hostfile", default="hosts.txt", help="OpenMPI hostfile (default: hosts.txt)")
+    p.add_argument("--busbw", type=float, metavar="GBps",
+                   help="all-reduce bus bandwidth in GB/s (default: what `dscluster check` measured)")
+    p.add_argument("--compute-s", metavar="S|NODE=S,...",
+                   help="seconds of one forward+backward of one micro-batch on one rank, for every node or "
+                   "per node (default: measured here)")
+    p.add_argument("--max-global-batch", type=int, default=advisor.MAX_GLOBAL_BATCH, metavar="N",
+                   help=f"largest global batch to recommend (default: {advisor.MAX_GLOBAL_BATCH})")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (schema in the module docstring)")
+    p.set_defaults(func=plan_command)
+
+
+def busbw_from_check(path: Path) -> tuple[float, int | None]:
+    """(bus bandwidth of check's largest all-reduce, closest to DDP's 100 MB buckets; its rank count)."""
+    fix = "run `dscluster check` (without --skip-active) on this hostfile, or pass --busbw GBps"
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no all-reduce measurement yet: {fix}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"{path}: cannot read ({e}): {fix}") from None
+    result = ((doc.get("active") or {}).get("allreduce") or {}).get("result") if isinstance(doc, dict) else None
+    rows = [r for r in (result or {}).get("results") or [] if r.get("busbw_GBps", 0) > 0]
+    if not rows:
+        raise UsageError(f"{path}: holds no all-reduce result (skipped or failed): {fix}")
+    return float(max(rows, key=lambda r: r["bytes"])["busbw_GBps"]), result.get("world_size")
+
+
+def parse_compute(text: str, names: list[str]) -> dict[str, float]:
+    """`0.05` for every node, or `node1=0.05,node2=0.2` naming every hostfile node."""
+    def seconds(value: str, where: str) -> float:
+        try:
+            s = float(value)
+        except ValueError:
+            s = math.nan
+        if not (s > 0 and math.isfinite(s)):
+            raise UsageError(f"--compute-s {where}: expected seconds > 0, e.g. --compute-s 0.05")
+        return s
+
+    if "=" not in text:
+        return dict.fromkeys(names, seconds(text, repr(text)))
+    out: dict[str, float] = {}
+    for part in text.split(","):
+        name, _, value = part.strip().partition("=")
+        if name not in names:
+            raise UsageError(f"--compute-s: {name!r} is not a host of the hostfile ({', '.join(names)})")
+        out[name] = seconds(value, repr(part))
+    missing = [n for n in names if n not in out]
+    if missing:
+        raise UsageError(f"--compute-s: no time for {', '.join(missing)}; give NODE=S for every node, or one number")
+    return out
+
+
+def data_shape(cfg) -> tuple[int, int]:
+    """(in_chans, num_classes) as train/data.py builds each data set, without loading it."""
+    d = cfg.data
+    if d.dataset == "digits":
+        return 1, 10
+    if d.dataset == "cifar10":
+        return 3, 10
+    if d.dataset == "imagefolder" and d.path:
+        root = Path(d.path) / "train" if (Path(d.path) / "train").is_dir() else Path(d.path)
+        classes = [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+        if classes:
+            return 3, len(classes)
+    return 3, d.num_classes
+
+
+def batch_shape(cfg, world: int) -> tuple[int, int, str | None]:
+    """(micro_batch, grad_accum, note) the training would use on `world` ranks."""
+    g, accum = cfg.global_batch, cfg.grad_accum
+    if cfg.micro_batch != "auto":
+        micro = int(cfg.micro_batch)
+        return micro, accum or (max(1, g // (micro * world)) if g else 1), None
+    if g is None:
+        return 32, accum or 1, "micro_batch auto without global_batch: assumed 32 (pass micro_batch=N)"
+    micro = max(1, math.ceil(g / (world * (accum or 1))))
+    return micro, accum or 1, (f"micro_batch auto: assumed global_batch {g} ÷ {world} ranks = {micro} (auto-fit "
+                               "may take less on small GPUs and accumulate: pass micro_batch=N)")
+
+
+def count_params(cfg, in_chans: int, num_classes: int) -> int:
+    """On the meta device: shapes only, no memory, so ViT-B costs nothing to count."""
+    import torch
+
+    from dscluster.train.model import build_model, count_params as count
+
+    with torch.device("meta"):
+        model = build_model(cfg.model, in_chans=in_chans, num_classes=num_classes, img_size=cfg.data.img_size)
+    return count(model)
+
+
+def measure_compute(cfg, in_chans: int, num_classes: int, micro: int) -> tuple[float, str, str]:
+    """(seconds per micro-batch, device, note): forward+backward passes of the configured model on
+    this machine's first GPU (synchronised before the clock is read), else a few on CPU."""
+    import torch
+    import torch.nn.functional as F
+
+    from dscluster.train.model import build_model
+    from dscluster.train.precision import decide_here, torch_dtype
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    precision = decide_here(cfg.precision).precision if cuda else "fp32"
+    batch = micro if cuda else min(micro, CPU_PROBE_BATCH)
+    warmup, steps = (3, 10) if cuda else (2, 3)
+    amp = torch.autocast("cuda", dtype=torch_dtype(precision), enabled=cuda and precision != "fp32")
+
+    def step():
+        with amp:
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    try:  # an OOM can come from the model, the batch or the first backward
+        model = build_model(cfg.model, in_chans=in_chans, num_classes=num_classes,
+                            img_size=cfg.data.img_size).to(device)
+        x = torch.randn(batch, in_chans, cfg.data.img_size, cfg.data.img_size, device=device)
+        if cfg.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        y = torch.randint(0, num_classes, (batch,), device=device)
+        for _ in range(warmup):
+            step()
+        sync()
+        if cuda:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            sync()  # the clock stops when the GPU has finished, not when the work was queued
+            per_batch = (time.perf_counter() - t0) / steps
+        else:
+            # a shared CPU is noisy (other processes): the median of single steps, within a time budget
+            times, t_end = [], time.perf_counter() + CPU_PROBE_BUDGET_S
+            while len(times) < steps or (time.perf_counter() < t_end and len(times) < 2 * steps + 1):
+                t0 = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t0)
+            per_batch = statistics.median(times)
+            steps = len(times)
+    except torch.OutOfMemoryError:
+        raise UsageError(f"micro_batch {micro} does not fit this GPU for the measurement: pass --compute-s "
+                         "(seconds per micro-batch on your nodes) or a smaller micro_batch=N") from None
+    if cuda:
+        name = torch.cuda.get_device_name(device)
+        return per_batch, f"cuda ({name})", (f"measured here on {name}, {precision}, eager (training compiles on "
+                                             "GPUs of capability 7.0+, which is faster)")
+    scaled = per_batch * micro / batch
+    return scaled, "cpu", (f"measured on CPU (no GPU here), median of {steps} steps of {batch} scaled to {micro}: "
+                           "the plan is for CPU ranks; pass --compute-s from your GPU nodes")
+
+
+def pasteable(rec: advisor.Recommendation) -> advisor.Option | None:
+    """The recommended option the training can run today."""
+    if rec.choice is None or rec.choice.compression == "none" or COMPRESSION_KEY:
+        return rec.choice
+    return rec.without_compression
+
+
+def overrides(cfg, current_global: int, option: advisor.Option | None, micro: int) -> list[str]:
+    """key=value for `./entry_cn.sh` / `dscluster train`: all three batch keys, so the trainer's
+    check micro × accum × world = global holds whatever the preset says."""
+    out = []
+    if option is not None and option.prediction.global_batch != current_global:
+        out = [f"micro_batch={micro}", f"grad_accum={option.grad_accum}",
+               f"global_batch={option.prediction.global_batch}"]
+        if cfg.optim.lr_reference_batch is None:
+            out.append(f"optim.lr_reference_batch={current_global}")  # linear LR scaling, as DeiT's recipe
+    if option is not None and option.compression != "none" and COMPRESSION_KEY:
+        out.append(f"{COMPRESSION_KEY}={option.compression}")
+    return out
+
+
+def plan(args: argparse.Namespace) -> dict:
+    from dscluster.hosts import parse_hostfile
+    from dscluster.train.config import load_config
+
+    if args.busbw is not None and not (args.busbw > 0 and math.isfinite(args.busbw)):
+        raise UsageError(f"--busbw {args.busbw}: expected the all-reduce bus bandwidth in GB/s, > 0")
+    if args.max_global_batch < 1:
+        raise UsageError(f"--max-global-batch {args.max_global_batch}: expected at least 1")
+    cfg = load_config(args.config, args.overrides)
+    hostfile = parse_hostfile(args.hostfile)
+    names = hostfile.names
+    compute = parse_compute(args.compute_s, names) if args.compute_s is not None else None
+    # cheap inputs first: a missing bandwidth says so before any model is built or measured
+    source = "--busbw" if args.busbw is not None else str(state.check_json_path())
+    busbw, check_world = (args.busbw, None) if args.busbw is not None else busbw_from_check(state.check_json_path())
+    world = hostfile.total_slots
+    micro, accum, batch_note = batch_shape(cfg, world)
+    in_chans, num_classes = data_shape(cfg)
+    params = count_params(cfg, in_chans, num_classes)
+    if compute is None:
+        seconds, device, note = measure_compute(cfg, in_chans, num_classes, micro)
+        compute, how = dict.fromkeys(names, seconds), {"seconds": seconds, "source": "measured", "device": device,
+                                                       "note": note}
+    else:
+        how = {"seconds": max(compute.values()), "source": "--compute-s", "device": None, "note": None}
+    nodes = tuple(advisor.Node(name=h.name, ranks=h.slots, compute_s=compute[h.name]) for h in hostfile.hosts)
+    scenario = advisor.Scenario(nodes=nodes, micro_batch=micro, grad_accum=accum,
+                                grad_bytes=advisor.gradient_bytes(params), busbw_GBps=busbw,
+                                bucket_bytes=cfg.ddp_bucket_mb * 2**20)
+    prediction = advisor.predict(scenario)
+    rec = advisor.recommend(scenario, max_global_batch=args.max_global_batch)
+    today = pasteable(rec)
+    pending = [f"{o.compression} gradient compression (half the bytes on the wire) is not a training option yet: "
+               "the overrides are the best setting without it" for o in (rec.choice,) if o is not None and o is not today]
+    notes = [n for n in (batch_note, how["note"]) if n]
+    if check_world and check_world != world:
+        notes.append(f"check measured the all-reduce over {check_world} ranks, this plan has {world}: if the "
+                     f"hostfile changed, run `dscluster check --hostfile {args.hostfile}` again")
+    if cfg.zero_stage:
+        notes.append(f"zero_stage {cfg.zero_stage}: reduce-scatter + all-gather move about what ZeRO-0's "
+                     "all-reduce moves; the estimate is the same")
+    return {
+        "schema": SCHEMA_VERSION, "config": args.config, "model": cfg.model.name, "params": params,
+        "hostfile": hostfile.path, "world_size": world,
+        "nodes": [{"name": n.name, "ranks": n.ranks, "compute_s": n.compute_s,
+                   "images_per_s": n.images_per_s(micro)} for n in nodes],
+        "micro_batch": micro, "grad_accum": accum, "global_batch": scenario.global_batch,
+        "grad_bytes": int(scenario.grad_bytes), "busbw_GBps": busbw, "busbw_source": source, "compute": how,
+        "assumptions": {"backward_share": advisor.BACKWARD_SHARE, "overlap_fraction": scenario.overlap_fraction,
+                        "bucket_bytes": int(scenario.bucket_bytes)},
+        "prediction": prediction.to_dict(),
+        "recommendation": {**rec.to_dict(), "overrides": overrides(cfg, scenario.global_batch, today, micro),
+                           "pending": pending},
+        "notes": notes,
+    }
+
+
+def _row(label: str, p: dict, style: str = "") -> list[str]:
+    cells = [label, f"{p['global_batch']:,}", f"{p['compute_s']:.3f}", f"{p['comm_s']:.3f}", f"{p['hidden_s']:.3f}",
+             f"{p['step_s']:.3f}", f"{p['images_per_s']:,.0f}", f"{p['speedup']:.2f}×", f"{p['efficiency']:.0%}"]
+    return [f"[{style}]{c}[/]" if style else c for c in cells]
+
+
+def render(doc: dict) -> None:
+    out = console.out
+    p, rec = doc["prediction"], doc["recommendation"]
+    out.print(escape(f"dscluster plan: {doc['model']} ({doc['params'] / 1e6:.1f} M parameters, "
+                     f"{doc['grad_bytes'] / 1e6:.0f} MB of fp32 gradients a step) on {len(doc['nodes'])} node(s), "
+                     f"{doc['world_size']} rank(s) from {doc['hostfile']}"))
+    c = doc["compute"]
+    out.print(escape(f"inputs: all-reduce busbw {doc['busbw_GBps']:.3f} GB/s ({doc['busbw_source']}); "
+                     f"{c['seconds']:.4f} s per micro-batch of {doc['micro_batch']} "
+                     f"({c['source']}{', ' + c['device'] if c['device'] else ''})"), style="dim")
+    table = Table(title="one optimizer step, predicted (s; speed-up over the fastest node alone)",
+                  box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    # short headers: the table fits an 80-column terminal
+    for col in ("setting", "batch", "compute", "comm", "hidden", "step", "img/s", "speed-up", "eff"):
+        table.add_column(col, justify="left" if col == "setting" else "right", no_wrap=True)
+    table.add_row(*_row(f"now: accum {doc['grad_accum']}", p))
+    for key, label in (("choice", "best"), ("without_compression", "best fp32")):
+        o = rec[key]
+        if o and (o["grad_accum"], o["compression"]) != (doc["grad_accum"], "none"):
+            comp = f"+{o['compression']}" if o["compression"] != "none" else ""
+            table.add_row(*_row(f"{label}: accum {o['grad_accum']}{comp}", o["prediction"], "green"))
+    out.print(table)
+    alone = ", ".join(f"{k} {v:,.0f}" for k, v in p["node_images_per_s"].items())
+    out.print(escape(f"each node alone, img/s: {alone}"), style="dim")
+    colour = "red" if p["slower"] else ("green" if p["efficiency"] >= rec["target_efficiency"] else "yellow")
+    out.print(f"[{colour}]verdict[/]: {escape(p['verdict'])}")
+    out.print(f"recommendation: {escape(rec['summary'])}")
+    if rec["overrides"]:
+        prefix = "if you keep every node, " if rec["train_alone"] else ""
+        out.print(f"{prefix}paste after ./entry_cn.sh (or dscluster train):")
+        out.print("    " + " ".join(rec["overrides"]), markup=False)
+    elif rec["reached"]:
+        out.print("nothing to change: the config as it is reaches the target")
+    for line in rec["pending"] + doc["notes"]:
+        out.print(escape(f"note: {line}"), style="dim")
+    a = doc["assumptions"]
+    out.print(escape(f"model: all-reduce = bytes × 2(N−1)/N ÷ busbw, once per optimizer step; up to "
+                     f"{a['overlap_fraction']:.0%} of the last backward (≈{a['backward_share']:.2f} of compute) hides "
+                     f"it, never the last {a['bucket_bytes'] >> 20} MiB bucket. See docs/advisor.md."), style="dim")
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    doc = plan(args)
+    if args.json:
+        print(json.dumps(doc, indent=2, sort_keys=True))
+    else:
+        render(doc)
+    return 0

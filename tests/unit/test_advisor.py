@@ -1,0 +1,193 @@
+"""The scaling advisor's model against what the GPU lab measured (docs/gpu-lab.md, docs/advisor.md).
+
+ViT-B/16 as the lab trained it: 85.8 M parameters (10 classes), fp32 gradients (343 MB a step),
+micro-batch 128, 4 ranks on 3 nodes (1+1+2 GPUs), one GPU alone ~3,000 img/s (0.0427 s per
+micro-batch). Measured: 1 Gbit, check's busbw 0.119 GB/s, 4.4–4.6 s per step, 109 img/s; 10 Gbit,
+busbw 1.19 GB/s (2 nodes, the sim's own test), 0.776 s steady step; one NVLink host, 4× H100,
+12,066 img/s.
+"""
+
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from dscluster import advisor
+from dscluster.advisor import Node, Scenario, predict, recommend
+from dscluster.errors import UsageError
+
+VIT_B_PARAMS = 85_806_346
+H200_COMPUTE_S = 128 / 3000  # one GPU alone ~3,000 img/s at micro-batch 128
+RTX3070_COMPUTE_S = 0.2      # an 8 GB card, micro-batch 32
+
+
+def lab(busbw, compute_s=H200_COMPUTE_S, micro=128, accum=1, **kw):
+    """The GPU lab's layout: node1 and node2 one GPU each, node3 two."""
+    nodes = (Node(name="node1", compute_s=compute_s), Node(name="node2", compute_s=compute_s),
+             Node(name="node3", ranks=2, compute_s=compute_s))
+    return Scenario(nodes=nodes, micro_batch=micro, grad_accum=accum,
+                    grad_bytes=advisor.gradient_bytes(VIT_B_PARAMS), busbw_GBps=busbw, **kw)
+
+
+def test_ring_allreduce_time_follows_nccl_tests_definition():
+    # 344 MB × 2·3/4 ÷ 0.119 GB/s: the 4.3 s docs/gpu-lab.md derives for the 1 Gbit lab
+    assert advisor.ring_allreduce_s(344e6, 4, 0.119) == pytest.approx(4.336, abs=0.001)
+    assert advisor.ring_allreduce_s(344e6, 1, 0.119) == 0.0
+    assert advisor.gradient_bytes(VIT_B_PARAMS) == 343_225_384
+
+
+def test_1gbit_lab_step_time_and_throughput_match_the_measurement():
+    p = predict(lab(0.119))
+    assert 4.4 * 0.95 <= p.step_s <= 4.6  # measured 4.4–4.6 s per step
+    assert p.images_per_s == pytest.approx(116, rel=0.03)  # 512 images per step
+    assert p.images_per_s == pytest.approx(109, rel=0.10)  # the run's own img/s
+    assert p.compute_s < 0.05 and p.exposed_s > 4.2  # communication-bound
+    assert p.global_batch == 512
+
+
+def test_1gbit_lab_verdict_says_slower():
+    p = predict(lab(0.119))
+    assert p.slower and p.speedup < 0.05
+    assert p.fastest_node == "node3" and p.node_images_per_s["node3"] == pytest.approx(6000)
+    assert p.verdict.startswith("adding nodes makes training SLOWER")
+    assert "node3 alone" in p.verdict
+
+
+def test_1gbit_fast_gpus_no_setting_within_the_limit_scales_so_train_alone():
+    rec = recommend(lab(0.119))
+    assert not rec.reached
+    # the best within global batch 4096: the largest accumulation with fp16 compression
+    assert (rec.choice.grad_accum, rec.choice.compression) == (8, "fp16")
+    assert rec.choice.prediction.global_batch == 4096
+    assert rec.choice.prediction.efficiency < 0.8
+    assert rec.without_compression.compression == "none" and rec.without_compression.grad_accum == 8
+    # still slower than node3 alone: the advice is to train there
+    assert rec.train_alone
+    assert rec.needed.compression == "fp16" and rec.needed.prediction.efficiency >= 0.8
+    assert rec.needed.prediction.global_batch > 4096
+    assert "nothing within global batch 4,096 reaches 80%" in rec.summary
+    assert "Train on node3 alone" in rec.summary
+
+
+def test_1gbit_8gb_cards_recommend_accumulation_and_fp16_compression():
+    s = lab(0.119, compute_s=RTX3070_COMPUTE_S, micro=32)
+    assert predict(s).slower
+    rec = recommend(s)
+    assert rec.choice.grad_accum in (16, 32) and rec.choice.compression == "fp16"
+    assert rec.choice.prediction.speedup > 1 and not rec.train_alone
+    # 80% is out of reach within 4096 (76%): the summary says so and names the best
+    if not rec.reached:
+        assert rec.summary.startswith("nothing within global batch 4,096 reaches 80%; the best is grad_accum")
+    assert rec.choice.prediction.efficiency == pytest.approx(0.76, abs=0.02)
+
+
+def test_smallest_global_batch_wins_then_no_compression():
+    s = lab(1.19, compute_s=RTX3070_COMPUTE_S, micro=32)
+    rec = recommend(s)
+    assert rec.reached
+    assert (rec.choice.grad_accum, rec.choice.compression) == (2, "fp16")
+    assert rec.choice.prediction.efficiency >= 0.8
+    for smaller in ((1, "none"), (1, "fp16"), (2, "none")):  # nothing with a smaller batch or less change reaches
+        trial = replace(s, grad_accum=smaller[0], compression=smaller[1])
+        assert predict(trial).efficiency < 0.8
+    # what it takes without compression (not a training option yet)
+    assert (rec.without_compression.grad_accum, rec.without_compression.compression) == (8, "none")
+    assert rec.without_compression.prediction.efficiency >= 0.8
+
+
+def test_10gbit_lab_is_optimistic_but_the_verdict_holds():
+    """docs/advisor.md: with check's 1.19 GB/s the model gives 0.45 s against the 0.776 s measured
+    (no overlap assumption closes that: with none at all it is 0.48 s); the all-reduce in that run
+    reached about 0.68 GB/s. The verdict (slower than one node) is what the run showed."""
+    p = predict(lab(1.19))
+    assert p.step_s == pytest.approx(0.447, abs=0.01)
+    assert predict(lab(1.19, overlap_fraction=0.0)).step_s == pytest.approx(0.476, abs=0.01)
+    assert p.step_s < 0.776 * 0.85
+    assert p.slower  # measured 408 img/s against ~3,000 for one GPU
+    assert advisor.implied_busbw_GBps(lab(1.19), 0.776) == pytest.approx(0.68, abs=0.01)
+
+
+def test_implied_busbw_at_1gbit_matches_what_check_measured():
+    # 4.4–4.6 s per step means the training all-reduce ran at 0.112–0.118 GB/s: check's 0.119, within 6%
+    for step in (4.4, 4.6):
+        assert advisor.implied_busbw_GBps(lab(0.119), step) == pytest.approx(0.119, rel=0.06)
+    assert advisor.implied_busbw_GBps(lab(0.119), 0.01) is None  # compute alone explains it
+
+
+def test_nvlink_host_scales_and_is_not_called_slower():
+    # 4x H100, one host: check-like busbw ~338 GB/s, measured 12,066 img/s for the README command
+    s = Scenario(nodes=(Node(name="localhost", ranks=4, compute_s=128 / 3050),), micro_batch=128,
+                 grad_bytes=advisor.gradient_bytes(VIT_B_PARAMS), busbw_GBps=338)
+    p = predict(s)
+    assert p.images_per_s == pytest.approx(12066, rel=0.05)
+    assert not p.slower and p.verdict.startswith("one node")
+    rec = recommend(s)
+    assert rec.reached and rec.choice.grad_accum == 1 and rec.choice.compression == "none"
+
+
+def test_overlap_hides_at_most_the_last_backward_and_never_the_last_bucket():
+    fast = lab(338)
+    p = predict(fast)
+    last_bucket = p.comm_s * advisor.DDP_BUCKET_BYTES / fast.grad_bytes
+    assert p.exposed_s == pytest.approx(last_bucket)  # comm shorter than backward: only the last bucket shows
+    slow = predict(lab(0.119))
+    assert slow.hidden_s == pytest.approx(advisor.BACKWARD_SHARE * H200_COMPUTE_S)
+    none = predict(lab(0.119, overlap_fraction=0.0))
+    assert none.hidden_s == 0 and none.step_s == pytest.approx(none.compute_s + none.comm_s)
+    # only the last micro-step's backward overlaps: accumulation adds compute, not hiding
+    assert predict(lab(0.119, accum=8)).hidden_s == pytest.approx(slow.hidden_s)
+
+
+def test_compression_halves_the_communication():
+    a, b = predict(lab(0.119)), predict(lab(0.119, compression="fp16"))
+    assert b.comm_s == pytest.approx(a.comm_s / 2)
+
+
+def test_slowest_node_sets_the_pace():
+    s = Scenario(nodes=(Node(name="fast", compute_s=0.1), Node(name="pascal", compute_s=0.3)), micro_batch=32,
+                 grad_accum=2, grad_bytes=4e6, busbw_GBps=100)
+    p = predict(s)
+    assert p.compute_s == pytest.approx(0.6)
+    assert p.fastest_node == "fast" and p.node_images_per_s["pascal"] == pytest.approx(32 / 0.3)
+
+
+def test_one_rank_has_no_communication():
+    p = predict(Scenario(nodes=(Node(name="a", compute_s=0.1),), micro_batch=8, grad_bytes=4e8, busbw_GBps=0.1))
+    assert p.comm_s == 0 and p.speedup == pytest.approx(1) and not p.slower
+
+
+def test_no_option_when_micro_batch_times_ranks_exceeds_the_limit():
+    rec = recommend(lab(0.119), max_global_batch=256)
+    assert rec.choice is None and "lower micro_batch" in rec.summary
+
+
+@pytest.mark.parametrize("change, word", [
+    (dict(busbw=0), "busbw_GBps"), (dict(busbw=1, compute_s=0), "compute time"),
+    (dict(busbw=1, compression="int8"), "compression"), (dict(busbw=1, overlap_fraction=1.5), "overlap_fraction"),
+    (dict(busbw=1, accum=0), "grad_accum"),
+])
+def test_bad_inputs_say_which(change, word):
+    with pytest.raises(UsageError, match=word):
+        lab(**change)
+
+
+def test_bad_target_or_limit():
+    with pytest.raises(UsageError, match="target"):
+        recommend(lab(1), target=0)
+    with pytest.raises(UsageError, match="global batch"):
+        recommend(lab(1), max_global_batch=0)
+
+
+def test_to_dict_is_json_ready():
+    import json
+
+    rec = recommend(lab(0.119))
+    doc = json.loads(json.dumps({"p": predict(lab(0.119)).to_dict(), "r": rec.to_dict()}))
+    assert doc["r"]["choice"]["global_batch"] == 4096 and doc["p"]["slower"] is True
+
+
+def test_advisor_does_not_import_torch():
+    code = "import sys, dscluster.advisor; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

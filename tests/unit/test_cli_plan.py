@@ -1,0 +1,165 @@
+"""`dscluster plan`: inputs from check.json or flags, the JSON document, bad input → exit 2 with the fix."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dscluster import cli_plan
+from dscluster.cli import main
+from dscluster.errors import UsageError
+
+REPO = Path(__file__).resolve().parents[2]
+LAB = "node1 slots=1\nnode2 slots=1\nnode3 slots=2\n"  # the GPU lab: 4 ranks on 3 nodes
+
+
+@pytest.fixture
+def lab(tmp_path, monkeypatch):
+    """A hostfile like the GPU lab's and an empty state directory."""
+    monkeypatch.setenv("DSCLUSTER_STATE", str(tmp_path / "state"))
+    (tmp_path / "hosts.txt").write_text(LAB)
+    return tmp_path
+
+
+def write_check(state: Path, allreduce) -> Path:
+    state.mkdir(parents=True, exist_ok=True)
+    path = state / "check.json"
+    path.write_text(json.dumps({"schema": 1, "active": {"skipped": None, "allreduce": allreduce}}))
+    return path
+
+
+def run_plan(lab, *extra):
+    return main(["plan", "--config", str(REPO / "configs/vit_base.yaml"), "--hostfile", str(lab / "hosts.txt"),
+                 *extra])
+
+
+def test_json_for_the_digits_preset_parses(tmp_path):
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text(LAB)
+    env = {**os.environ, "DSCLUSTER_STATE": str(tmp_path / "state")}
+    p = subprocess.run([sys.executable, "-m", "dscluster", "plan", "--config", "configs/digits.yaml",
+                        "--busbw", "0.119", "--compute-s", "0.05", "--hostfile", str(hosts), "--json"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["schema"] == 1 and doc["model"] == "vit_small_image" and doc["params"] == 451_882
+    assert doc["world_size"] == 4 and doc["micro_batch"] == 16 and doc["global_batch"] == 64
+    assert doc["busbw_GBps"] == 0.119 and doc["busbw_source"] == "--busbw"
+    assert doc["compute"] == {"seconds": 0.05, "source": "--compute-s", "device": None, "note": None}
+    pred = doc["prediction"]
+    assert pred["step_s"] == pytest.approx(pred["compute_s"] + pred["exposed_s"])
+    assert set(doc["recommendation"]) >= {"choice", "overrides", "pending", "summary", "reached"}
+
+
+def test_no_busbw_and_no_check_json_names_the_fix(lab, capsys):
+    assert run_plan(lab, "--compute-s", "0.05") == 2
+    err = capsys.readouterr().err
+    assert "check.json" in err and "run `dscluster check`" in err and "--busbw" in err
+
+
+def test_check_without_allreduce_names_the_fix(lab, capsys):
+    write_check(lab / "state", None)
+    assert run_plan(lab, "--compute-s", "0.05") == 2
+    assert "without --skip-active" in capsys.readouterr().err
+
+
+def test_busbw_comes_from_checks_largest_allreduce(lab, capsys):
+    rows = [{"bytes": 1 << 20, "busbw_GBps": 0.05}, {"bytes": 256 << 20, "busbw_GBps": 0.119},
+            {"bytes": 64 << 20, "busbw_GBps": 0.118}]
+    path = write_check(lab / "state", {"ok": True, "result": {"results": rows, "peak_busbw_GBps": 0.119,
+                                                               "world_size": 4}})
+    assert run_plan(lab, "--compute-s", "0.0427", "--json") == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["busbw_GBps"] == 0.119 and doc["busbw_source"] == str(path)
+    # the 1 Gbit GPU lab: 4.3 s a step, slower than node3 alone, accumulate and compress
+    assert doc["prediction"]["step_s"] == pytest.approx(4.34, abs=0.05)
+    assert doc["prediction"]["slower"] and doc["recommendation"]["train_alone"]
+    assert doc["recommendation"]["overrides"] == ["micro_batch=128", "grad_accum=8", "global_batch=4096",
+                                                   "optim.lr_reference_batch=512"]
+    assert "fp16 gradient compression" in doc["recommendation"]["pending"][0]
+    assert not any("check measured" in n for n in doc["notes"])
+    # --busbw wins over check.json
+    assert run_plan(lab, "--compute-s", "0.0427", "--busbw", "1.19", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["busbw_GBps"] == 1.19
+
+
+def test_table_says_slower_and_what_to_paste(lab, capsys):
+    assert run_plan(lab, "--compute-s", "0.0427", "--busbw", "0.119") == 0
+    out = capsys.readouterr().out
+    assert "adding nodes makes training SLOWER" in out
+    assert "micro_batch=128 grad_accum=8 global_batch=4096" in out
+    assert "Train on node3 alone" in out
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--busbw", "0"], "--busbw"),
+    (["--busbw", "1", "--compute-s", "fast"], "--compute-s"),
+    (["--busbw", "1", "--compute-s", "node1=0.1,node2=0.1"], "no time for node3"),
+    (["--busbw", "1", "--compute-s", "node9=0.1"], "not a host of the hostfile"),
+    (["--busbw", "1", "--compute-s", "0.1", "--max-global-batch", "0"], "--max-global-batch"),
+    (["--busbw", "1", "--compute-s", "0.1", "epochs=zero"], "epochs"),
+])
+def test_bad_input_exits_2_with_the_fix(lab, capsys, flags, words):
+    assert run_plan(lab, *flags) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_per_node_compute_times_slowest_sets_the_step(lab, capsys):
+    assert run_plan(lab, "--busbw", "100", "--compute-s", "node1=0.05,node2=0.05,node3=0.2", "--json") == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["prediction"]["compute_s"] == pytest.approx(0.2)
+    assert doc["prediction"]["fastest_node"] == "node1"  # 128/0.05 beats node3's 2 × 128/0.2
+
+
+def test_batch_shape_follows_the_trainer():
+    from dscluster.train.config import load_config
+
+    cfg = load_config(REPO / "configs/vit_base.yaml")
+    assert cli_plan.batch_shape(cfg, 4)[:2] == (128, 1)  # auto: global batch 512 ÷ 4 ranks
+    cfg = load_config(REPO / "configs/vit_base.yaml", ["micro_batch=32"])
+    assert cli_plan.batch_shape(cfg, 4) == (32, 4, None)  # accumulation keeps global batch 512
+
+
+def test_busbw_from_a_broken_check_json(tmp_path):
+    path = tmp_path / "check.json"
+    path.write_text("{not json")
+    with pytest.raises(UsageError, match="run `dscluster check`"):
+        cli_plan.busbw_from_check(path)
+
+
+def test_measures_compute_on_this_machine():
+    """No GPU in unit tests: a few CPU steps of the small digits ViT, scaled and labelled as CPU."""
+    import torch
+
+    from dscluster.train.config import load_config
+
+    cfg = load_config(REPO / "configs/digits.yaml")
+    seconds, device, note = cli_plan.measure_compute(cfg, 1, 10, 8)
+    assert seconds > 0
+    if not torch.cuda.is_available():
+        assert device == "cpu" and "measured on CPU" in note and "--compute-s" in note
+
+
+def test_out_of_memory_while_measuring_names_the_fix(monkeypatch):
+    """On an H100, micro_batch=100000 ran out of memory allocating the batch: exit 2, not a traceback."""
+    import torch
+
+    from dscluster.train.config import load_config
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 56.08 GiB")
+
+    monkeypatch.setattr(torch, "randn", oom)
+    with pytest.raises(UsageError, match="does not fit this GPU.*--compute-s"):
+        cli_plan.measure_compute(load_config(REPO / "configs/digits.yaml"), 1, 10, 100000)
+
+
+def test_check_on_another_rank_count_is_noted(lab, capsys):
+    rows = [{"bytes": 256 << 20, "busbw_GBps": 1.19}]
+    write_check(lab / "state", {"ok": True, "result": {"results": rows, "world_size": 2}})
+    assert run_plan(lab, "--compute-s", "0.0427", "--json") == 0
+    notes = json.loads(capsys.readouterr().out)["notes"]
+    assert any("over 2 ranks, this plan has 4" in n and "dscluster check --hostfile" in n for n in notes)
