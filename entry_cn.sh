@@ -125,24 +125,36 @@ if [ "$LOCAL_RANK_ID" = 0 ]; then
   fi
 fi
 
-# --- training --------------------------------------------------------------------------------
+# --- training, or the user's own program --------------------------------------------------------
 if [ "$#" -eq 0 ]; then
   if [ -f configs/digits.yaml ]; then set -- --config configs/digits.yaml
   else set -- --config "$REPO/configs/digits.yaml"; fi
 fi
-# A relative --config that is not here but is in the repository (ranks start in the launch
-# directory, which may not be the repo root) means the repository's preset.
-args=()
-while [ "$#" -gt 0 ]; do
-  if [ "$1" = "--config" ] && [ "$#" -ge 2 ] && [ ! -e "$2" ] && [ "${2#/}" = "$2" ] && [ -f "$REPO/$2" ]; then
-    args+=("--config" "$REPO/$2"); shift 2; continue
-  fi
-  args+=("$1"); shift
-done
-set -- "${args[@]}"
-# Not exec: the traps above must outlive training to stop the sampler.
-dscluster train "$@" &
-TRAIN_PID=$!
+# `./entry_cn.sh python my_train.py ...` runs that program instead of `dscluster train`: the
+# first argument names a program unless it is an option (-x, --config) or a key=value override,
+# which are train's. It gets the same node env, GPUs, sampler and run directory, plus its place
+# in the job (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_*: train/dist.py's rule) and DSCLUSTER_RUN_DIR.
+if [ "${1#-}" = "$1" ] && ! [[ "$1" =~ ^[A-Za-z_][A-Za-z0-9_.]*= ]]; then
+  exports="$(python -m dscluster.userlog --exports)" || exit 2
+  eval "$exports"
+  # Not exec: the traps above must outlive the program to stop the sampler.
+  "$@" &
+  TRAIN_PID=$!
+else
+  # A relative --config that is not here but is in the repository (ranks start in the launch
+  # directory, which may not be the repo root) means the repository's preset.
+  args=()
+  while [ "$#" -gt 0 ]; do
+    if [ "$1" = "--config" ] && [ "$#" -ge 2 ] && [ ! -e "$2" ] && [ "${2#/}" = "$2" ] && [ -f "$REPO/$2" ]; then
+      args+=("--config" "$REPO/$2"); shift 2; continue
+    fi
+    args+=("$1"); shift
+  done
+  set -- "${args[@]}"
+  # Not exec: the traps above must outlive training to stop the sampler.
+  dscluster train "$@" &
+  TRAIN_PID=$!
+fi
 wait "$TRAIN_PID"
 rc=$?
 TRAIN_PID=""

@@ -246,3 +246,80 @@ def test_sigterm_stops_training_and_sampler(rig):
     sampler_pid = int([l for l in lines if l.startswith("telemetry ")][0].split()[1].split("=")[1])
     assert any(l.startswith("telemetry-stopped") for l in lines)
     assert not pid_alive(train_pid) and not pid_alive(sampler_pid)
+
+
+# --- bring your own script: `entry_cn.sh python my_train.py ...` -------------------------------
+
+FAKE_PROGRAM = r"""#!/usr/bin/env bash
+echo "program pid=$$ args=$*" >> "$FAKE_LOG"
+env | grep -E '^(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|(DSCLUSTER|NCCL|GLOO|MASTER)_[A-Z_]*)=' | sort \
+  | sed 's/^/env /' >> "$FAKE_LOG"
+exit "${FAKE_PROGRAM_RC:-0}"
+"""
+
+
+def write_program(rig) -> str:
+    prog = rig["work"] / "my_train.sh"
+    prog.write_text(FAKE_PROGRAM)
+    prog.chmod(0o755)
+    return "./my_train.sh"
+
+
+def test_a_program_runs_instead_of_train_with_its_place_in_the_job(rig):
+    write_node_env(rig, "export GLOO_SOCKET_IFNAME='enp3s0'\nexport MASTER_ADDR='10.77.1.1'\n"
+                        "export MASTER_PORT='29500'\n")
+    prog = write_program(rig)
+    out = run_entry(rig, prog, "--steps", "5", "lr=0.1", extra={**under_mpirun(local_rank=1, rank=3),
+                                                               "FAKE_PROGRAM_RC": "7"})
+    assert out.returncode == 7, out.stderr  # the program's exit code is the rank's
+    lines = log_lines(rig)
+    assert not any(l.startswith("train ") for l in lines)
+    assert [l.split(" ", 2)[2] for l in lines if l.startswith("program ")] == ["args=--steps 5 lr=0.1"]
+    seen = env_seen(rig)
+    assert (seen["RANK"], seen["LOCAL_RANK"], seen["WORLD_SIZE"], seen["LOCAL_WORLD_SIZE"]) == ("3", "1", "4", "2")
+    assert seen["GLOO_SOCKET_IFNAME"] == "enp3s0" and seen["MASTER_ADDR"] == "10.77.1.1"
+    assert seen["MASTER_PORT"] == "29500" and seen["DSCLUSTER_LAUNCHER"] == "openmpi"
+    assert seen["DSCLUSTER_RUN_ID"] == "mpi-prterun-head-4242-1"
+    assert seen["DSCLUSTER_RUN_DIR"] == str(rig["tmp"] / "runs" / "mpi-prterun-head-4242-1")
+
+
+def test_a_program_on_local_rank_0_gets_the_node_sampler_in_its_run_dir(rig):
+    write_node_env(rig, "export NCCL_SOCKET_IFNAME='eth0'\n")
+    prog = write_program(rig)
+    out = run_entry(rig, prog, extra=under_mpirun())
+    assert out.returncode == 0, out.stderr
+    started = [l for l in log_lines(rig) if l.startswith("telemetry ")]
+    assert len(started) == 1 and f"--run-dir {env_seen(rig)['DSCLUSTER_RUN_DIR']} " in started[0]
+    pid = int(started[0].split()[1].split("=")[1])
+    assert f"telemetry-stopped pid={pid}" in log_lines(rig)
+
+
+def test_options_and_overrides_first_still_mean_train(rig):
+    write_program(rig)
+    for first in ("epochs=2", "fp16.guard_window=50", "-h"):
+        out = run_entry(rig, first, "./my_train.sh")
+        assert out.returncode == 0, out.stderr
+    train = [l for l in log_lines(rig) if l.startswith("train ")]
+    assert [l.split("args=")[1] for l in train] == ["epochs=2 ./my_train.sh", "fp16.guard_window=50 ./my_train.sh",
+                                                    "-h ./my_train.sh"]
+    assert not any(l.startswith("program ") for l in log_lines(rig))
+
+
+def test_a_python_script_writes_its_metrics_beside_the_telemetry(rig):
+    """The real path: the venv's python runs a script that logs through dscluster.userlog."""
+    script = rig["work"] / "train.py"
+    script.write_text("import os, sys\nfrom dscluster import userlog\n"
+                      "os.chdir('/')  # the run directory is absolute: a script may move\n"
+                      "with userlog.open_run(micro_batch=4) as log:\n"
+                      "    for step in range(1, 4):\n"
+                      "        log.step(step, loss=1.0 / step, samples=4)\n"
+                      "print('args', sys.argv[1:])\n")
+    out = run_entry(rig, "python", "train.py", "--steps", "3")
+    assert out.returncode == 0, out.stderr
+    assert "args ['--steps', '3']" in out.stdout
+    runs = list((rig["tmp"] / "runs").iterdir())
+    assert len(runs) == 1
+    records = (runs[0] / "metrics" / "rank-0.jsonl").read_text().splitlines()
+    assert len(records) == 5  # start, 3 steps, end
+    assert (runs[0] / "summary.json").exists()
+    assert any(l.startswith("telemetry ") and f"--run-dir {runs[0]} " in l for l in log_lines(rig))

@@ -1,0 +1,77 @@
+"""Bring your own script: a plain DeepSpeed program run by entry_cn.sh under mpirun on a simulated
+2-node lab, after `dscluster setup` and `check`, gets dscluster's run directory (both ranks'
+metrics through dscluster.userlog, each node's telemetry) and `analysis/plot.py` draws it.
+
+As in test_launch_lab.py, commands run in node1 as the lab user from a working directory on the
+lab's shared disk, so the literal mpirun line needs no exported variable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dscluster.fsutil import read_jsonl
+from test_launch_lab import Cluster, explain
+
+pytestmark = pytest.mark.cluster
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = REPO / ".venv" / "bin"
+TRAIN_TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def cluster(lab_factory) -> Cluster:
+    """A 2-node lab after the user's own `dscluster setup` and `check` (no test key mesh)."""
+    lab = lab_factory("byolab", nodes=2, slots=1)
+    work = lab.shared / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    os.chown(work, lab.uid, lab.gid)
+    c = Cluster(lab=lab, work=work, hostfile=str(lab.hostfile))
+    setup = c.sh(f"DSCLUSTER_SSH_PASSWORD={shlex.quote(lab.password)} {VENV_BIN}/dscluster setup "
+                 f"--hostfile {c.hostfile} --trust-new-hosts --fix-path", timeout=300)
+    assert setup.returncode == 0, explain(setup)
+    check = c.sh(f"{VENV_BIN}/dscluster check --hostfile {c.hostfile}", timeout=300)
+    assert check.returncode == 0, explain(check)
+    return c
+
+
+def test_plain_deepspeed_script_gets_metrics_telemetry_and_plots(cluster):
+    lab = cluster.lab
+    res = cluster.sh(f"{VENV_BIN}/mpirun -np 2 --hostfile {cluster.hostfile} {REPO}/entry_cn.sh "
+                     f"python {REPO}/examples/ds_train.py --steps 5", timeout=TRAIN_TIMEOUT_S)
+    assert res.returncode == 0, explain(res)
+    runs = sorted(cluster.runs.iterdir())
+    assert len(runs) == 1, runs
+    run = runs[0]
+    assert run.name.startswith("mpi-")  # the job's one run id, as for `dscluster train`
+
+    hosts = set()
+    for rank in (0, 1):
+        records = read_jsonl(run / "metrics" / f"rank-{rank}.jsonl")
+        assert [r["kind"] for r in records] == ["start"] + ["step"] * 5 + ["end"], records
+        assert records[0]["world_size"] == 2 and records[0]["launcher"] == "openmpi"
+        assert all(r["step_time"] > 0 and r["samples_per_s"] > 0 for r in records[1:-1])
+        assert records[-1]["status"] == "complete"
+        hosts.add(records[0]["host"])
+        env = json.loads((run / "env" / f"rank-{rank}.json").read_text())
+        node = next(n for n in lab.nodes if n.hostname == env["host"])
+        assert env["GLOO_SOCKET_IFNAME"] == node.iface  # the node's own interface from check
+    assert hosts == {n.hostname for n in lab.nodes}  # one rank per node
+    assert json.loads((run / "summary.json").read_text())["status"] == "complete"
+
+    telemetry = sorted(p.stem for p in (run / "telemetry").glob("*.jsonl"))
+    assert telemetry == sorted(hosts)
+    for host in telemetry:
+        assert any(r.get("kind", "sample") == "sample" for r in read_jsonl(run / "telemetry" / f"{host}.jsonl"))
+
+    plot = subprocess.run([str(VENV_BIN / "python"), str(REPO / "analysis" / "plot.py"), str(run)],
+                          capture_output=True, text=True, timeout=300)
+    assert plot.returncode == 0, explain(plot)
+    assert (run / "plots" / "loss.png").exists() and (run / "report.html").exists()
