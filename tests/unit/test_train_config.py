@@ -154,3 +154,60 @@ def test_linear_lr_scaling_with_the_global_batch():
     assert peak_lr(load_config(None, ["optim.lr=0.002"]), 96) == pytest.approx(0.002)
     with pytest.raises(UsageError, match="override 'optim.lr_reference_batch=0'"):
         load_config(None, ["optim.lr_reference_batch=0"])
+
+
+DS_SECTION = """epochs: 3
+zero_stage: 2
+deepspeed:
+  tensorboard: {enabled: true, output_path: tb, job_name: vit}
+  zero_optimization:
+    offload_optimizer: {device: cpu, pin_memory: true}
+    reduce_bucket_size: 5000000
+  wall_clock_breakdown: true
+"""
+
+
+def test_deepspeed_section_is_merged_last_over_ours(tmp_path):
+    cfg = load_config(write(tmp_path, DS_SECTION), ["deepspeed.comms_logger.enabled=true"])
+    ds = build_ds_config(cfg, plan_batch(8, 1, None, 2), "fp32", on_gpu=True)
+    assert ds == {
+        "train_batch_size": 16, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0, "steps_per_print": 10**9, "timers": {"throughput": {"enabled": False}},
+        "zero_allow_untested_optimizer": True,
+        "wall_clock_breakdown": True,                                       # theirs replaces ours
+        "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
+                              "reduce_bucket_size": 5000000,                # theirs, beside ours
+                              "allgather_bucket_size": 200_000_000, "reduce_scatter": True,
+                              "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+        "tensorboard": {"enabled": True, "output_path": "tb", "job_name": "vit"},
+        "comms_logger": {"enabled": True},                                  # from the override
+    }
+    # the resolved config keeps the section as given, and loads again to the same config
+    assert load_config(write(tmp_path, to_yaml(cfg))) == cfg
+    assert "offload_optimizer" not in build_ds_config(load_config(None), plan_batch(8, 1, None, 2), "fp32",
+                                                      on_gpu=True)["zero_optimization"]
+
+
+@pytest.mark.parametrize("text, key, instead", [
+    ("deepspeed:\n  train_micro_batch_size_per_gpu: 4\n", "deepspeed.train_micro_batch_size_per_gpu", "micro_batch"),
+    ("deepspeed:\n  zero_optimization: {stage: 3}\n", "deepspeed.zero_optimization.stage", "zero_stage"),
+    ("deepspeed:\n  bf16: {enabled: true}\n", "deepspeed.bf16", "precision=bf16"),
+    ("deepspeed:\n  gradient_clipping: 0.5\n", "deepspeed.gradient_clipping", "optim.grad_clip"),
+])
+def test_deepspeed_section_refuses_what_dscluster_derives(tmp_path, text, key, instead):
+    p = write(tmp_path, "epochs: 3\n" + text)
+    with pytest.raises(UsageError) as e:
+        load_config(p)
+    assert str(e.value).startswith(f"{p}:2: {key} is set by dscluster from {instead}")
+
+
+def test_deepspeed_section_refuses_typos_and_non_mappings(tmp_path):
+    with pytest.raises(UsageError, match=r"c\.yaml:2: deepspeed\.tensorbaord is not a DeepSpeed config key .*tensorboard"):
+        load_config(write(tmp_path, "epochs: 3\ndeepspeed:\n  tensorbaord: {enabled: true}\n"))
+    with pytest.raises(UsageError, match=r"override 'deepspeed.wandbb.enabled=true': deepspeed\.wandbb is not"):
+        load_config(None, ["deepspeed.wandbb.enabled=true"])
+    with pytest.raises(UsageError, match=r"c\.yaml:1: deepspeed must be .*mapping"):
+        load_config(write(tmp_path, "deepspeed: [1, 2]\n"))
+    with pytest.raises(UsageError, match=r"deepspeed\.tensorboard is True, not a mapping"):
+        load_config(None, ["deepspeed.tensorboard=true", "deepspeed.tensorboard.enabled=true"])
+    assert load_config(None, ["deepspeed=null"]).deepspeed is None

@@ -10,6 +10,7 @@ what gets written into the run directory, so a run can be repeated exactly.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 import typing
@@ -20,7 +21,9 @@ from typing import Any
 import yaml
 
 from dscluster.errors import UsageError
-from dscluster.train.config_checks import SMALL_IMAGE_MODEL, ConfigValueError, check_fields, check_world, limits
+from dscluster.train.config_checks import (
+    SMALL_IMAGE_MODEL, ConfigValueError, check_deepspeed_section, check_fields, check_world, limits,
+)
 
 
 @dataclass
@@ -159,7 +162,14 @@ class TrainConfig:
     precision: str = field(default="auto", metadata={"choices": ("auto", "bf16", "fp16", "fp32")})
     """auto: DSCLUSTER_PRECISION from `dscluster check`, else what the local GPU supports, CPU fp32."""
     zero_stage: int = field(default=0, metadata={"choices": (0, 1, 2)})
-    """DeepSpeed ZeRO stage."""
+    """DeepSpeed ZeRO stage. Not 3: held-out evaluation runs on rank 0 alone, and under ZeRO-3 its
+    forward would wait for the other ranks to all-gather the partitioned parameters."""
+    deepspeed: dict[str, Any] | None = None
+    """DeepSpeed config merged last over dscluster's (mappings key by key, yours winning): monitors,
+    comms_logger, flops_profiler, zero_optimization.offload_optimizer, ... Refused, naming the key to
+    use: what dscluster derives (batch sizes, zero_optimization.stage, fp16/bf16/torch_autocast,
+    gradient_clipping) and keys DeepSpeed does not know (it would ignore a typo). One value: an
+    override deepspeed.tensorboard.enabled=true."""
     compile: str = field(default="false", metadata={"choices": ("auto", "true", "false")})
     """Compile the model through DeepSpeed's engine.compile() (torch.compile). auto: on GPUs that
     torch.compile's Triton kernels support (compute capability 7.0 and newer: not Pascal), where it
@@ -235,8 +245,14 @@ def _coerce(value: Any, tp: Any, where: str, key: str, written: str | None = Non
                 return _coerce(value, a, where, key, written)
             except UsageError as e:
                 errors.append(str(e))
-        names = " or ".join("null" if a is type(None) else getattr(a, "__name__", str(a)) for a in args)
+        names = " or ".join("null" if a is type(None) else "a mapping" if typing.get_origin(a) is dict
+                            else getattr(a, "__name__", str(a)) for a in args)
         raise UsageError(f"{where}: {key} must be {names}, got {value!r}")
+    if origin is dict:  # a free-form section (deepspeed:), checked by validate, not typed here
+        if not isinstance(value, dict):
+            raise UsageError(f"{where}: {key} must be a mapping such as {{tensorboard: {{enabled: true}}}}, "
+                             f"got {value!r}")
+        return copy.deepcopy(value)
     if origin is list:
         (inner,) = typing.get_args(tp)
         if not isinstance(value, list):
@@ -362,6 +378,8 @@ def apply_override(cfg: TrainConfig, text: str) -> str:
                 f"{where}: unknown key {key!r}; valid keys{' in ' + prefix if prefix else ''}: {', '.join(fields)}"
             )
         tp = _hints(type(obj))[part]
+        if _is_mapping(tp) and i < len(parts) - 1:
+            return _override_in_mapping(obj, parts, i, raw, where)
         if dataclasses.is_dataclass(tp):
             if i == len(parts) - 1:
                 raise UsageError(f"{where}: {key!r} is a section; set one of its keys, e.g. {key}.{next(iter(_fields(tp)))}=...")
@@ -369,12 +387,33 @@ def apply_override(cfg: TrainConfig, text: str) -> str:
             continue
         if i != len(parts) - 1:
             raise UsageError(f"{where}: {'.'.join(parts[:i + 1])!r} is not a section")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
-            value = raw
-        setattr(obj, part, _coerce(value, tp, where, key, raw.strip()))
+        setattr(obj, part, _coerce(_yaml_value(raw), tp, where, key, raw.strip()))
     return ".".join(parts)
+
+
+def _yaml_value(raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        return raw
+
+
+def _is_mapping(tp: Any) -> bool:
+    return any(typing.get_origin(a) is dict for a in (tp, *typing.get_args(tp)))
+
+
+def _override_in_mapping(obj: Any, parts: list[str], i: int, raw: str, where: str) -> str:
+    """`deepspeed.zero_optimization.offload_optimizer.device=cpu`: one value inside a mapping field,
+    making the mappings on the way. Returns the key of the top-level entry it changed."""
+    mapping = getattr(obj, parts[i]) or {}
+    inner = mapping
+    for depth in range(i + 1, len(parts) - 1):
+        inner = inner.setdefault(parts[depth], {})
+        if not isinstance(inner, dict):
+            raise UsageError(f"{where}: {'.'.join(parts[:depth + 1])} is {inner!r}, not a mapping")
+    inner[parts[-1]] = _yaml_value(raw)
+    setattr(obj, parts[i], mapping)
+    return ".".join(parts[:i + 2])
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -382,6 +421,7 @@ def validate(cfg: TrainConfig) -> None:
     (ConfigValueError). Field rules come first: the cross-field ones divide by some of them."""
     E = ConfigValueError
     check_fields(cfg)
+    check_deepspeed_section(cfg.deepspeed)
     if cfg.model.name == SMALL_IMAGE_MODEL and cfg.model.embed_dim % cfg.model.num_heads:
         raise E("model.embed_dim",
                 f"model.embed_dim={cfg.model.embed_dim} does not divide by model.num_heads={cfg.model.num_heads}",

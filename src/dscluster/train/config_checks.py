@@ -137,6 +137,66 @@ def check_fields(cfg) -> None:
                     default_of(f))
 
 
+# DeepSpeed's top-level config keys (DeepSpeed 0.19: runtime/config.py and the sections it hands
+# on). DeepSpeed ignores a key it does not know, so `tensorbaord: {enabled: true}` would log
+# nothing and say nothing: the `deepspeed:` section refuses such a key instead.
+DEEPSPEED_KEYS = frozenset((
+    "activation_checkpointing", "aio", "amp", "autotuning", "bf16", "bfloat16", "checkpoint", "comet",
+    "comms_logger", "communication_data_type", "compile", "compression_training", "csv_monitor",
+    "curriculum_learning", "data_efficiency", "data_types", "dataloader_drop_last", "datastates_ckpt",
+    "disable_allgather", "disable_python_gc", "dump_state", "eigenvalue", "elasticity", "expert_parallel",
+    "flops_profiler", "fp16", "gradient_accumulation_steps", "gradient_allreduce_op", "gradient_clipping",
+    "gradient_predivide_factor", "hybrid_engine", "log_level", "managed_gradient_accumulation",
+    "memory_breakdown", "nebula", "optimizer", "pipeline", "prescale_gradients", "progressive_layer_drop",
+    "quantize_training", "scheduler", "seq_parallel_communication_data_type", "sequence_parallel_size",
+    "sparse_attention", "steps_per_print", "tensor_parallel", "tensorboard", "timers", "torch_autocast",
+    "train_batch_size", "train_micro_batch_size_per_gpu", "wall_clock_breakdown", "wandb",
+    "weight_quantization", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "zero_optimization",
+))
+
+# What dscluster writes from its own keys, and why a second value in `deepspeed:` would break it:
+# the sampler, balanced shares and images/s follow train's batch; the precision policy (one per
+# cluster, from check) picks autocast or DeepSpeed's half optimizer; dscluster clips itself where it
+# can (no host sync), so DeepSpeed clipping too would clip twice; DDP overlap, clipping and amp
+# follow zero_stage.
+DEEPSPEED_DERIVED = {
+    ("train_batch_size",): "global_batch",
+    ("train_micro_batch_size_per_gpu",): "micro_batch",
+    ("gradient_accumulation_steps",): "grad_accum",
+    ("fp16",): "precision=fp16 and the fp16.* keys",
+    ("bf16",): "precision=bf16",
+    ("bfloat16",): "precision=bf16",
+    ("torch_autocast",): "precision and amp",
+    ("gradient_clipping",): "optim.grad_clip",
+    ("zero_optimization", "stage"): "zero_stage",
+}
+
+
+def check_deepspeed_section(section: dict | None) -> None:
+    """The `deepspeed:` mapping: only keys DeepSpeed knows, none that dscluster derives, JSON values."""
+    import json
+
+    if not section:
+        return
+    for path, instead in DEEPSPEED_DERIVED.items():
+        inner: Any = section
+        for name in path:
+            inner = inner.get(name) if isinstance(inner, dict) else None
+        if inner is not None:
+            key = "deepspeed." + ".".join(path)
+            raise ConfigValueError(key, f"{key} is set by dscluster from {instead}: set that instead",
+                                   also=("deepspeed." + path[0], "deepspeed"))
+    for name in section:
+        if name not in DEEPSPEED_KEYS:
+            close = sorted(k for k in DEEPSPEED_KEYS if k[:4] == str(name)[:4]) or ["tensorboard", "zero_optimization"]
+            raise ConfigValueError(f"deepspeed.{name}", f"deepspeed.{name} is not a DeepSpeed config key (DeepSpeed "
+                                   f"would ignore it); e.g. {', '.join(close)}", also=("deepspeed",))
+    try:
+        json.dumps(section, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ConfigValueError("deepspeed", f"deepspeed: a value DeepSpeed's JSON config cannot hold ({e})") from None
+
+
 def checkpoint_dir(cfg, run_dir: Path) -> Path:
     """Where checkpoints go: checkpoint.dir, else <run dir>/checkpoints."""
     from dscluster import runinfo

@@ -7,6 +7,7 @@ arithmetic is checked here first and explained.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 from dscluster.errors import UsageError
@@ -50,7 +51,8 @@ def plan_batch(micro: int, grad_accum: int | None, global_batch: int | None, wor
 
 def build_ds_config(cfg: TrainConfig, plan: BatchPlan, precision: str, *, on_gpu: bool,
                     initial_scale_power: int | None = None) -> dict:
-    """DeepSpeed JSON config. The optimizer is passed as a client optimizer (fused AdamW on GPU)."""
+    """DeepSpeed JSON config. The optimizer is passed as a client optimizer (fused AdamW on GPU).
+    The user's `deepspeed:` section is merged last (config_checks refused the keys built here)."""
     bucket = int(cfg.bucket_size_mb) * 1_000_000
     ds: dict = {
         "train_batch_size": plan.global_batch,
@@ -92,4 +94,16 @@ def build_ds_config(cfg: TrainConfig, plan: BatchPlan, precision: str, *, on_gpu
         ds["bf16"] = {"enabled": True}
     elif precision != "fp32":
         raise UsageError(f"unknown precision {precision!r}")
-    return ds
+    return merged(ds, cfg.deepspeed)
+
+
+def merged(ours: dict, theirs: dict | None) -> dict:
+    """`ours` with `theirs` laid over it: mappings merge key by key, any other value of theirs
+    replaces ours. Neither input is changed (the user's section is written to config.yaml as given)."""
+    out = dict(ours)
+    for key, value in (theirs or {}).items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
