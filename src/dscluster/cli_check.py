@@ -137,8 +137,11 @@ def write_outputs(run: CheckRun, master_port: int) -> dict:
         state.write_env_file(path, env, header=f"{header}\nnode {name} (hostname {hostname})")
         files["node_env"][name] = str(path)
     files["cluster_env"] = str(state.write_env_file(state.cluster_env_path(), cluster, header=header))
-    files["deepspeed_env"] = str(state.write_deepspeed_env(state.deepspeed_env_path(),
-                                                           deepspeed_env(cluster, per_node)))
+    # Merged, not overwritten: .deepspeed_env is DeepSpeed's file, and yours (state.merge_deepspeed_env).
+    ds_path, notes = state.update_deepspeed_env(state.deepspeed_env_path(), deepspeed_env(cluster, per_node))
+    files["deepspeed_env"] = str(ds_path)
+    for note in notes:
+        console.err.print(f"dscluster check: {note}", markup=False)
     files["check_json"] = str(state.check_json_path())
     atomic_write_json(state.check_json_path(), build_document(run, master_port, files))
     return files

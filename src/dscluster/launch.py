@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import re
 import shlex
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dscluster import state
 from dscluster.errors import UsageError
 
 LAUNCHERS = ("mpirun", "deepspeed", "torchrun", "slurm")
@@ -157,14 +159,46 @@ def deepspeed_argv(plan: LaunchPlan, runner: str = "openmpi") -> list[str]:
     return argv + ["--no_python", "--no_local_rank", *train_command(plan)]
 
 
-def deepspeed_env_text(plan: LaunchPlan, base: dict[str, str]) -> str:
-    """The env file handed to DeepSpeed through DS_ENV_FILE: check's .deepspeed_env + exports.
+def deepspeed_env_text(plan: LaunchPlan, base: dict[str, str], home: dict[str, str] | None = None) -> str:
+    """The per-run env file handed to DeepSpeed through DS_ENV_FILE (notes on stderr).
 
-    DeepSpeed splits each line on the first '=' with no comment or blank-line handling, so
-    the file is bare `KEY=VALUE` lines only.
+    Pointing DS_ENV_FILE at it hides ~/.deepspeed_env from DeepSpeed, so that file (`home`; None
+    reads it, the one read of a builder) is merged in here: `deepspeed_env_layers` has the order.
+    DeepSpeed splits each line on the first '=' with no comment or blank-line handling, so the
+    file is bare `KEY=VALUE` lines only.
     """
-    merged = {**base, **plan.exports}
+    if home is None:
+        home_path = state.home_deepspeed_env_path()
+        home = state.read_deepspeed_env(home_path) if home_path and home_path.is_file() else {}
+    merged, notes = deepspeed_env_layers(plan, base, home)
+    for note in notes:
+        print(f"dscluster launch: {note}", file=sys.stderr)
     return "".join(f"{key}={merged[key]}\n" for key in sorted(merged))
+
+
+def deepspeed_env_layers(plan: LaunchPlan, base: dict[str, str], home: dict[str, str]
+                         ) -> tuple[dict[str, str], list[str]]:
+    """DeepSpeed's own precedence (~/.deepspeed_env, then the cwd's file), with check's keys in the cwd
+    file (those its mark lists) under both of yours, and the run's exports over everything: every rank
+    must agree on the run id, state and hostfile. Returns the values and a note per value of yours
+    that lost or won against ours."""
+    base = dict(base)
+    checks = set(filter(None, base.pop(state.DEEPSPEED_ENV_MARK, "").split(",")))
+    merged = {k: v for k, v in base.items() if k in checks}
+    yours: dict[str, str] = {}  # key -> the file of yours its value came from
+    notes = []
+    for where, layer in (("~/.deepspeed_env", home), (".deepspeed_env", base)):
+        for key, value in layer.items():
+            if key == state.DEEPSPEED_ENV_MARK or (layer is base and key in checks):
+                continue
+            if key in checks and base[key] != value:
+                notes.append(f"kept {key}={value} from {where} (check found {base[key]})")
+            merged[key], yours[key] = value, where
+    for key, value in plan.exports.items():
+        if key in yours and merged[key] != value:
+            notes.append(f"{key}={merged[key]} from {yours[key]} is replaced by this run's {key}={value}")
+        merged[key] = value
+    return merged, notes
 
 
 # --- torchrun, one agent per node over SSH ----------------------------------------------------

@@ -10,7 +10,7 @@ Layout (`<state>` = $DSCLUSTER_STATE, else ./.dscluster relative to the working 
     <state>/env/<hostname>.env     per-node environment, sourced by entry_cn.sh
     <state>/cluster.env            the cluster-wide subset, same format
     .deepspeed_env                 KEY=VALUE lines DeepSpeed's launcher exports to every rank
-                                   (cwd, or $DS_ENV_FILE)
+                                   (cwd, or $DS_ENV_FILE); check merges its keys into yours
 """
 
 from __future__ import annotations
@@ -60,6 +60,15 @@ def deepspeed_env_path(env: Mapping[str, str] | None = None) -> Path:
     """DeepSpeed's launcher reads `.deepspeed_env` from the cwd (or $DS_ENV_FILE)."""
     env = os.environ if env is None else env
     return Path(env.get("DS_ENV_FILE") or ".deepspeed_env")
+
+
+def home_deepspeed_env_path(env: Mapping[str, str] | None = None, home: str | None = None) -> Path | None:
+    """The file DeepSpeed's launcher reads before the cwd's: ~/<DS_ENV_FILE or .deepspeed_env>
+    (runner.py joins the name to both; an absolute DS_ENV_FILE names one file, so no home file)."""
+    name = deepspeed_env_path(env)
+    if name.is_absolute():
+        return None
+    return Path(home or os.path.expanduser("~")) / name
 
 
 def _check_key(key: str) -> None:
@@ -123,6 +132,60 @@ def format_deepspeed_env(values: Mapping[str, object]) -> str:
 
 def write_deepspeed_env(path: str | os.PathLike, values: Mapping[str, object]) -> Path:
     return atomic_write_text(path, format_deepspeed_env(values))
+
+
+# DeepSpeed's launcher (0.19, runner.py) splits every line of .deepspeed_env at its first '=' with
+# no comment or blank-line handling: a `# dscluster` comment would crash it. So check marks its
+# own keys with one more KEY=VALUE line, which the next check reads to tell its keys from yours.
+DEEPSPEED_ENV_MARK = "DSCLUSTER_ENV_KEYS"
+
+
+def split_deepspeed_env(text: str) -> tuple[dict[str, str], set[str], list[str]]:
+    """(every KEY=VALUE in file order, the keys check marked as its own, lines DeepSpeed cannot read)."""
+    values: dict[str, str] = {}
+    unreadable = []
+    for raw in text.splitlines():
+        key, sep, value = raw.strip().partition("=")
+        if sep and _KEY_RE.match(key):
+            values[key] = value
+        else:
+            unreadable.append(raw)
+    ours = set(filter(None, values.pop(DEEPSPEED_ENV_MARK, "").split(",")))
+    return values, ours, unreadable
+
+
+def merge_deepspeed_env(existing: str, ours: Mapping[str, object], name: str = ".deepspeed_env"
+                        ) -> tuple[str, list[str]]:
+    """Check's keys merged into a .deepspeed_env that may hold yours: your keys first, as they were,
+    then the mark and check's keys. Where you set a key check also writes, yours is kept and a note
+    says what check found; DSCLUSTER_* keys are always check's (nobody else writes them, and a
+    file from before the mark holds stale ones). Returns (text, notes)."""
+    values, previous, unreadable = split_deepspeed_env(existing)
+    notes = [f"{name}: dropped {line.strip() or 'a blank line'!r}: DeepSpeed's launcher reads only "
+             "KEY=VALUE lines" for line in unreadable]
+    user = {k: v for k, v in values.items() if k not in previous and not k.startswith("DSCLUSTER_")}
+    mine = {k: str(v) for k, v in ours.items() if k not in user}
+    for key in sorted(set(user) & set(ours)):
+        if user[key] != str(ours[key]):
+            notes.append(f"{name}: kept your {key}={user[key]} (check found {ours[key]}; delete the line "
+                         "to take check's)")
+    text = "".join(f"{k}={v}\n" for k, v in user.items())
+    return text + format_deepspeed_env({DEEPSPEED_ENV_MARK: ",".join(sorted(mine)), **mine}), notes
+
+
+def update_deepspeed_env(path: str | os.PathLike, ours: Mapping[str, object]) -> tuple[Path, list[str]]:
+    """`check`'s writer: merge into the file instead of replacing it; the old file goes to
+    <path>.bak when a line of it had to be dropped."""
+    path = Path(path)
+    try:
+        existing = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        existing = ""
+    text, notes = merge_deepspeed_env(existing, ours, str(path))
+    if any("dropped" in n for n in notes):
+        atomic_write_text(path.with_name(path.name + ".bak"), existing)
+        notes.append(f"{path}: the previous file is {path.name}.bak")
+    return atomic_write_text(path, text), notes
 
 
 def parse_deepspeed_env_text(text: str, path: str = ".deepspeed_env") -> dict[str, str]:
