@@ -89,7 +89,7 @@ def test_deepspeed_refuses_partial_np_and_missing_master():
 
 
 def test_deepspeed_env_file_is_bare_key_value_lines_with_exports_winning():
-    text = launch.deepspeed_env_text(make_plan(), {"NCCL_P2P_DISABLE": "1", "DSCLUSTER_RUN_ID": "old"})
+    text = launch.deepspeed_env_text(make_plan(), {"NCCL_P2P_DISABLE": "1", "DSCLUSTER_RUN_ID": "old"}, home={})
     assert text == ("DSCLUSTER_RUN_ID=launch-1\nDSCLUSTER_STATE=/srv/lab/.dscluster\nNCCL_P2P_DISABLE=1\n")
 
 
