@@ -31,7 +31,7 @@ from typing import Any
 import paramiko
 
 from dscluster import bringup_files as bf
-from dscluster import remote
+from dscluster import liveness, remote
 from dscluster.remote import RemoteError, Target
 
 KEY = ".ssh/id_ed25519"
@@ -135,7 +135,7 @@ if command -v mpirun >/dev/null 2>&1; then printf 'mpirun_version=%s\n' "$(mpiru
 printf 'PATH=%s\n' "$PATH"
 """
 
-_FILES = [".ssh/authorized_keys", ".ssh/config", ".ssh/known_hosts", KEY + ".pub"]
+_FILES = [".ssh/authorized_keys", ".ssh/config", ".ssh/known_hosts", KEY + ".pub", bf.PRTE_PARAMS_FILE]
 _MODE_PATHS = ["", ".ssh", ".ssh/authorized_keys", ".ssh/config", KEY, ".ssh/known_hosts"]
 
 
@@ -265,6 +265,8 @@ def plan_files(node: NodeState, keys: list[bf.PublicKey], hosts: list[bf.HostEnt
          KNOWN_HOSTS_MODE, "pin the host keys the head verified")
     want(".ssh/config", bf.update_ssh_config(node.files.get(".ssh/config") or "", hosts, "~/.ssh/config"),
          SECRET_MODE, "managed Host block for the cluster")
+    want(bf.PRTE_PARAMS_FILE, bf.update_prte_params(node.files.get(bf.PRTE_PARAMS_FILE) or ""), 0o644,
+         f"mpirun notices a vanished node within {liveness.KEEPALIVE_DETECT_S} s")
     if opts.fix_path:
         sf = bf.startup_file(new_shell or node.login_shell)
         if sf is None:
@@ -498,7 +500,7 @@ def _find(nodes: list[NodeState], t: Target) -> NodeState:
 
 
 def _install_local(home: Path, hosts: list[bf.HostEntry], known: list[tuple[list[str], str, str]]) -> None:
-    """The head outside the cluster still needs `ssh nodeN` (and mpirun) to work from here."""
+    """The head outside the cluster still needs `ssh nodeN` (and mpirun, with its keepalives) to work from here."""
     from dscluster.fsutil import atomic_write_text
 
     ssh = home / ".ssh"
@@ -507,6 +509,9 @@ def _install_local(home: Path, hosts: list[bf.HostEntry], known: list[tuple[list
     old_kh = kh.read_text() if kh.exists() else ""
     atomic_write_text(cfg, bf.update_ssh_config(old_cfg, hosts, str(cfg)), mode=SECRET_MODE)
     atomic_write_text(kh, bf.merge_known_hosts(old_kh, known), mode=KNOWN_HOSTS_MODE)
+    prte = home / bf.PRTE_PARAMS_FILE
+    old_prte = prte.read_text() if prte.exists() else ""
+    atomic_write_text(prte, bf.update_prte_params(old_prte, str(prte)), mode=0o644)
 
 
 def result_to_dict(res: SetupResult) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
+from dscluster import liveness
 from dscluster.errors import DsclusterError
 
 BEGIN = "# >>> dscluster >>>"
@@ -240,3 +241,14 @@ def update_startup_file(existing: str, venv_bin: str, sf: StartupFile) -> str:
     without, _ = remove_managed_block(existing)
     guard = find_guard(without, sf.syntax)
     return replace_managed_block(without, body, path=f"~/{sf.path}", insert_at=guard)
+
+
+# PRRTE (OpenMPI 5's runtime) reads this file in mpirun and in the daemon it starts on every node,
+# so a hand-typed `mpirun` gets the settings too, not only `dscluster launch`.
+PRTE_PARAMS_FILE = ".prte/mca-params.conf"
+
+
+def update_prte_params(existing: str, path: str = "~/" + PRTE_PARAMS_FILE) -> str:
+    """Our block holds the daemon keepalives that let mpirun notice a vanished node within
+    seconds instead of minutes (liveness.PRTE_KEEPALIVE); the user's own lines stay."""
+    return replace_managed_block(existing, liveness.prte_params_body(), path=path)

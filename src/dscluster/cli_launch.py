@@ -216,7 +216,7 @@ def launch_command(args: argparse.Namespace) -> int:
 
 def _run_local(args: argparse.Namespace, report: dict, argv: list[str], plan: builders.LaunchPlan,
                env_extra: dict[str, str]) -> int:
-    from dscluster.launch_exec import job_exit_code, launcher_env, run_streaming
+    from dscluster.launch_exec import launcher_env, run_job
 
     report["argv"] = argv
     report["env"] = env_extra
@@ -233,16 +233,39 @@ def _run_local(args: argparse.Namespace, report: dict, argv: list[str], plan: bu
         return 0
     print(f"dscluster launch: run {report['run_id']} -> {report['run_dir']}", file=sys.stderr)
     print(f"+ {prefix}{line}", file=sys.stderr, flush=True)
-    rc = run_streaming(argv, env=launcher_env(plan.bin_dir, env_extra))
-    if rc != 0:
+    outcome = run_job(argv, env=launcher_env(plan.bin_dir, env_extra), run_dir=Path(report["run_dir"]))
+    code, message = job_report(args.launcher, outcome, Path(report["run_dir"]))
+    print(f"dscluster launch: {message}", file=sys.stderr)
+    return code
+
+
+def job_report(launcher: str, outcome, run_dir: Path) -> tuple[int, str]:
+    """Exit code and closing line for a local launcher run (a launch_exec.JobOutcome)."""
+    from dscluster.launch_exec import job_exit_code, summary_since
+
+    summary = summary_since(run_dir, outcome.started)  # not an earlier attempt's (a resumed run)
+    vanished = list(outcome.vanished)
+    for host in summary.get("vanished_hosts") or []:
+        if host not in vanished:
+            vanished.append(host)
+    see = f"per-rank logs and metrics are in {run_dir}; `dscluster diagnose {run_dir}` says more"
+    if vanished:
+        # mpirun exits 0 when it loses a daemon (OpenMPI 5.0.11): the job failed all the same.
+        code = job_exit_code(outcome.rc) or 1
+        return code, (f"{', '.join(vanished)} vanished (stopped answering on the network); the job was ended. "
+                      f"Once it is back, run the same command again: training resumes from the last "
+                      f"checkpoint. {see}")
+    if outcome.interrupted:
+        return 130, f"interrupted; every rank was stopped. Run the same command again to resume. {see}"
+    if outcome.stopped:
+        if summary.get("status") == "complete":
+            return 0, f"training completed, but {outcome.stopped}. {see}"
+        return job_exit_code(outcome.rc) or 1, f"{outcome.stopped}. {see}"
+    if outcome.rc != 0:
         # The job's own code, not a blanket 1: a wrapper script or CI can tell failures apart.
-        code = job_exit_code(rc)
-        how = f"was killed by signal {-rc}" if rc < 0 else f"exited {rc}"
-        print(f"dscluster launch: {args.launcher} {how}; per-rank logs and metrics are in {report['run_dir']}",
-              file=sys.stderr)
-        return code
-    print(f"dscluster launch: done; run directory {report['run_dir']}", file=sys.stderr)
-    return 0
+        how = f"was killed by signal {-outcome.rc}" if outcome.rc < 0 else f"exited {outcome.rc}"
+        return job_exit_code(outcome.rc), f"{launcher} {how}; {see}"
+    return 0, f"done; run directory {run_dir}"
 
 
 def _run_torchrun(args: argparse.Namespace, report: dict, plan: builders.LaunchPlan, out: CheckOutput) -> int:

@@ -2,49 +2,189 @@
 
 Separate from `launch` (pure builders) so the builders stay testable without running
 anything. Output is streamed as it comes, never buffered, so a long training shows progress,
-and the exit code of the job becomes the exit code of `dscluster launch`.
+and the exit code of the job becomes the exit code of `dscluster launch`. A local launcher is
+also watched (`run_job`): a node that vanished, or Ctrl-C, ends the job within the process-group
+timeout plus a grace, with nothing of it left running on this machine.
 """
 
 from __future__ import annotations
 
+import codecs
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from dscluster import liveness, runinfo
 from dscluster.launch import NodeCommand
 
 
-def run_streaming(argv: list[str], env: dict[str, str] | None = None, cwd: str | None = None,
-                  grace_s: float = 10.0) -> int:
-    """Run argv with inherited stdout/stderr and return its exit code.
+# After the run's summary.json is written (the job's outcome is known), or after mpirun exited
+# leaving ranks of this node behind, how long the job gets to end by itself before it is stopped.
+GRACE_S = 30.0
+# From SIGINT/SIGTERM to SIGKILL: mpirun and entry_cn.sh stop their ranks within a few seconds.
+TERM_S = 10.0
+DEFAULT_PG_TIMEOUT_S = 120.0
 
-    Ctrl-C is passed on as SIGINT, and then SIGTERM if the launcher has not stopped within
-    `grace_s`: mpirun and DeepSpeed's launcher tear their ranks down on those signals,
-    so nothing is left running on the nodes.
-    """
+
+@dataclass
+class JobOutcome:
+    """How a launcher run ended. `rc` is the launcher's wait status as Popen gives it (-N: signal N)."""
+
+    rc: int
+    started: float = 0.0           # time.time() when the launcher was started
+    vanished: list[str] = field(default_factory=list)   # nodes mpirun said it lost, in its order
+    stopped: str | None = None     # why dscluster stopped the job itself, else None
+    interrupted: bool = False      # Ctrl-C
+
+
+def session_members(sid: int) -> list[int]:
+    """Live processes of session `sid`: mpirun (started as its leader) and what it started on
+    this machine, including ranks it left behind when it exited. Zombies are not counted."""
+    pids = []
     try:
-        proc = subprocess.Popen(argv, env=env, cwd=cwd)
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            if os.getsid(int(name)) != sid:
+                continue
+            with open(f"/proc/{name}/stat", encoding="ascii", errors="replace") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z":
+            pids.append(int(name))
+    return pids
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+
+
+def _pump(src, dst, vanished: list[str]) -> None:
+    """Copy a launcher pipe to our own stream as it comes, reading PRTE's lost-daemon lines."""
+    decode = codecs.getincrementaldecoder("utf-8")("replace")  # a chunk may end mid-character
+    line = ""
+    while chunk := os.read(src.fileno(), 65536):
+        text = decode.decode(chunk)
+        dst.write(text)
+        dst.flush()
+        *lines, line = (line + text).split("\n")
+        for host in filter(None, map(liveness.lost_daemon_host, lines)):
+            if host not in vanished:
+                vanished.append(host)
+
+
+def summary_since(run_dir: Path | None, t: float) -> dict:
+    """The run's summary.json if it was written at or after time t (a resumed run's directory
+    holds the earlier attempt's), else {}."""
+    if run_dir is None:
+        return {}
+    path = run_dir / runinfo.SUMMARY_FILE
+    try:
+        if path.stat().st_mtime < t:
+            return {}
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def run_pg_timeout(run_dir: Path | None) -> float:
+    """dist.timeout_s of the run (its config.yaml, written when training starts), else the preset's."""
+    import yaml
+
+    try:
+        cfg = yaml.safe_load((run_dir / runinfo.CONFIG_FILE).read_text(encoding="utf-8"))
+        return float(cfg["dist"]["timeout_s"])
+    except Exception:  # noqa: BLE001 - not started yet, or unreadable: the default bound
+        return DEFAULT_PG_TIMEOUT_S
+
+
+def run_job(argv: list[str], env: dict[str, str] | None = None, *, run_dir: Path | None = None,
+            grace_s: float | None = None, term_s: float | None = None) -> JobOutcome:
+    """Run a launcher (mpirun, deepspeed) with its output streamed, and make sure it ends.
+
+    The launcher leads a session of its own, so everything it starts on this machine can be
+    found and stopped. It ends by itself in the usual cases; dscluster steps in where it
+    does not (all measured with OpenMPI 5.0.11 on the simulated lab):
+    - a node vanished and mpirun lost its daemon there: mpirun says so and exits 0, leaving
+      this node's ranks to fail on their own; those get until the process-group timeout plus
+      `grace_s` (the first rank to fail writes summary.json, naming the node);
+    - the run's summary.json was written but mpirun still waits for a node that is gone (no
+      keepalive in effect): after `grace_s` the session is stopped;
+    - Ctrl-C: SIGINT to the launcher (mpirun forwards it to every rank), then SIGTERM and
+      SIGKILL to the whole session `term_s` apart.
+    """
+    grace_s = GRACE_S if grace_s is None else grace_s
+    term_s = TERM_S if term_s is None else term_s
+    started = time.time()
+    try:
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
     except FileNotFoundError:
         print(f"dscluster launch: {argv[0]}: command not found", file=sys.stderr)
-        return 127
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        proc.send_signal(signal.SIGINT)
+        return JobOutcome(127, started)
+    out = JobOutcome(0, started)
+    pumps = [threading.Thread(target=_pump, args=(pipe, dst, out.vanished), daemon=True)
+             for pipe, dst in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
+    for t in pumps:
+        t.start()
+    summary_at = exited_at = stop_at = None
+    escalation = [signal.SIGTERM, signal.SIGKILL]
+    while True:
         try:
-            return proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            proc.terminate()
-            try:
-                return proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                return proc.wait()
+            now = time.monotonic()
+            members = session_members(proc.pid)
+            if proc.poll() is not None:
+                if exited_at is None:
+                    exited_at, leftover_s = now, run_pg_timeout(run_dir) + grace_s
+                if not members:
+                    break
+            if summary_at is None and summary_since(run_dir, started):
+                summary_at = now
+            if stop_at is None:
+                why, name = None, os.path.basename(argv[0])
+                if summary_at is not None and now - summary_at > grace_s:
+                    why = (f"the job's processes on this machine ({name} or ranks) were still running {grace_s:.0f} s "
+                           "after the run's summary.json was written: dscluster stopped them")
+                elif exited_at is not None and now - exited_at > leftover_s:
+                    why = (f"{name} exited but left ranks running on this machine for {leftover_s:.0f} s "
+                           f"(process-group timeout + {grace_s:.0f} s): dscluster stopped them")
+                if why:
+                    out.stopped, stop_at = why, now
+                    _signal_all(members, escalation.pop(0))
+            elif now - stop_at > term_s and escalation:
+                stop_at = now
+                _signal_all(session_members(proc.pid), escalation.pop(0))
+            elif now - stop_at > term_s:
+                break  # SIGKILLed: nothing more to wait for (PID 1 reaps them)
+            time.sleep(0.5)
+        except KeyboardInterrupt:
+            out.interrupted = True
+            if stop_at is None and proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                out.stopped, stop_at = "interrupted (Ctrl-C)", time.monotonic()
+            elif escalation:  # a second Ctrl-C: do not wait any longer
+                stop_at = time.monotonic()
+                _signal_all(session_members(proc.pid), escalation.pop(0))
+    out.rc = proc.wait()
+    for t in pumps:
+        t.join(timeout=2.0)  # a killed rank's grandchild may still hold the pipe
+    return out
 
 
 def job_exit_code(rc: int) -> int:
@@ -146,8 +286,10 @@ def nodes_exit_code(results: list[NodeResult]) -> int:
 
 
 def launcher_env(bin_dir: str | None, extra: dict[str, str]) -> dict[str, str]:
-    """This process's environment with the venv's bin first (mpirun, ompi_info, deepspeed)."""
-    env = dict(os.environ)
+    """This process's environment with the venv's bin first (mpirun, ompi_info, deepspeed), and
+    PRRTE's daemon keepalives short enough to notice a vanished node (liveness.py) unless the
+    user set them: mpirun passes them on to its daemons."""
+    env = {**liveness.prte_env(), **os.environ}
     if bin_dir:
         env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
     env.update(extra)

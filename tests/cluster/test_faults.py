@@ -1,18 +1,22 @@
-"""Faults during training: a rank killed, a rank that skips a collective, a full disk while checkpointing.
+"""Faults during training: a rank killed, a rank that skips a collective, a full disk while
+checkpointing, a node that vanishes, Ctrl-C.
 
 Real mpirun on localhost (2 CPU ranks, DeepSpeed on gloo), the digits preset shrunk with
-overrides so each run is start-up plus a few seconds. No simulated lab, so marked slow, not
-cluster; the disk-full test mounts a small tmpfs and so needs root (skipped with the reason
-otherwise). Each scenario is one module-scoped run shared by the tests that read it.
+overrides so each run is start-up plus a few seconds: marked slow. The disk-full test mounts a
+small tmpfs and so needs root (skipped with the reason otherwise). Each scenario is one
+module-scoped run shared by the tests that read it. A vanished node and Ctrl-C need several
+machines: those run on a simulated 3-node lab (marked cluster, root only), after the real
+`dscluster setup` and `check`.
 
 Process-group timeout used here: dist.timeout_s = TIMEOUT_S (6 s; the preset's default is
-120 s, PyTorch's own 30 min).
+120 s, PyTorch's own 30 min); on the lab LAB_TIMEOUT_S.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -24,15 +28,16 @@ import psutil
 import pytest
 
 from dscluster.fsutil import read_jsonl
-from _local_mpirun import DSCLUSTER, ROOT, require_mpirun, train_command
+from dscluster.sim_ns import netns_pids, pid_is_zombie
+from _local_mpirun import DSCLUSTER, MPIRUN, ROOT, require_mpirun, train_command
 
 pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 6
 # A small, fixed model and data size, whatever the preset says: 8 samples per rank and step.
 SHRINK = ("progress=false", "model.depth=2", "model.embed_dim=48", "model.num_heads=3", "model.patch_size=4",
-          "data.img_size=16", "micro_batch=8", "grad_accum=1", "log_every=1", "eval_every_epochs=100",
-          f"dist.timeout_s={TIMEOUT_S}")
+          "data.img_size=16", "micro_batch=8", "global_batch=16", "grad_accum=1", "log_every=1",
+          "eval_every_epochs=100", f"dist.timeout_s={TIMEOUT_S}")
 
 require_mpirun()
 
@@ -247,3 +252,190 @@ def _disk_full_scenario(runs: Path, ckpt: Path) -> None:
         attempt = last_attempt(again.run, rank)
         assert attempt[0]["resumed_from_step"] == spe
         assert [r["step"] for r in attempt if r["kind"] == "step"] == list(range(spe + 1, 3 * spe + 1))
+
+
+# --- a node that vanishes, and Ctrl-C, on the simulated lab ---------------------------------------
+
+LAB_TIMEOUT_S = 30
+BOUND_S = 90            # the promise: the job has ended within dist.timeout_s + BOUND_S
+STARTUP_S = 300         # 3 ranks starting DeepSpeed on 2 shared cores
+LAB_AT = 10             # the fault comes once rank 2 has logged this step (a checkpoint was at 8)
+LAB_ARGS = ("--config", "configs/digits.yaml", "data.limit=640", "epochs=3", "checkpoint.every_steps=4",
+            "progress=false")
+
+
+@dataclass
+class LabJob:
+    lab: object
+    work: Path
+    run: Path
+    proc: subprocess.Popen
+    log: Path
+
+    def wait(self, timeout: float) -> tuple[int | None, str]:
+        """Exit code, or None if the command was still running after `timeout` (then it is killed)."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            return None, self.log.read_text(errors="replace")
+        return self.proc.returncode, self.log.read_text(errors="replace")
+
+    def reach_step(self, rank: int, step: int) -> None:
+        deadline = time.monotonic() + STARTUP_S
+        while not [r for r in records(self.run, rank, "step") if r["step"] >= step]:
+            assert self.proc.poll() is None, self.log.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, f"rank {rank} did not reach step {step} in {STARTUP_S} s"
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def faultlab(lab_factory):
+    """3 nodes after the real `dscluster setup` (which writes ~/.prte/mca-params.conf) and `check`;
+    commands run in node1 as the lab user from a working directory on the shared disk."""
+    lab = lab_factory("faultlab", nodes=3, slots=1)
+    work = lab.shared / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    os.chown(work, lab.uid, lab.gid)
+    setup = f"{DSCLUSTER} setup --hostfile {lab.hostfile} --trust-new-hosts --fix-path"
+    for cmd in (f"DSCLUSTER_SSH_PASSWORD={shlex.quote(lab.password)} {setup}",
+                f"{DSCLUSTER} check --hostfile {lab.hostfile}"):
+        res = lab.run("node1", f"cd {work} && {cmd}", timeout=300)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return lab, work
+
+
+def lab_start(faultlab, run_id: str, cmd: str) -> LabJob:
+    lab, work = faultlab
+    log = work / f"{run_id}.{time.time_ns()}.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(lab.command("node1", f"cd {work} && exec {cmd}"), env=lab.env(node="node1"),
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    return LabJob(lab, work, work / "runs" / run_id, proc, log)
+
+
+def launch_cmd(run_id: str, timeout_s: int = LAB_TIMEOUT_S) -> str:
+    return f"{DSCLUSTER} launch --run-id {run_id} -- {' '.join(LAB_ARGS)} dist.timeout_s={timeout_s}"
+
+
+def mpirun_cmd(run_id: str, lab, timeout_s: int) -> str:
+    """The hand-typed command (with a fixed run id, so the test can find the run directory)."""
+    return (f"env DSCLUSTER_RUN_ID={run_id} {MPIRUN} -x DSCLUSTER_RUN_ID -np 3 --hostfile {lab.hostfile} "
+            f"{ROOT}/entry_cn.sh {' '.join(LAB_ARGS)} dist.timeout_s={timeout_s}")
+
+
+def job_processes(lab, run_id: str) -> dict[str, list[str]]:
+    """Ranks, entry_cn.sh and telemetry samplers of this run still alive, per node."""
+    left: dict[str, list[str]] = {}
+    for node in lab.nodes:
+        for pid in netns_pids(node.netns):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if f"DSCLUSTER_RUN_ID={run_id}".encode() in environ and not pid_is_zombie(pid):
+                left.setdefault(node.name, []).append(cmd[:100])
+    return left
+
+
+def wait_until_gone(lab, run_id: str, deadline: float) -> dict[str, list[str]]:
+    while (left := job_processes(lab, run_id)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+def latest_step(run: Path) -> int:
+    return int((run / "checkpoints" / "latest").read_text().strip().rsplit("step", 1)[1])
+
+
+def assert_resumes(faultlab, run_id: str, cmd: str) -> None:
+    """The same command again finishes the run, every rank starting after the last checkpoint."""
+    job = lab_start(faultlab, run_id, cmd)
+    done = latest_step(job.run)
+    rc, out = job.wait(STARTUP_S + 300)
+    assert rc == 0, out[-3000:]
+    for rank in range(3):
+        again = last_attempt(job.run, rank)
+        assert again[0]["resumed_from_step"] == done
+        total = again[0]["steps_per_epoch"] * 3  # epochs=3
+        assert [r["step"] for r in again if r["kind"] == "step"] == list(range(done + 1, total + 1))
+
+
+def pull_node3s_cable(job: LabJob, timeout_s: int) -> tuple:
+    """Disconnect node3 once rank 2 reached LAB_AT; wait (within the promised bound) for the
+    command and then for every process of the run on node1/node2; diagnose; reconnect.
+    Returns (exit code or None, output, s to exit, s until the run's processes were gone,
+    processes left per node, diagnose document)."""
+    job.reach_step(2, LAB_AT)
+    run_id, t0 = job.run.name, time.monotonic()
+    job.lab.disconnect("node3")
+    try:
+        rc, out = job.wait(timeout_s + BOUND_S)
+        took = time.monotonic() - t0
+        left = wait_until_gone(job.lab, run_id, t0 + timeout_s + BOUND_S)
+        gone = time.monotonic() - t0
+        doc = diagnose(job.run)[1]
+    finally:
+        job.lab.reconnect("node3")
+    return rc, out, took, gone, {n: p for n, p in left.items() if n != "node3"}, doc
+
+
+@pytest.mark.cluster
+def test_launch_ends_within_the_timeout_when_a_node_vanishes_names_it_and_resumes(faultlab):
+    lab, _ = faultlab
+    job = lab_start(faultlab, "vanish", launch_cmd("vanish"))
+    rc, out, took, _, left, doc = pull_node3s_cable(job, LAB_TIMEOUT_S)
+    print(f"node3 disconnected after step {LAB_AT}: launch returned {rc} after {took:.1f} s "
+          f"(dist.timeout_s {LAB_TIMEOUT_S})")
+    assert rc not in (None, 0), out[-3000:]
+    assert took < LAB_TIMEOUT_S + BOUND_S
+    assert not left, left
+    assert "dscluster launch: node3 vanished" in out, out[-2000:]
+    summary = json.loads((job.run / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["vanished_hosts"] == ["node3"], summary
+    assert summary["failed_host"] == "node3"
+    assert [(f["kind"], f["host"]) for f in doc["findings"]][0] == ("host_vanished", "node3"), doc["findings"]
+    assert not wait_until_gone(lab, "vanish", time.monotonic() + BOUND_S), "node3 kept its rank after reconnecting"
+    assert_resumes(faultlab, "vanish", launch_cmd("vanish"))
+
+
+@pytest.mark.cluster
+def test_hand_typed_mpirun_ends_when_a_node_vanishes_through_setups_keepalives(faultlab):
+    # No PRTE_MCA_* in this environment: mpirun and its daemons read ~/.prte/mca-params.conf,
+    # written by setup. Without it mpirun waited until the node came back.
+    lab, _ = faultlab
+    timeout_s = LAB_TIMEOUT_S
+    job = lab_start(faultlab, "vanish-mpirun", mpirun_cmd("vanish-mpirun", lab, timeout_s))
+    # mpirun leaves node1's rank to fail on its own; that rank writes the summary as it goes
+    rc, out, took, stopped, left, doc = pull_node3s_cable(job, timeout_s)
+    print(f"node3 disconnected: hand-typed mpirun returned {rc} after {took:.1f} s, its last rank ended "
+          f"after {stopped:.1f} s (dist.timeout_s {timeout_s})")
+    assert rc is not None and took < timeout_s + BOUND_S, out[-3000:]
+    assert "Remote daemon" in out and "on node node3" in out
+    assert not left, left
+    summary = json.loads((job.run / "summary.json").read_text())
+    assert summary["vanished_hosts"] == ["node3"], summary
+    assert any(f["kind"] == "host_vanished" and f["host"] == "node3" for f in doc["findings"])
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("how", ["launch", "mpirun"])
+def test_ctrl_c_stops_every_rank_and_sampler_within_the_timeout(faultlab, how):
+    lab, _ = faultlab
+    run_id = f"ctrl-c-{how}"
+    cmd = launch_cmd(run_id) if how == "launch" else mpirun_cmd(run_id, lab, LAB_TIMEOUT_S)
+    job = lab_start(faultlab, run_id, cmd)
+    job.reach_step(2, LAB_AT)
+    assert latest_step(job.run) >= 4
+    t0 = time.monotonic()
+    os.killpg(job.proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+    rc, out = job.wait(LAB_TIMEOUT_S)
+    left = wait_until_gone(lab, run_id, t0 + LAB_TIMEOUT_S)
+    print(f"Ctrl-C on {how}: returned {rc} after {time.monotonic() - t0:.1f} s")
+    assert rc not in (None, 0), out[-3000:]
+    assert rc == 130 or how == "mpirun"
+    assert not left, f"still running {LAB_TIMEOUT_S} s after Ctrl-C: {left}"
+    if how == "launch":
+        assert_resumes(faultlab, run_id, cmd)

@@ -139,3 +139,26 @@ def test_real_gloo_flight_recorder_dumps_name_the_rank_that_skipped(tmp_path):
     (tr,) = [f for f in doc["findings"] if f["kind"] == "trace_missing_collective"]
     assert tr["rank"] == 1 and "missing from collective #4" in tr["message"]
     assert {t["rank"]: t["entries"] for t in doc["traces"]} == {0: 4, 1: 3}
+
+
+def test_a_vanished_node_is_named_and_the_ranks_stopped_with_it_are_only_warnings(tmp_path):
+    # What the lab left when node3's cable was pulled: every rank stopped at step 8; mpirun
+    # killed rank 1 on node2 (no end record), rank 0 failed and found node3 silent.
+    run = make_run(tmp_path, world=3, stop_at={0: 8, 1: 8, 2: 8})
+    f = run / "metrics" / "rank-0.jsonl"
+    f.write_text(f.read_text() + json.dumps({"kind": "end", "t": 1_700_000_100.0, "rank": 0, "host": "node1",
+                                             "status": "failed", "error": "node3 did not answer"}) + "\n")
+    (run / "summary.json").write_text(json.dumps({
+        "status": "failed", "world_size": 3, "failed_rank": None, "failed_host": "node3",
+        "vanished_hosts": ["node3"], "error": "a collective failed"}))
+    out = _diag_cli(run, "--json")
+    assert out.returncode == 1
+    findings = json.loads(out.stdout)["findings"]
+    (gone,) = [f for f in findings if f["kind"] == "host_vanished"]
+    assert (gone["host"], gone["rank"], gone["severity"]) == ("node3", 2, "error")
+    assert "node3 vanished" in gone["message"] and "rank 2 lost" in gone["message"]
+    assert findings[0]["kind"] == "host_vanished"  # the cause comes first
+    (stopped,) = [f for f in findings if f["kind"] == "rank_died" and f["rank"] == 1]
+    assert stopped["severity"] == "warning" and "after node3 vanished" in stopped["message"]
+    assert not [f for f in findings if f["kind"] == "run_failed"]  # said once, by host_vanished
+    assert "node3 vanished" in _diag_cli(run).stdout

@@ -156,3 +156,107 @@ def test_torchrun_exit_code_is_the_first_failed_nodes():
     assert nodes_exit_code([NodeResult("node1", 0), NodeResult("node2", 3), NodeResult("node3", 5)]) == 3
     assert nodes_exit_code([NodeResult("node1", None, "connection refused"), NodeResult("node2", 0)]) == 1
     assert nodes_exit_code([NodeResult("node1", -1)]) == 1  # the SSH server sent no exit status
+
+
+# --- a launcher that does not end by itself (run_job's watch) -------------------------------------
+
+PRTE_LOST = """cat >&2 <<'EOF'
+PRTE has lost communication with a remote daemon.
+
+  HNP daemon   : [prterun-node1-32753@0,0] on node node1
+  Remote daemon: [prterun-node1-32753@0,2] on node node3
+EOF
+exit 0"""
+
+
+def test_mpirun_losing_a_daemon_fails_the_launch_and_names_the_node(lab_dir, monkeypatch, capsys):
+    write_check(lab_dir)
+    stand_in_mpirun(lab_dir, monkeypatch, PRTE_LOST)  # OpenMPI 5.0.11 exits 0 after this
+    assert main(["launch", "--run-id", "r4"]) == 1
+    err = capsys.readouterr().err
+    assert "Remote daemon" in err  # mpirun's own words still reach the user
+    assert "node3 vanished" in err and "resumes from the last checkpoint" in err
+
+
+def _pid_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_mpirun_still_waiting_after_the_summary_is_stopped_and_the_node_named(lab_dir, monkeypatch, capsys):
+    # The ranks failed and wrote summary.json, but mpirun waits for a daemon that is gone (and
+    # ignores SIGTERM, as a hung one may): after the grace it is killed.
+    write_check(lab_dir)
+    monkeypatch.setattr("dscluster.launch_exec.GRACE_S", 1.0)
+    monkeypatch.setattr("dscluster.launch_exec.TERM_S", 1.0)
+    stand_in_mpirun(lab_dir, monkeypatch, """trap '' TERM
+mkdir -p runs/r5 && echo $$ > runs/r5/mpirun.pid
+echo '{"status": "failed", "vanished_hosts": ["node3"]}' > runs/r5/summary.json
+while :; do sleep 0.2; done""")
+    t0 = time.monotonic()
+    code = main(["launch", "--run-id", "r5"])
+    took = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert code == 128 + 9 and took < 10, (code, took, err)
+    assert "node3 vanished" in err
+    assert _pid_gone(int((lab_dir / "runs" / "r5" / "mpirun.pid").read_text()))
+
+
+def test_ranks_mpirun_left_behind_get_the_timeout_then_are_stopped(lab_dir, monkeypatch, capsys):
+    write_check(lab_dir)
+    monkeypatch.setattr("dscluster.launch_exec.GRACE_S", 1.0)
+    stand_in_mpirun(lab_dir, monkeypatch, """mkdir -p runs/r6
+printf 'dist:\\n  timeout_s: 1\\n' > runs/r6/config.yaml
+sleep 600 &
+echo $! > runs/r6/rank.pid
+exit 0""")
+    t0 = time.monotonic()
+    code = main(["launch", "--run-id", "r6"])
+    err = capsys.readouterr().err
+    assert code == 1 and 2 <= time.monotonic() - t0 < 10, err
+    assert "left ranks running on this machine" in err
+    assert _pid_gone(int((lab_dir / "runs" / "r6" / "rank.pid").read_text()))
+
+
+def test_ctrl_c_is_passed_to_mpirun_and_the_launch_says_interrupted(lab_dir, monkeypatch, capsys):
+    import signal
+    import threading
+
+    write_check(lab_dir)
+    stand_in_mpirun(lab_dir, monkeypatch, """trap 'echo mpirun got INT; exit 130' INT
+touch started
+while :; do sleep 0.1; done""")
+
+    def press_ctrl_c():
+        deadline = time.monotonic() + 20
+        while not (lab_dir / "started").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=press_ctrl_c, daemon=True).start()
+    assert main(["launch", "--run-id", "r7"]) == 130
+    captured = capsys.readouterr()
+    assert "mpirun got INT" in captured.out and "interrupted" in captured.err
+
+
+def test_an_earlier_attempts_summary_does_not_speak_for_this_one(lab_dir, monkeypatch, capsys):
+    write_check(lab_dir)
+    run = lab_dir / "runs" / "r8"
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text('{"status": "failed", "vanished_hosts": ["node3"]}')
+    os.utime(run / "summary.json", (time.time() - 60, time.time() - 60))
+    stand_in_mpirun(lab_dir, monkeypatch, "exit 0")
+    assert main(["launch", "--run-id", "r8"]) == 0
+    assert "vanished" not in capsys.readouterr().err
+
+
+def test_launcher_gets_prte_keepalives_unless_the_user_chose_their_own(monkeypatch):
+    from dscluster.launch_exec import launcher_env
+
+    monkeypatch.delenv("PRTE_MCA_oob_tcp_keepalive_time", raising=False)
+    assert launcher_env(None, {})["PRTE_MCA_oob_tcp_keepalive_time"] == "10"
+    monkeypatch.setenv("PRTE_MCA_oob_tcp_keepalive_time", "60")
+    assert launcher_env(None, {})["PRTE_MCA_oob_tcp_keepalive_time"] == "60"

@@ -1,5 +1,6 @@
-"""Name what went wrong in a run from its files: dead ranks, the rank missing from a
-collective, environment mismatches between ranks, and what flight-recorder dumps say.
+"""Name what went wrong in a run from its files: a node that vanished, dead ranks, the rank
+missing from a collective, environment mismatches between ranks, and what flight-recorder
+dumps say.
 
 A hang in data-parallel training shows up in the files as: one rank's last step is behind
 (it never reached the collective the others wait in) or ahead (it skipped a collective and
@@ -208,9 +209,37 @@ def trace_findings(run: RunData) -> tuple[list[Finding], list[dict[str, Any]]]:
     return findings, summaries
 
 
+def vanished_findings(run: RunData, findings: list[Finding]) -> list[Finding]:
+    """A node that stopped answering (summary.json `vanished_hosts`, probed by the rank whose
+    collective failed): named first. The ranks on the other nodes that were stopped when
+    the job was ended are then consequences, not causes, and become warnings."""
+    vanished = [h for h in (run.summary or {}).get("vanished_hosts") or [] if isinstance(h, str)]
+    if not vanished:
+        return findings
+    hosts = {r: rm.host or run.env.get(r, {}).get("host") for r, rm in run.ranks.items()}
+    for r, env in run.env.items():
+        hosts.setdefault(r, env.get("host"))
+    out = []
+    for h in vanished:
+        on = sorted(r for r, host in hosts.items() if host == h)
+        ranks = f"rank{'s' if len(on) != 1 else ''} {', '.join(map(str, on))}" if on else "its ranks"
+        out.append(Finding(
+            "error", "host_vanished",
+            f"{h} vanished: it stopped answering on the network while the job ran ({ranks} lost), so the "
+            f"others' collectives failed and the job was ended. Check its power and cable; once it answers, "
+            f"run the same command again: training resumes from the last checkpoint",
+            rank=on[0] if on else None, host=h))
+    for f in findings:
+        if f.kind == "rank_died" and f.host not in vanished:
+            f.severity = "warning"
+            f.message += f" (stopped when the job was ended after {', '.join(vanished)} vanished)"
+        out.append(f)
+    return out
+
+
 def diagnose(run: RunData) -> dict[str, Any]:
     """Everything found, as the stable `--json` document."""
-    findings = progress_findings(run) + env_findings(run)
+    findings = vanished_findings(run, progress_findings(run)) + env_findings(run)
     tfind, traces = trace_findings(run)
     findings += tfind
     if not run.ranks:
@@ -220,7 +249,8 @@ def diagnose(run: RunData) -> dict[str, Any]:
                                 "no summary.json but every rank has an end record: rank 0 did not finish writing it"))
     if run.summary and run.summary.get("status") not in (None, "complete"):
         fr, fh = run.summary.get("failed_rank"), run.summary.get("failed_host")
-        if not any(f.rank == fr and fr is not None for f in findings):
+        if not any((f.rank == fr and fr is not None) or (f.kind == "host_vanished" and f.host == fh)
+                   for f in findings):
             findings.append(Finding("error", "run_failed",
                                     f"summary.json: status {run.summary.get('status')}, failed rank {fr} on {fh}: "
                                     f"{run.summary.get('error')}", rank=fr, host=fh))
