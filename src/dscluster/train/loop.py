@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dscluster import console, runinfo
+from dscluster import console, liveness, runinfo
 from dscluster.errors import DsclusterError, UsageError
 from dscluster.fsutil import atomic_write_json, atomic_write_text
 from dscluster.train import checkpoint, dist, guards, optstep
@@ -156,10 +156,14 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
         failed_rank, failed_host = info.rank, host
         if dist.is_peer_failure(e):
             # This rank is the survivor: the collective failed because a peer is gone. Which one
-            # shows in the run directory (its metrics stop without an end record, the traces).
+            # shows in the run directory (its metrics stop without an end record, the traces);
+            # a whole node that vanished does not answer any more: ask now, while it is still gone.
             failed_rank = failed_host = None
+            facts["vanished_hosts"] = liveness.vanished_hosts(host, facts["hosts"])
+            if len(facts["vanished_hosts"]) == 1:
+                failed_host = facts["vanished_hosts"][0]
             msg = (f"a collective failed: another rank died or never joined (`dscluster diagnose {rdir}` "
-                   f"names it): {msg}")
+                   f"names it){liveness.vanished_text(facts['vanished_hosts'], host)}: {msg}")
         facts["peak_mem_mb"] = peak_mem_mb(has_cuda_device)
         log.record("end", status="failed", error=msg, peak_mem_mb=facts["peak_mem_mb"])
         log.write_summary(summary_record(status="failed", wall_s=round(time.time() - t0, 3), failed_rank=failed_rank,
