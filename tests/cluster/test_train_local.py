@@ -110,7 +110,7 @@ def test_killed_after_epoch_1_resumes_without_repeating_or_losing_steps(referenc
 
 def test_odd_dataset_size_never_hangs_and_full_disk_keeps_previous_checkpoint(tmp_path):
     # 301 samples over 2 ranks × 8: 18 full steps per epoch, the 13 left over are dropped on every rank.
-    common = ("data.limit=301", "micro_batch=8", "dist.timeout_s=30")
+    common = ("data.limit=301", "micro_batch=8", "global_batch=16", "dist.timeout_s=30")
     rc, out, _ = mpirun(tmp_path, "odd", *common, "epochs=2", fault="disk_full:rank=0,step=36", timeout=240)
     assert rc == 0, out[-3000:]
     run = tmp_path / "odd"
