@@ -41,7 +41,6 @@ class StepWindow:
         self.t0 = clock()
         self.timed_s = 0.0
         self.timed_steps = 0
-        self.timed_samples = 0
 
     def close(self, records: list[dict], timed: bool) -> float:
         """Give each step record its share of the window's wall-clock time; returns the window's seconds."""
@@ -54,7 +53,6 @@ class StepWindow:
             if timed:
                 self.timed_s += elapsed
                 self.timed_steps += len(records)
-                self.timed_samples += sum(int(rec["samples"]) for rec in records)
         self.t0 = self.clock()
         return elapsed
 
