@@ -26,18 +26,25 @@ if ! command -v dscluster >/dev/null 2>&1; then
   exit 2
 fi
 
-# --- who am I: launchers name the rank differently ---------------------------------------
-GLOBAL_RANK="${OMPI_COMM_WORLD_RANK:-${RANK:-${PMIX_RANK:-${PMI_RANK:-${SLURM_PROCID:-}}}}}"
-LOCAL_RANK_ID="${OMPI_COMM_WORLD_LOCAL_RANK:-${LOCAL_RANK:-${SLURM_LOCALID:-${MPI_LOCALRANKID:-0}}}}"
+# --- who am I, and where is the state: dscluster.ranks and dscluster.state own the rules -------
+# Sets GLOBAL_RANK (empty without a launcher), LOCAL_RANK_ID, WORLD, LOCAL_WORLD, STATE.
+where="$(python - "$REPO" <<'PY'
+import shlex, sys
+from dscluster.errors import UsageError
+from dscluster.ranks import detect_ranks, shell_assignments
+from dscluster.state import rank_state_dir
+try:
+    print(shell_assignments(detect_ranks()), end="")
+except UsageError as e:
+    sys.exit(f"{e}")
+print(f"STATE={shlex.quote(str(rank_state_dir(sys.argv[1])))}")
+PY
+)" || { say "cannot tell this rank's place in the job (above) with $(command -v python)"; exit 2; }
+eval "$where"
 RANK_LABEL="$GLOBAL_RANK"
 HOST="$(hostname)"
 
 # --- this node's environment from `dscluster check` ----------------------------------------
-STATE="${DSCLUSTER_STATE:-}"
-if [ -z "$STATE" ]; then
-  STATE="$PWD/.dscluster"
-  [ -d "$STATE" ] || [ ! -d "$REPO/.dscluster" ] || STATE="$REPO/.dscluster"
-fi
 NODE_ENV="$STATE/env/$HOST.env"
 
 if [ -z "$GLOBAL_RANK" ]; then
@@ -47,8 +54,6 @@ if [ -z "$GLOBAL_RANK" ]; then
     source "$NODE_ENV"
   fi
 else
-  WORLD="${OMPI_COMM_WORLD_SIZE:-${WORLD_SIZE:-${PMIX_SIZE:-${SLURM_NTASKS:-}}}}"
-  LOCAL_WORLD="${OMPI_COMM_WORLD_LOCAL_SIZE:-${LOCAL_WORLD_SIZE:-}}"
   if [ ! -r "$NODE_ENV" ] && [ -n "$WORLD" ] && [ "$WORLD" = "$LOCAL_WORLD" ]; then
     # Every rank on this one machine: they meet over loopback, no interface to choose.
     [ "$LOCAL_RANK_ID" != 0 ] || say "no check output ($NODE_ENV), but all $WORLD ranks are on this host: using loopback"
@@ -65,12 +70,6 @@ else
   source "$NODE_ENV"
   [ -z "$keep_addr" ] || export MASTER_ADDR="$keep_addr"
   [ -z "$keep_port" ] || export MASTER_PORT="$keep_port"
-  if [ -n "${DSCLUSTER_HOSTFILE:-}" ] && [ -r "$DSCLUSTER_HOSTFILE" ] && [ -n "${DSCLUSTER_HOSTFILE_SHA256:-}" ]; then
-    now_sha="$(sha256sum "$DSCLUSTER_HOSTFILE" | cut -d' ' -f1)"
-    if [ "$now_sha" != "$DSCLUSTER_HOSTFILE_SHA256" ] && [ "$LOCAL_RANK_ID" = 0 ]; then
-      say "warning: $DSCLUSTER_HOSTFILE changed since 'dscluster check' wrote $NODE_ENV; run 'dscluster check' again"
-    fi
-  fi
 fi
 export DSCLUSTER_LOCAL_RANK="$LOCAL_RANK_ID"
 
@@ -80,16 +79,23 @@ export DSCLUSTER_LOCAL_RANK="$LOCAL_RANK_ID"
 # cuda:$LOCAL_RANK, on every node with two GPUs.
 
 # --- run id and run directory: every rank of a job must agree without talking ----------------
-# resolve_run_id's rule (DSCLUSTER_RUN_ID > PMIX_NAMESPACE > ... > timestamp) in one python start.
+# resolve_run_id's rule (DSCLUSTER_RUN_ID > PMIX_NAMESPACE > ... > timestamp) in one python start,
+# with the hostfile's fingerprint (hosts.hostfile_sha256) to compare with the one check recorded.
 eval "$(python - <<'PY'
-import importlib.util, shlex
+import os, shlex
+from dscluster.hosts import hostfile_sha256
 from dscluster.runinfo import resolve_run_id, runs_root
 rid = resolve_run_id()
 print(f"export DSCLUSTER_RUN_ID={shlex.quote(rid)}")
 print(f"RUN_DIR={shlex.quote(str(runs_root() / rid))}")
-print(f"HAVE_TELEMETRY={int(importlib.util.find_spec('dscluster.cli_telemetry') is not None)}")
+hostfile = os.environ.get("DSCLUSTER_HOSTFILE")
+known = hostfile and os.access(hostfile, os.R_OK) and os.environ.get("DSCLUSTER_HOSTFILE_SHA256")
+print(f"NOW_SHA={hostfile_sha256(hostfile) if known else ''}")
 PY
 )" || { say "cannot import dscluster from $(command -v python)"; exit 2; }
+if [ -n "$GLOBAL_RANK" ] && [ -n "${NOW_SHA:-}" ] && [ "$NOW_SHA" != "$DSCLUSTER_HOSTFILE_SHA256" ] && [ "$LOCAL_RANK_ID" = 0 ]; then
+  say "warning: $DSCLUSTER_HOSTFILE changed since 'dscluster check' wrote $NODE_ENV; run 'dscluster check' again"
+fi
 
 # --- telemetry: exactly one sampler per node, owned by local rank 0 --------------------------
 SAMPLER_PID=""
@@ -116,13 +122,9 @@ trap 'on_signal INT 130' INT
 trap 'on_signal HUP 129' HUP
 
 if [ "$LOCAL_RANK_ID" = 0 ]; then
-  if [ "$HAVE_TELEMETRY" = 1 ]; then
-    mkdir -p "$RUN_DIR" 2>/dev/null || true
-    dscluster telemetry --run-dir "$RUN_DIR" --parent-pid $$ &
-    SAMPLER_PID=$!
-  else
-    say "telemetry: 'dscluster telemetry' not available, no samples for this node"
-  fi
+  mkdir -p "$RUN_DIR" 2>/dev/null || true
+  dscluster telemetry --run-dir "$RUN_DIR" --parent-pid $$ &
+  SAMPLER_PID=$!
 fi
 
 # --- training, or the user's own program --------------------------------------------------------

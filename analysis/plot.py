@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Plots and report.html for dscluster run directories: python analysis/plot.py runs/<id> [...]
 
-Thin entry point: the work is in dscluster.analysis (works from a checkout without install).
+Thin entry point: `dscluster.cli.plot.main`, the work in dscluster.analysis (works from a checkout
+without install).
 """
 
 import sys
@@ -12,7 +13,7 @@ try:
 except ModuleNotFoundError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from dscluster.analysis import main  # noqa: E402
+from dscluster.cli.plot import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

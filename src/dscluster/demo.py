@@ -13,13 +13,10 @@ the lab's shared disk (like a user's NFS home): that is where `dscluster check` 
 state and where the run directory is written; mpirun starts every rank in that same
 directory, so the ranks find both without any exported variable. The run directory is
 copied into the repository's runs/ before the lab is torn down.
-
-A step whose module is not in this checkout is skipped with "not available yet".
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shlex
 import shutil
@@ -30,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dscluster import console
+from dscluster.launch.mpirun import App, mpirun_argv, mpirun_path
 
 LAB = "dslab"
 NODES = 3
@@ -38,10 +36,6 @@ TRAIN_TIMEOUT_S = 900
 
 def repo_root() -> Path:
     return Path(__file__).resolve().parents[2]
-
-
-def available(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
 
 
 @dataclass(frozen=True)
@@ -166,9 +160,6 @@ def copy_run(src: Path, dest_root: Path) -> Path:
 
 def plot(journey: Journey, run_dir: Path | None) -> Path | None:
     script = repo_root() / "analysis" / "plot.py"
-    if not script.exists():
-        journey.skip("plots", "not available yet (analysis/plot.py)")
-        return None
     step = journey.start(f"python analysis/plot.py {run_dir}")
     if run_dir is None:
         journey.done(step, "skipped", "no run directory")
@@ -191,7 +182,7 @@ def lab_env(lab) -> dict[str, str]:
 
 
 def lab_demo(journey: Journey, opts: Options) -> int:
-    from dscluster import sim
+    from dscluster.sim import lab as sim
 
     repo = repo_root()
     dscluster = f"{repo}/.venv/bin/dscluster"
@@ -208,40 +199,31 @@ def lab_demo(journey: Journey, opts: Options) -> int:
         hostfile = str(lab.hostfile)
         in_work = f"cd {work} && "
 
-        if available("dscluster.cli_setup"):
-            step = journey.start("dscluster setup --trust-new-hosts (as the lab user in node1)")
-            r = lab.run("node1", in_work + f"{dscluster} setup --hostfile {hostfile} --trust-new-hosts --fix-path",
-                        env={"DSCLUSTER_SSH_PASSWORD": lab.password}, timeout=300)
-            show(r, tail=8)
-            journey.done(step, "ok" if r.returncode == 0 else "failed", f"exit {r.returncode}")
-            if r.returncode != 0:
-                raise _Stop()
-        else:
-            journey.skip("dscluster setup", "not available yet (dscluster.cli_setup)")
+        step = journey.start("dscluster setup --trust-new-hosts (as the lab user in node1)")
+        r = lab.run("node1", in_work + f"{dscluster} setup --hostfile {hostfile} --trust-new-hosts --fix-path",
+                    env={"DSCLUSTER_SSH_PASSWORD": lab.password}, timeout=300)
+        show(r, tail=8)
+        journey.done(step, "ok" if r.returncode == 0 else "failed", f"exit {r.returncode}")
+        if r.returncode != 0:
+            raise _Stop()
 
-        if available("dscluster.cli_check"):
-            step = journey.start("dscluster check")
-            r = lab.run("node1", in_work + f"{dscluster} check --hostfile {hostfile}", timeout=300)
-            show(r, tail=25)
-            journey.done(step, "ok" if r.returncode == 0 else "failed", f"exit {r.returncode}")
-        else:
-            journey.skip("dscluster check", "not available yet (dscluster.cli_check)")
+        step = journey.start("dscluster check")
+        r = lab.run("node1", in_work + f"{dscluster} check --hostfile {hostfile}", timeout=300)
+        show(r, tail=25)
+        journey.done(step, "ok" if r.returncode == 0 else "failed", f"exit {r.returncode}")
 
-        if not available("dscluster.cli_train"):
-            journey.skip("mpirun ... entry_cn.sh", "not available yet (dscluster.cli_train)")
-        else:
-            runs = work / "runs"
-            before = {p.name for p in runs.iterdir()} if runs.is_dir() else set()
-            cmd = f"{repo}/.venv/bin/mpirun -np {opts.ranks} --hostfile {hostfile} {repo}/entry_cn.sh"
-            if opts.train_args:
-                cmd += " " + shlex.join(opts.train_args)
-            step = journey.start(f"{cmd}  (in node1, cwd {work})")
-            rc = stream(lab.command("node1", in_work + cmd), env=lab_env(lab))
-            found = newest_run(runs, before)
-            if found is not None:
-                run_dir_local = copy_run(found, opts.runs)
-            journey.done(step, "ok" if rc == 0 else "failed",
-                         f"exit {rc}; run directory {run_dir_local or 'not created'}")
+        runs = work / "runs"
+        before = {p.name for p in runs.iterdir()} if runs.is_dir() else set()
+        # The nodes share the software at the head's paths (like NFS): the head's mpirun is theirs.
+        cmd = shlex.join(mpirun_argv(mpirun_path(), [App(opts.ranks, [f"{repo}/entry_cn.sh", *opts.train_args])],
+                                     hostfile=hostfile))
+        step = journey.start(f"{cmd}  (in node1, cwd {work})")
+        rc = stream(lab.command("node1", in_work + cmd), env=lab_env(lab))
+        found = newest_run(runs, before)
+        if found is not None:
+            run_dir_local = copy_run(found, opts.runs)
+        journey.done(step, "ok" if rc == 0 else "failed",
+                     f"exit {rc}; run directory {run_dir_local or 'not created'}")
     except _Stop:
         pass  # the failed step says why; still tear the lab down and show the table
     finally:
@@ -270,26 +252,19 @@ def local_demo(journey: Journey, opts: Options) -> int:
     hostfile.parent.mkdir(parents=True, exist_ok=True)
     hostfile.write_text("localhost slots=2\n")
     journey.skip("sim up / dscluster setup", "need root: running on localhost slots instead")
-    if available("dscluster.cli_check"):
-        step = journey.start(f"dscluster check --hostfile {hostfile}")
-        rc = stream([str(bin_dir / "dscluster"), "check", "--hostfile", str(hostfile)], cwd=str(repo), timeout=300)
-        # A failed check is not fatal here: two ranks on one host meet over loopback.
-        journey.done(step, "ok" if rc == 0 else "skipped",
-                     "" if rc == 0 else f"exit {rc}; continuing, both ranks are on this host")
-    else:
-        journey.skip("dscluster check", "not available yet (dscluster.cli_check)")
-    run_dir: Path | None = None
-    if not available("dscluster.cli_train"):
-        journey.skip("mpirun ... entry_cn.sh", "not available yet (dscluster.cli_train)")
-    else:
-        runs = opts.runs
-        before = {p.name for p in runs.iterdir()}
-        argv = [str(bin_dir / "mpirun"), "-np", "2", "--oversubscribe", "-x", "DSCLUSTER_RUNS",
-                "./entry_cn.sh", *opts.train_args]
-        step = journey.start(shlex.join(argv))
-        rc = stream(argv, cwd=str(repo), env={**os.environ, "DSCLUSTER_RUNS": str(runs)})
-        run_dir = newest_run(runs, before)
-        journey.done(step, "ok" if rc == 0 else "failed", f"exit {rc}; run directory {run_dir}")
+    step = journey.start(f"dscluster check --hostfile {hostfile}")
+    rc = stream([str(bin_dir / "dscluster"), "check", "--hostfile", str(hostfile)], cwd=str(repo), timeout=300)
+    # A failed check is not fatal here: two ranks on one host meet over loopback.
+    journey.done(step, "ok" if rc == 0 else "skipped",
+                 "" if rc == 0 else f"exit {rc}; continuing, both ranks are on this host")
+    runs = opts.runs
+    before = {p.name for p in runs.iterdir()}
+    argv = mpirun_argv(mpirun_path(), [App(2, ["./entry_cn.sh", *opts.train_args], {"DSCLUSTER_RUNS": None})],
+                       oversubscribe=True)
+    step = journey.start(shlex.join(argv))
+    rc = stream(argv, cwd=str(repo), env={**os.environ, "DSCLUSTER_RUNS": str(runs)})
+    run_dir = newest_run(runs, before)
+    journey.done(step, "ok" if rc == 0 else "failed", f"exit {rc}; run directory {run_dir}")
     pictures = plot(journey, run_dir)
     return finish(journey, run_dir, pictures)
 
@@ -327,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     from dscluster.errors import UsageError
-    from dscluster.sim_options import parse_gpus
+    from dscluster.sim.options import parse_gpus
 
     try:
         gpus = tuple(parse_gpus(args.gpus)) if args.gpus else ()
@@ -338,13 +313,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--env takes NAME=VALUE")
     opts = Options(lab=args.lab, runs_dir=args.runs_dir.absolute() if args.runs_dir else None,
                    train_args=tuple(train_args), gpus=gpus, link=args.link, env=env)
-    if os.geteuid() == 0 and available("dscluster.sim"):
+    if os.geteuid() == 0:
         journey = Journey(mode=f"simulated {opts.nodes}-node lab" + (f" with GPUs {','.join(map(str, opts.gpus))}"
                           if opts.gpus else "") + (f", {opts.link} links" if opts.link != "none" else "") + ", as root")
         console.out.print(f"dscluster demo: {journey.mode}")
         return lab_demo(journey, opts)
-    why = "not root" if os.geteuid() != 0 else "the simulated lab is not available yet"
-    journey = Journey(mode=f"localhost slots ({why})")
+    journey = Journey(mode="localhost slots (not root)")
     console.out.print(f"dscluster demo: {journey.mode}")
     return local_demo(journey, opts)
 

@@ -19,10 +19,11 @@ import platform
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from dscluster import __version__, state
+from dscluster.check import checkfile
+from dscluster.check.checkfile import CheckFile, CheckFileError
 
 SCHEMA_VERSION = 1
 
@@ -69,27 +70,21 @@ def worst_status(statuses: Iterable[str]) -> str:
     return max(statuses, key=lambda s: STATUS_RANK.get(s, 2), default="ok")
 
 
-def summarize_check(doc: Mapping, path: str) -> dict:
+def summarize_check(doc: CheckFile, path: str) -> dict:
     """The last check in brief: when, overall result, and each node's worst cell with the
     checks that were not ok (the full result stays in check.json)."""
-    nodes = []
-    for node in doc.get("nodes") or []:
-        if not isinstance(node, Mapping):
-            continue
-        checks = node.get("checks") if isinstance(node.get("checks"), Mapping) else {}
-        reachable = node.get("reachable", True) is not False
-        nodes.append({
-            "name": node.get("name"),
-            "hostname": node.get("hostname"),
-            "status": worst_status(checks.values()) if reachable else "unreachable",
-            "problems": sorted(c for c, s in checks.items() if s != "ok"),
-        })
-    findings = [f for f in doc.get("findings") or [] if isinstance(f, Mapping)]
+    nodes = [{
+        "name": node.name,
+        "hostname": node.hostname,
+        "status": worst_status(node.checks.values()) if node.reachable else "unreachable",
+        "problems": sorted(c for c, s in node.checks.items() if s != "ok"),
+    } for node in doc.nodes]
+    findings = doc.findings
     return {
         "path": path,
-        "created": doc.get("created") if isinstance(doc.get("created"), (int, float)) else None,
-        "ok": doc.get("ok") if isinstance(doc.get("ok"), bool) else None,
-        "hostfile": doc.get("hostfile"),
+        "created": doc.created,
+        "ok": doc.ok,
+        "hostfile": doc.hostfile,
         "errors": sum(1 for f in findings if f.get("severity") == "error"),
         "warnings": sum(1 for f in findings if f.get("severity") == "warning"),
         "nodes": nodes,
@@ -223,19 +218,16 @@ def load_check(environ: Mapping[str, str]) -> dict | None:
     """The state directory's check.json in brief; None when no check has run here."""
     path = state.check_json_path(environ)
     try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        return summarize_check(checkfile.load(path), str(path))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:
-        return {**summarize_check({}, str(path)), "error": f"unreadable ({e}); run `dscluster check` again"}
-    if not isinstance(doc, dict):
-        return {**summarize_check({}, str(path)), "error": "not a check result; run `dscluster check` again"}
-    return summarize_check(doc, str(path))
+    except CheckFileError as e:
+        return {**summarize_check(CheckFile(ok=None), str(path)), "error": str(e)}
 
 
 def collect(environ: Mapping[str, str] | None = None, probe_ops: bool = True) -> dict:
     # The mpirun rule has one owner: report the mpirun that `dscluster check` runs.
-    from dscluster.preflight_run import mpirun_path
+    from dscluster.launch.mpirun import mpirun_path
 
     environ = os.environ if environ is None else environ
     torch_info, gpus = collect_torch()

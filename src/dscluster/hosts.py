@@ -16,6 +16,7 @@ Every rejection names FILE:LINE, the reason and the fix; `parse_hostfile` raises
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import re
 from dataclasses import asdict, dataclass
@@ -147,6 +148,12 @@ def parse_hostfile_text(text: str, path: str = "<hostfile>") -> Hostfile:
     if not hosts:
         raise UsageError(f"{path}: no hosts (add one line per machine, e.g. 'node1 slots=1')")
     return Hostfile(path=path, hosts=tuple(hosts))
+
+
+def hostfile_sha256(path: str | Path) -> str:
+    """The hostfile's fingerprint: check records it (check.json, the env files) and launch and
+    entry_cn.sh compare it, so a hostfile edited after `dscluster check` is noticed."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def parse_hostfile(path: str | Path) -> Hostfile:

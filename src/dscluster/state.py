@@ -4,7 +4,8 @@ Why files and not a database: every rank's entry script (entry_cn.sh) must pick 
 node's settings with nothing but a POSIX shell, so the per-node environment is a file of
 `export KEY='value'` lines it can `source`, keyed by what `hostname` prints on that node.
 
-Layout (`<state>` = $DSCLUSTER_STATE, else ./.dscluster relative to the working directory):
+Layout (`<state>` = $DSCLUSTER_STATE, else ./.dscluster relative to the working directory; a rank
+that finds no ./.dscluster uses the checkout's, see `rank_state_dir`):
     <state>/known_hosts            host keys pinned by `dscluster setup`
     <state>/check.json             the last full `dscluster check` result
     <state>/env/<hostname>.env     per-node environment, sourced by entry_cn.sh
@@ -28,9 +29,25 @@ _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _EXPORT_RE = re.compile(r"^(?:export\s+)?(?P<key>[A-Za-z_][A-Za-z0-9_]*)=(?P<value>.*)$")
 
 
+STATE_DIR_NAME = ".dscluster"
+
+
 def state_dir(env: Mapping[str, str] | None = None) -> Path:
+    """Where the commands keep their state: $DSCLUSTER_STATE, else ./.dscluster."""
     env = os.environ if env is None else env
-    return Path(env.get("DSCLUSTER_STATE") or ".dscluster")
+    return Path(env.get("DSCLUSTER_STATE") or STATE_DIR_NAME)
+
+
+def rank_state_dir(checkout: str | Path, env: Mapping[str, str] | None = None, cwd: str | Path | None = None) -> Path:
+    """The state directory as a rank finds it (entry_cn.sh): `state_dir`, made absolute, except that
+    without $DSCLUSTER_STATE and without ./.dscluster the checkout's .dscluster is used when it has
+    one. Ranks start in the launch directory, which need not be where `dscluster check` ran."""
+    env = os.environ if env is None else env
+    here = Path(cwd) if cwd is not None else Path.cwd()
+    if env.get("DSCLUSTER_STATE"):
+        return here / env["DSCLUSTER_STATE"]
+    local, theirs = here / STATE_DIR_NAME, Path(checkout) / STATE_DIR_NAME
+    return theirs if not local.is_dir() and theirs.is_dir() else local
 
 
 def known_hosts_path(env: Mapping[str, str] | None = None) -> Path:

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from dscluster import sim
-from dscluster.sim_ns import REQUIRED_TOOLS
+from dscluster.sim import lab as sim
+from dscluster.sim.ns import REQUIRED_TOOLS
 
 # What the lab itself needs (sim_ns.REQUIRED_TOOLS, found on PATH as `sim up` finds them) and
 # what the fixtures below use.

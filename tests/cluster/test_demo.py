@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dscluster import sim
+from dscluster.sim import lab as sim
 
 pytestmark = pytest.mark.cluster
 

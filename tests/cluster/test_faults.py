@@ -28,7 +28,7 @@ import psutil
 import pytest
 
 from dscluster.fsutil import read_jsonl
-from dscluster.sim_ns import netns_pids, pid_is_zombie
+from dscluster.sim.ns import netns_pids, pid_is_zombie
 from _local_mpirun import DSCLUSTER, MPIRUN, ROOT, require_mpirun, train_command
 
 pytestmark = pytest.mark.slow

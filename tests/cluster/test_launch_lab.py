@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from dscluster.fsutil import read_jsonl
-from dscluster.sim_ns import netns_pids, pid_is_zombie
+from dscluster.sim.ns import netns_pids, pid_is_zombie
 
 pytestmark = pytest.mark.cluster
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from dscluster import bringup_files as bf
+from dscluster.bringup import files as bf
 
 pytestmark = pytest.mark.cluster
 LAB = "setuplab"

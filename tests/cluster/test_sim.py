@@ -21,7 +21,7 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from dscluster import sim
+from dscluster.sim import lab as sim
 from dscluster.errors import UsageError
 from dscluster.hosts import parse_hostfile
 

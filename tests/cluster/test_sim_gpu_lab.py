@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from dscluster import sim
+from dscluster.sim import lab as sim
 from dscluster.hosts import parse_hostfile
-from dscluster.sim_ns import tbf_available
+from dscluster.sim.ns import tbf_available
 
 from conftest import lab_skip_reason
 

@@ -8,7 +8,7 @@ import pytest
 
 from dscluster.bench import mixed, runner, vit
 from dscluster.bench.models import model_spec, peak_bf16_flops
-from dscluster.cli_bench import _gpu_counts
+from dscluster.cli.bench import _gpu_counts
 from dscluster.errors import UsageError
 from dscluster.fsutil import JsonlWriter
 
@@ -135,33 +135,43 @@ def test_repeats_report_the_median_run_and_never_hide_a_failure():
         vit.validate(vit.VitBenchOptions(repeat=0), device_count=1)
 
 
-def _fake_run(run_dir, step_times, world=2, micro=8, status="complete"):
-    """A run directory as `dscluster train` writes it (metrics contract)."""
+def _fake_run(run_dir, step_times, world=2, micro=8, status="complete", summary=None):
+    """A run directory as `dscluster train` writes it (metrics contract): step i took step_times[i] s."""
     for rank in range(world):
         with JsonlWriter(run_dir / "metrics" / f"rank-{rank}.jsonl") as w:
             w.write({"kind": "start", "t": 0.0, "rank": rank, "host": "h", "world_size": world, "local_rank": rank,
                      "device": "cpu", "precision": "fp32", "micro_batch": micro, "grad_accum": 1,
                      "global_batch": micro * world, "pid": 1})
-            for i, t in enumerate(step_times, start=1):
+            t = 10.0
+            for i, step_time in enumerate(step_times, start=1):
+                t += step_time
                 w.write({"kind": "step", "t": t, "rank": rank, "host": "h", "step": i, "epoch": 0,
                          "loss": 3.0 - 0.1 * i, "lr": 1e-3, "loss_scale": None, "overflow": i == 2,
-                         "step_time": 0.1, "samples": micro, "samples_per_s": 80.0, "grad_norm": None})
-            w.write({"kind": "end", "t": step_times[-1] + 1, "rank": rank, "host": "h", "status": status,
+                         "step_time": step_time, "samples": micro, "samples_per_s": micro / step_time,
+                         "grad_norm": None})
+            w.write({"kind": "end", "t": t + 1, "rank": rank, "host": "h", "status": status,
                      "error": None, **({"peak_mem_mb": 1000.0 + rank} if rank else {})})
-    (run_dir / "summary.json").write_text(json.dumps({"status": status, "error": None}))
+    (run_dir / "summary.json").write_text(json.dumps({"status": status, "error": None, **(summary or {})}))
 
 
-def test_throughput_counts_only_steps_after_warmup(tmp_path):
-    # Step 1 is slow (compile); steps 2..6 take 0.5 s each for 16 images.
-    _fake_run(tmp_path, [10.0, 10.5, 11.0, 11.5, 12.0, 12.5])
-    fig = runner.read_train_run(tmp_path, warmup=2)
-    assert fig.images_per_s == pytest.approx(16 * 4 / 2.0)
-    assert fig.timed_steps == 4
-    assert fig.status == "complete" and fig.world_size == 2 and fig.micro_batches == [8, 8]
+def test_throughput_without_a_summary_figure_is_the_trainers_definition(tmp_path):
+    # A run that ended before rank 0 wrote images_per_s: train/timing.py's rule on the step records,
+    # the 5 warm-up steps (slow: compile) left out; steps 6..8 take 0.5 s each for 16 images.
+    _fake_run(tmp_path, [3.0, 1.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0.5], status="failed")
+    fig = runner.read_train_run(tmp_path)
+    assert fig.images_per_s == pytest.approx(16 * 3 / 1.5)
+    assert fig.timed_steps == 3
+    assert fig.status == "failed" and fig.world_size == 2 and fig.micro_batches == [8, 8]
     assert fig.overflow_steps == 1
     assert fig.peak_mem_mb == 1001.0
-    assert fig.final_loss == pytest.approx(2.4)
-    assert [s for s, _, _ in fig.losses] == [1, 2, 3, 4, 5, 6]
+    assert fig.final_loss == pytest.approx(2.2)
+    assert [s for s, _, _ in fig.losses] == [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def test_the_runs_own_figure_is_the_bench_figure(tmp_path):
+    _fake_run(tmp_path, [1.0] * 8, summary={"images_per_s": 99.5, "timed_steps": 3})
+    fig = runner.read_train_run(tmp_path)
+    assert (fig.images_per_s, fig.timed_steps) == (99.5, 3)
 
 
 def test_loss_curve_is_the_sample_weighted_global_batch_loss():
@@ -171,7 +181,7 @@ def test_loss_curve_is_the_sample_weighted_global_batch_loss():
 
 
 def test_missing_metrics_is_reported_not_crashed(tmp_path):
-    fig = runner.read_train_run(tmp_path / "nothing", warmup=1)
+    fig = runner.read_train_run(tmp_path / "nothing")
     assert fig.images_per_s is None and "no metrics" in fig.error
 
 
@@ -207,11 +217,12 @@ def test_balanced_comparison_reports_speedup_and_time_to_common_loss():
     assert out["loss_curve_max_abs_diff"] == pytest.approx(0.0)
 
 
-def test_throughput_with_batched_log_records_uses_window_ends(tmp_path):
-    # log_every=2: records of steps 1-2 stamped together at 11.0, 3-4 at 12.0, 5-6 at 13.0.
-    _fake_run(tmp_path, [11.0, 11.0, 12.0, 12.0, 13.0, 13.0])
-    fig = runner.read_train_run(tmp_path, warmup=2, log_every=2)
-    assert fig.images_per_s == pytest.approx(16 * 4 / 2.0)
+def test_analysis_and_bench_give_one_throughput(tmp_path):
+    from dscluster.analysis import load_run
+    from dscluster.analysis.stats import summary_row
+
+    _fake_run(tmp_path, [2.0] * 5 + [0.25] * 4, status="failed")
+    assert summary_row(load_run(tmp_path))["images_per_s"] == runner.read_train_run(tmp_path).images_per_s == 64.0
 
 
 def test_bench_log_window_divides_warmup_and_steps():

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from dscluster import bringup, bringup_files as bf
+from dscluster.bringup import node as setup_node
+from dscluster.bringup import setup as bringup
+from dscluster.bringup import files as bf
 
 K1 = bf.PublicKey("ssh-ed25519", "AAAAC3NzaC1lZDI1NTE5AAAAICAjRvKu7c4Nxn72KvJQOSTrU8RMon23VafsjsNbU0LS", "dscluster lab@node1")
 K2 = bf.PublicKey("ssh-ed25519", "AAAAC3NzaC1lZDI1NTE5AAAAIAvteXs5Q6Lg7Z7whDVVXFZhIFJYeqnT7e51hF7AsbV2", "dscluster lab@node2")
@@ -124,10 +126,10 @@ def test_tcsh_block_uses_setenv_and_zsh_appends():
 
 
 def test_loose_modes_are_reported_for_fixing():
-    node = bringup.NodeState(target=None, home="/home/lab")
+    node = setup_node.NodeState(target=None, home="/home/lab")
     node.modes = {"": 0o775, ".ssh": 0o755, ".ssh/authorized_keys": 0o644, ".ssh/config": 0o600,
                   ".ssh/id_ed25519": 0o600, ".ssh/known_hosts": 0o644}
-    fixes = {rel: (cur, want) for rel, cur, want in bringup.mode_fixes(node)}
+    fixes = {rel: (cur, want) for rel, cur, want in setup_node.mode_fixes(node)}
     assert fixes == {"": (0o775, 0o755), ".ssh": (0o755, 0o700), ".ssh/authorized_keys": (0o644, 0o600)}
 
 
@@ -139,7 +141,7 @@ def test_mesh_script_output_parses():
 
 
 def _node(name, py, mpi):
-    n = bringup.NodeState(target=bringup.Target(name, name))
+    n = setup_node.NodeState(target=setup_node.Target(name, name))
     n.toolchain = {"python_path": "/v/bin/python" if py else "", "mpirun_path": "/v/bin/mpirun",
                    "python_version": py, "mpirun_version": mpi, "PATH": "/usr/bin:/bin"}
     return n

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dscluster import cli_plan
+from dscluster.cli import plan as cli_plan
 from dscluster.cli import main
 from dscluster.errors import UsageError
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dscluster import launch, state
+from dscluster import state
+from dscluster.launch import builders as launch
 from dscluster.cli import main
 from test_launch import make_plan
 from test_launch_cli import lab_dir, write_check  # noqa: F401 (lab_dir is a fixture)

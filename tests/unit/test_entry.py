@@ -157,9 +157,42 @@ def test_node_env_is_loaded_and_the_mpi_run_id_is_shared(rig):
 
 def test_launcher_rendezvous_wins_over_check_values(rig):
     write_node_env(rig, "export MASTER_ADDR='10.77.1.1'\nexport MASTER_PORT='29500'\n")
-    out = run_entry(rig, extra={"RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "10.0.0.9", "MASTER_PORT": "4000"})
+    out = run_entry(rig, extra={"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.9",
+                                "MASTER_PORT": "4000"})
     assert out.returncode == 0, out.stderr
     assert env_seen(rig)["MASTER_ADDR"] == "10.0.0.9" and env_seen(rig)["MASTER_PORT"] == "4000"
+
+
+def test_the_rank_is_trainings_rule_when_launchers_disagree(rig):
+    """torchrun started under mpirun: its workers get RANK/LOCAL_RANK and still inherit the agent's
+    OMPI_COMM_WORLD_*. entry_cn.sh and training take the same one (dscluster.ranks)."""
+    write_node_env(rig, "export NCCL_SOCKET_IFNAME='eth0'\n")
+    torchrun = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+    out = run_entry(rig, extra={**under_mpirun(local_rank=0, rank=0), **torchrun})
+    assert out.returncode == 0, out.stderr
+    assert env_seen(rig)["DSCLUSTER_LOCAL_RANK"] == "1"
+    assert not any(l.startswith("telemetry ") for l in log_lines(rig))  # local rank 1 starts no sampler
+
+
+def test_a_rank_outside_the_world_stops_with_exit_2(rig):
+    out = run_entry(rig, extra={"RANK": "5", "WORLD_SIZE": "2"})
+    assert out.returncode == 2
+    assert "RANK=5 is outside 0..1" in out.stderr
+    assert not any(l.startswith(("train", "telemetry")) for l in log_lines(rig))
+
+
+def test_without_local_state_a_rank_uses_the_checkouts(tmp_path):
+    from dscluster.state import rank_state_dir
+
+    checkout, work = tmp_path / "repo", tmp_path / "work"
+    work.mkdir()
+    assert rank_state_dir(checkout, {}, work) == work / ".dscluster"  # neither: where check would write
+    (checkout / ".dscluster").mkdir(parents=True)
+    assert rank_state_dir(checkout, {}, work) == checkout / ".dscluster"
+    (work / ".dscluster").mkdir()
+    assert rank_state_dir(checkout, {}, work) == work / ".dscluster"
+    assert rank_state_dir(checkout, {"DSCLUSTER_STATE": "st"}, work) == work / "st"
+    assert rank_state_dir(checkout, {"DSCLUSTER_STATE": "/srv/st"}, work) == Path("/srv/st")
 
 
 def test_changed_hostfile_warns_but_runs(rig):

@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from dscluster import cli_env, envreport
+from dscluster import envreport
+from dscluster.check.checkfile import CheckFile
+from dscluster.cli import env as cli_env
 from dscluster.cli import main
 
 TOP_KEYS = {"schema", "summary", "versions", "python", "torch", "gpus", "deepspeed", "mpi", "env", "check"}
@@ -57,7 +59,7 @@ def test_relevant_env_keeps_distributed_variables_and_hides_secrets():
 
 
 def test_check_summary_gives_time_result_and_each_nodes_worst_cell():
-    summary = envreport.summarize_check(CHECK_DOC, "/s/check.json")
+    summary = envreport.summarize_check(CheckFile.from_dict(CHECK_DOC), "/s/check.json")
     assert summary["created"] == 1_700_000_000.0 and summary["ok"] is False
     assert (summary["errors"], summary["warnings"]) == (2, 1)
     assert [(n["name"], n["status"], n["problems"]) for n in summary["nodes"]] == [
@@ -101,7 +103,7 @@ def test_nccl_version_formats():
 
 def test_human_report_without_gpu_deepspeed_or_mpirun_still_renders(capsys):
     doc = cpu_only_report(env={"NCCL_DEBUG": "INFO", "DSCLUSTER_SSH_PASSWORD": "***"},
-                          check=envreport.summarize_check(CHECK_DOC, "/s/check.json"))
+                          check=envreport.summarize_check(CheckFile.from_dict(CHECK_DOC), "/s/check.json"))
     cli_env.render(doc)
     out = capsys.readouterr().out
     assert "dscluster 0.1.0, python 3.11.9, torch 2.4.0, deepspeed not installed" in out

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from dscluster.facts import (clock_offset, compute_capability_from_name, node_facts, parse_nvidia_smi_gpus,
+from dscluster.check.facts import (clock_offset, compute_capability_from_name, node_facts, parse_nvidia_smi_gpus,
                              parse_topology, split_sections)
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "facts"

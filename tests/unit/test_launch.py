@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from dscluster import launch
+from dscluster.launch import builders as launch
 from dscluster.errors import UsageError
 
 EXPORTS = {"DSCLUSTER_RUN_ID": "launch-1", "DSCLUSTER_STATE": "/srv/lab/.dscluster"}

@@ -127,7 +127,7 @@ def stand_in_mpirun(root, monkeypatch, body):
     tool = bin_dir / "mpirun"
     tool.write_text(f"#!/bin/sh\n{body}\n")
     tool.chmod(0o755)
-    monkeypatch.setattr("dscluster.cli_launch._bin_dir", lambda: str(bin_dir))
+    monkeypatch.setattr("dscluster.cli.launch._bin_dir", lambda: str(bin_dir))
     return tool
 
 
@@ -150,7 +150,7 @@ def test_launch_bad_input_stays_2_even_with_a_launcher_at_hand(lab_dir, monkeypa
 
 
 def test_torchrun_exit_code_is_the_first_failed_nodes():
-    from dscluster.launch_exec import NodeResult, nodes_exit_code
+    from dscluster.launch.run import NodeResult, nodes_exit_code
 
     assert nodes_exit_code([NodeResult("node1", 0), NodeResult("node2", 0)]) == 0
     assert nodes_exit_code([NodeResult("node1", 0), NodeResult("node2", 3), NodeResult("node3", 5)]) == 3
@@ -192,8 +192,8 @@ def test_mpirun_still_waiting_after_the_summary_is_stopped_and_the_node_named(la
     # The ranks failed and wrote summary.json, but mpirun waits for a daemon that is gone (and
     # ignores SIGTERM, as a hung one may): after the grace it is killed.
     write_check(lab_dir)
-    monkeypatch.setattr("dscluster.launch_exec.GRACE_S", 1.0)
-    monkeypatch.setattr("dscluster.launch_exec.TERM_S", 1.0)
+    monkeypatch.setattr("dscluster.launch.run.GRACE_S", 1.0)
+    monkeypatch.setattr("dscluster.launch.run.TERM_S", 1.0)
     stand_in_mpirun(lab_dir, monkeypatch, """trap '' TERM
 mkdir -p runs/r5 && echo $$ > runs/r5/mpirun.pid
 echo '{"status": "failed", "vanished_hosts": ["node3"]}' > runs/r5/summary.json
@@ -209,7 +209,7 @@ while :; do sleep 0.2; done""")
 
 def test_ranks_mpirun_left_behind_get_the_timeout_then_are_stopped(lab_dir, monkeypatch, capsys):
     write_check(lab_dir)
-    monkeypatch.setattr("dscluster.launch_exec.GRACE_S", 1.0)
+    monkeypatch.setattr("dscluster.launch.run.GRACE_S", 1.0)
     stand_in_mpirun(lab_dir, monkeypatch, """mkdir -p runs/r6
 printf 'dist:\\n  timeout_s: 1\\n' > runs/r6/config.yaml
 sleep 600 &
@@ -256,7 +256,7 @@ def test_an_earlier_attempts_summary_does_not_speak_for_this_one(lab_dir, monkey
 
 
 def test_launcher_gets_prte_keepalives_unless_the_user_chose_their_own(monkeypatch):
-    from dscluster.launch_exec import launcher_env
+    from dscluster.launch.run import launcher_env
 
     monkeypatch.delenv("PRTE_MCA_oob_tcp_keepalive_time", raising=False)
     assert launcher_env(None, {})["PRTE_MCA_oob_tcp_keepalive_time"] == "10"

@@ -4,7 +4,7 @@ import socket
 
 import pytest
 
-from dscluster import bringup_files as bf
+from dscluster.bringup import files as bf
 from dscluster import liveness
 
 # What mpirun (OpenMPI 5.0.11) printed on the lab when node3's cable was pulled.

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from dscluster.facts import node_facts
+from dscluster.check.facts import node_facts
 from dscluster.hosts import parse_hostfile_text
-from dscluster.preflight import (cell_status, decide_batching, decide_precision, deepspeed_env, evaluate, has_errors,
+from dscluster.check.rules import (cell_status, decide_batching, decide_precision, deepspeed_env, evaluate, has_errors,
                                  node_envs)
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "facts"

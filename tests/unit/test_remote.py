@@ -10,7 +10,7 @@ import time
 import paramiko
 import pytest
 
-from dscluster import remote
+from dscluster import hostkeys, remote
 from dscluster.remote import RemoteError, Target
 
 T = Target("node2", "10.77.1.12", 22, "lab")
@@ -71,9 +71,9 @@ def test_unknown_kind_rejected():
 
 
 def test_known_hosts_line_and_port_naming():
-    assert remote.known_hosts_name("node2") == "node2"
-    assert remote.known_hosts_name("10.0.0.2", 2222) == "[10.0.0.2]:2222"
-    line = remote.known_hosts_line(["node2", "10.77.1.12", "node2"], _key())
+    assert hostkeys.known_hosts_name("node2") == "node2"
+    assert hostkeys.known_hosts_name("10.0.0.2", 2222) == "[10.0.0.2]:2222"
+    line = hostkeys.known_hosts_line(["node2", "10.77.1.12", "node2"], _key())
     assert line == f"node2,10.77.1.12 ssh-ed25519 {_key().get_base64()}"
 
 
@@ -81,12 +81,12 @@ def test_pin_keeps_other_hosts_and_replaces_own_entry(tmp_path):
     kh = tmp_path / "state" / "known_hosts"
     kh.parent.mkdir()
     kh.write_text("# my notes\nnode9 ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIAvteXs5Q6Lg7Z7whDVVXFZhIFJYeqnT7e51hF7AsbV2\n")
-    remote.pin_host_key(kh, ["node2", "10.77.1.12"], _other_key())
-    remote.pin_host_key(kh, ["node2", "10.77.1.12"], _key())
+    hostkeys.pin_host_key(kh, ["node2", "10.77.1.12"], _other_key())
+    hostkeys.pin_host_key(kh, ["node2", "10.77.1.12"], _key())
     lines = kh.read_text().splitlines()
     assert lines[0] == "# my notes" and lines[1].startswith("node9 ")
     assert len([ln for ln in lines if ln.startswith("node2,")]) == 1
-    hk = remote.load_known_hosts(kh)
+    hk = hostkeys.load_known_hosts(kh)
     assert hk.lookup("node2")["ssh-ed25519"] == _key()
     assert hk.lookup("10.77.1.12")["ssh-ed25519"] == _key()
 

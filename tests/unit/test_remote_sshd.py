@@ -19,7 +19,7 @@ import pytest
 
 from dscluster.bench.runner import free_port
 
-from dscluster import remote
+from dscluster import hostkeys, remote
 from dscluster.remote import RemoteError, Target
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
@@ -90,7 +90,7 @@ def sshd(tmp_path_factory):
 
 def _pinned(sshd: Sshd, tmp_path: Path) -> Path:
     kh = tmp_path / "known_hosts"
-    kh.write_text(remote.known_hosts_line([f"[127.0.0.1]:{sshd.port}"], sshd.host_key) + "\n")
+    kh.write_text(hostkeys.known_hosts_line([f"[127.0.0.1]:{sshd.port}"], sshd.host_key) + "\n")
     return kh
 
 
@@ -108,7 +108,7 @@ def test_trust_new_hosts_pins_then_key_login_runs_commands(sshd, tmp_path):
     kh = tmp_path / "known_hosts"
     client = remote.connect(sshd.target, known_hosts=kh, key_filename=str(sshd.client_key), trust_new_hosts=True)
     try:
-        pinned = remote.load_known_hosts(kh).lookup(f"[127.0.0.1]:{sshd.port}")
+        pinned = hostkeys.load_known_hosts(kh).lookup(f"[127.0.0.1]:{sshd.port}")
         assert pinned is not None and pinned["ssh-ed25519"] == sshd.host_key
         res = remote.run(client, "echo out; echo err >&2; exit 3")
         assert (res.rc, res.stdout, res.stderr) == (3, "out\n", "err\n")

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from dscluster.sim_ns import anchor_script, kill_and_wait, pid_in_netns, pid_is_zombie
+from dscluster.sim.ns import anchor_script, kill_and_wait, pid_in_netns, pid_is_zombie
 
 IGNORES_TERM = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
 

@@ -85,7 +85,9 @@ def test_two_ranks_load_plot_and_name_the_straggler(tmp_path):
     assert plots["loss"].series["loss rank 0 (%s)" % data.ranks[0].host]["x"] == list(range(1, 9))
     assert plots["loss"].series["held-out accuracy"]["y"] == pytest.approx([75.0])
     assert res.summary["stragglers"] == [1]
-    assert res.summary["images_per_s"] == pytest.approx(32.0 + 16.0)  # the ranks' rates summed
+    # No figure in summary.json: train/timing.py's, from the records; the job goes at its slowest
+    # rank's pace (3 timed steps of 1.0 s for a global batch of 32).
+    assert res.summary["images_per_s"] == pytest.approx(32.0)
     assert res.report.exists() and all(p.path.exists() for p in res.plots)
 
 

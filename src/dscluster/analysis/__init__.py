@@ -1,8 +1,9 @@
-"""Turn run directories into plots, a one-page report and a diagnosis. Reads files only."""
+"""Turn run directories into plots, a one-page report and a diagnosis. Reads files only.
+
+Never imports the command line: `dscluster plot` and analysis/plot.py (`dscluster.cli.plot`) call it."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,22 +59,4 @@ def analyse(run_dirs: list[str | Path], out: str | Path | None = None) -> list[R
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python analysis/plot.py RUN_DIR [RUN_DIR ...] [--out DIR]`."""
-    import argparse
-
-    from dscluster.cli_plot import add_arguments, plot_command
-    from dscluster.errors import DsclusterError
-
-    parser = argparse.ArgumentParser(prog="analysis/plot.py", description=
-                                     "Plots and a one-page report.html for dscluster run directories.")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return plot_command(args)
-    except DsclusterError as e:
-        print(f"plot: {e}", file=sys.stderr)
-        return e.exit_code
-
-
-__all__ = ["RunData", "RunOutput", "analyse", "load_run", "main"]
+__all__ = ["RunData", "RunOutput", "analyse", "load_run"]

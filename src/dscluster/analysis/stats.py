@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dscluster.analysis.load import RunData
-from dscluster.train.timing import WARMUP_STEPS
+from dscluster.train.timing import WARMUP_STEPS, StepWindow, is_timed
 
 STRAGGLER_FACTOR = 1.15
 """A rank is a straggler when its median step time is this much above the median rank's.
@@ -83,14 +83,44 @@ def find_stragglers(stats: list[RankStat], factor: float = STRAGGLER_FACTOR) -> 
     return [s.rank for s in stats if s.median_step_time and s.median_step_time > factor * typical]
 
 
-def throughput(run: RunData, stats: list[RankStat] | None = None) -> float | None:
-    """Images/s for the whole job: summary.json's figure when rank 0 wrote one, else the
-    sum of per-rank median rates (each rank processes its own shard)."""
-    if run.summary and isinstance(run.summary.get("images_per_s"), (int, float)):
-        return float(run.summary["images_per_s"])
-    stats = stats if stats is not None else rank_stats(run)
-    rates = [s.samples_per_s for s in stats if s.samples_per_s]
-    return sum(rates) if rates else None
+def global_batch(run: RunData) -> int | None:
+    for rec in (run.summary, *(run.ranks[r].start for r in sorted(run.ranks))):
+        if rec and isinstance(rec.get("global_batch"), int):
+            return rec["global_batch"]
+    return None
+
+
+def job_throughput(run: RunData) -> tuple[float | None, int]:
+    """(images/s of the whole job, the steps it counts), by train/timing.py's definition.
+
+    summary.json's figure when rank 0 wrote one. Without it (a run that crashed or is still
+    going, or a script of the user's that logs through userlog) the same figure from the step
+    records: each holds its share of its window's wall-clock time and the windows follow each
+    other without a gap, so a rank's timed steps (warm-up left out as `timing.is_timed` leaves it
+    out) add up to its wall-clock time. In synchronous data parallelism the job goes at the pace of
+    its slowest rank, so the rank with the most time is the job's clock."""
+    summary = run.summary or {}
+    if isinstance(summary.get("images_per_s"), (int, float)):
+        return float(summary["images_per_s"]), int(summary.get("timed_steps") or 0)
+    clocks = []
+    for rank in sorted(run.ranks):
+        steps = run.ranks[rank].steps
+        window = StepWindow(clock=lambda: 0.0)
+        for done, step in enumerate(steps, start=1):
+            if is_timed(done, len(steps)) and isinstance(step.get("step_time"), (int, float)):
+                window.timed_s += float(step["step_time"])
+                window.timed_steps += 1
+        clocks.append(window)
+    if not clocks:
+        return None, 0
+    slowest = max(clocks, key=lambda w: (w.timed_s, w.timed_steps))
+    batch = global_batch(run)
+    return (slowest.images_per_s(batch) if batch else None), slowest.timed_steps
+
+
+def throughput(run: RunData) -> float | None:
+    """Images/s for the whole job (`job_throughput`)."""
+    return job_throughput(run)[0]
 
 
 def overflow_counts(run: RunData) -> tuple[int, int]:
@@ -130,7 +160,7 @@ def summary_row(run: RunData) -> dict[str, Any]:
         "world_size": run.world_size,
         "hosts": hosts,
         "steps": max((s.last_step or 0 for s in stats), default=0),
-        "images_per_s": throughput(run, stats),
+        "images_per_s": throughput(run),
         "accuracy": final_accuracy(run),
         "stragglers": find_stragglers(stats),
         "overflow_steps": overflows,

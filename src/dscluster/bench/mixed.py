@@ -119,15 +119,15 @@ def command(opts: MixedBenchOptions, scenario: str, batching: str, port: int) ->
     """mpirun command (one context per distinct per-rank setting) and the extra environment."""
     ranks, gpus, extra = scenario_layout(opts, scenario)
     base = runner.dscluster_train_module_args(opts.config, train_overrides(opts, batching, scenario))
-    contexts: list[runner.AppContext] = []
+    contexts: list[runner.App] = []
     for rank in range(ranks):
         argv = [sys.executable, "-m", *base, *extra.get(rank, [])]
         if contexts and contexts[-1].argv == argv:
-            contexts[-1] = runner.AppContext(contexts[-1].np + 1, argv)
+            contexts[-1] = runner.App(contexts[-1].np + 1, argv)
         else:
-            contexts.append(runner.AppContext(1, argv))
+            contexts.append(runner.App(1, argv))
     env = {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(gpus))} if opts.device == "cuda" else {}
-    argv = runner.mpirun_argv(contexts, port, as_root=runner.is_root(), mpirun=runner.which_mpirun(), exports=env)
+    argv = runner.mpirun_argv(contexts, port, as_root=runner.is_root(), exports=env)
     return argv, env
 
 
@@ -169,7 +169,7 @@ def run(opts: MixedBenchOptions) -> tuple[dict, Path]:
                                                  **extra_env})
             with busy_neighbour(opts, scenario, work / f"{run_id}-gpu_load.log"):
                 job = runner.run_job(argv, env, work / f"{run_id}.log", opts.timeout_s)
-            fig = runner.read_train_run(work / run_id, opts.warmup)
+            fig = runner.read_train_run(work / run_id)
             d = fig.to_dict()
             d.update(rc=job.rc, wall_s=round(job.wall_s, 1), log=job.log,
                      smoothed_final_loss=runner.smoothed_final_loss(fig.losses))

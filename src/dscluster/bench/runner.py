@@ -3,7 +3,8 @@
 Commands are built (pure functions, exact argv) separately from running them. Both paths
 are started as separate processes exactly as a user would start them: `dscluster train`
 under torchrun or mpirun, the DDP baseline under torchrun. Throughput is read from the run
-directory `dscluster train` writes (metrics/rank-R.jsonl), never from a bench-only hook.
+directory `dscluster train` writes, through `analysis.load` (the run's own figure, train/timing.py),
+never from a bench-only hook.
 """
 
 from __future__ import annotations
@@ -11,16 +12,19 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dscluster.fsutil import read_jsonl
+from dscluster.analysis.load import RankMetrics, load_run
+from dscluster.analysis.stats import job_throughput, overflow_counts
+from dscluster.errors import UsageError
+from dscluster.launch import mpirun as launch_mpirun
+from dscluster.launch.mpirun import App, mpirun_path
 from dscluster.netif import free_port  # noqa: F401  (each job gets its own rendezvous)
-from dscluster.runinfo import METRICS_DIR, SUMMARY_FILE
+from dscluster.runinfo import METRICS_DIR
 
 LAUNCHERS = ("torchrun", "mpirun")
 
@@ -36,32 +40,14 @@ def torchrun_argv(nprocs: int, module_args: list[str], port: int, python: str = 
             "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", *module_args]
 
 
-@dataclass(frozen=True)
-class AppContext:
-    """One `-np N [-x K=V] cmd` block of an mpirun command (several blocks = MPMD)."""
-
-    np: int
-    argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)
-
-
-def mpirun_argv(contexts: list[AppContext], port: int, *, as_root: bool, mpirun: str | None = None,
+def mpirun_argv(apps: list[App], port: int, *, as_root: bool, mpirun: str | None = None,
                 exports: dict[str, str] | None = None) -> list[str]:
-    """mpirun on this host only; several contexts give different ranks different settings."""
-    exe = mpirun or str(Path(sys.executable).parent / "mpirun")
-    argv = [exe, "--bind-to", "none", "--oversubscribe"]
-    if as_root:
-        argv.append("--allow-run-as-root")
-    argv += ["--host", f"localhost:{sum(c.np for c in contexts)}"]
+    """mpirun on this host only, rendezvous on loopback; several apps give different ranks
+    different settings (MPMD)."""
     common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(exports or {})}
-    for i, ctx in enumerate(contexts):
-        if i:
-            argv.append(":")
-        argv += ["-np", str(ctx.np)]
-        for key, value in {**common, **ctx.env}.items():
-            argv += ["-x", f"{key}={value}"]
-        argv += ctx.argv
-    return argv
+    apps = [App(a.np, a.argv, {**common, **a.env}) for a in apps]
+    return launch_mpirun.mpirun_argv(mpirun or mpirun_path(), apps, host=f"localhost:{sum(a.np for a in apps)}",
+                                     bind_to="none", oversubscribe=True, as_root=as_root)
 
 
 def dscluster_train_module_args(config: str | None, overrides: list[str]) -> list[str]:
@@ -130,35 +116,29 @@ class TrainFigures:
         return d
 
 
-def _peak_mem(records: list[dict]) -> float | None:
-    for rec in reversed(records):
+def _peak_mem(rm: RankMetrics) -> float | None:
+    for rec in reversed([rm.start, *rm.steps, rm.end]):
         for key in ("peak_mem_mb", "max_memory_allocated_mb"):
-            if isinstance(rec.get(key), (int, float)):
+            if rec and isinstance(rec.get(key), (int, float)):
                 return float(rec[key])
     return None
 
 
-def read_train_run(run_dir: Path, warmup: int, log_every: int = 1) -> TrainFigures:
-    """Throughput over the steps after `warmup`, from the wall-clock stamps of rank 0's step records.
-
-    images/s = global batch × (steps between two records) ÷ (time between them): it counts
-    everything a training step costs (data, logging, host syncs). With log_every = L the
-    trainer writes L records at once after one host sync, so only every L-th record's stamp
-    is the true end of its step; the others are ignored for timing.
-    """
-    metrics = run_dir / METRICS_DIR
-    files = sorted(metrics.glob("rank-*.jsonl"), key=lambda p: int(p.stem.split("-")[1])) if metrics.is_dir() else []
-    summary = {}
-    if (run_dir / SUMMARY_FILE).is_file():
-        summary = json.loads((run_dir / SUMMARY_FILE).read_text())
-    if not files:
-        return TrainFigures(str(run_dir), summary.get("status", "missing"), error=summary.get("error") or
-                            f"no metrics in {metrics}")
-    per_rank = [read_jsonl(p) for p in files]
-    rank0 = per_rank[0]
-    starts = [next((r for r in recs if r.get("kind") == "start"), {}) for recs in per_rank]
-    steps = [r for r in rank0 if r.get("kind") == "step"]
-    end = next((r for r in reversed(rank0) if r.get("kind") == "end"), {})
+def read_train_run(run_dir: Path) -> TrainFigures:
+    """What a `dscluster train` run measured, read through `analysis.load` like every reader of
+    a run directory. Throughput is the run's own (train/timing.py, via `analysis.stats`):
+    wall-clock windows closed after the device sync, warm-up left out."""
+    try:
+        run = load_run(run_dir)
+    except UsageError:
+        return TrainFigures(str(run_dir), "missing", error=f"no metrics in {Path(run_dir) / METRICS_DIR}")
+    summary = run.summary or {}
+    ranks = [run.ranks[r] for r in sorted(run.ranks)]
+    if not ranks:
+        return TrainFigures(str(run_dir), summary.get("status", "missing"),
+                            error=summary.get("error") or f"no metrics in {Path(run_dir) / METRICS_DIR}")
+    starts = [rm.start or {} for rm in ranks]
+    end = ranks[0].end or {}
     fig = TrainFigures(
         run_dir=str(run_dir),
         status=summary.get("status") or end.get("status") or "unknown",
@@ -168,24 +148,13 @@ def read_train_run(run_dir: Path, warmup: int, log_every: int = 1) -> TrainFigur
         global_batch=starts[0].get("global_batch"),
         precision=starts[0].get("precision"),
         error=summary.get("error") or end.get("error"),
-        overflow_steps=sum(1 for r in steps if r.get("overflow")),
-        peak_mem_mb=max((m for m in (_peak_mem(recs) for recs in per_rank) if m is not None), default=None),
+        overflow_steps=overflow_counts(run)[0],
+        peak_mem_mb=max((m for m in map(_peak_mem, ranks) if m is not None), default=None),
     )
-    if steps:
-        fig.losses = global_losses(per_rank, steps[0]["t"])
+    if ranks[0].steps:
+        fig.losses = global_losses([rm.steps for rm in ranks], ranks[0].steps[0]["t"])
         fig.final_loss = fig.losses[-1][2] if fig.losses else None
-    if isinstance(summary.get("images_per_s"), (int, float)) and summary.get("timed_steps"):
-        # The trainer's own figure (train/timing.py): wall-clock windows closed after the device sync.
-        fig.images_per_s, fig.timed_steps = float(summary["images_per_s"]), int(summary["timed_steps"])
-        return fig
-    timed = [r for r in steps if r["step"] >= warmup and r["step"] % log_every == 0]
-    if len(timed) >= 2 and fig.global_batch:
-        first, last = timed[0], timed[-1]
-        seconds = last["t"] - first["t"]
-        n = last["step"] - first["step"]
-        if seconds > 0:
-            fig.images_per_s = fig.global_batch * n / seconds
-            fig.timed_steps = n
+    fig.images_per_s, fig.timed_steps = job_throughput(run)
     return fig
 
 
@@ -288,7 +257,3 @@ def child_env(device: str, extra: dict[str, str] | None = None) -> dict[str, str
 def is_root() -> bool:
     return hasattr(os, "geteuid") and os.geteuid() == 0
 
-
-def which_mpirun() -> str:
-    local = Path(sys.executable).parent / "mpirun"
-    return str(local) if local.exists() else (shutil.which("mpirun") or "mpirun")

@@ -104,8 +104,8 @@ def ds_command(opts: VitBenchOptions, gpus: int, port: int) -> list[str]:
     module_args = runner.dscluster_train_module_args(opts.config, train_overrides(opts))
     if opts.launcher == "torchrun":
         return runner.torchrun_argv(gpus, module_args, port)
-    ctx = runner.AppContext(gpus, [sys.executable, "-m", *module_args])
-    return runner.mpirun_argv([ctx], port, as_root=runner.is_root(), mpirun=runner.which_mpirun())
+    ctx = runner.App(gpus, [sys.executable, "-m", *module_args])
+    return runner.mpirun_argv([ctx], port, as_root=runner.is_root())
 
 
 def baseline_command(opts: VitBenchOptions, gpus: int, micro_batch: int, out_json: Path, port: int) -> list[str]:
@@ -150,7 +150,7 @@ def _rates(figures: dict, gpus: int, one_gpu_rate: float | None, flops: float, p
 def _ds_run(opts: VitBenchOptions, gpus: int, work: Path, run_id: str) -> dict:
     env = runner.child_env(opts.device, {"DSCLUSTER_RUNS": str(work), "DSCLUSTER_RUN_ID": run_id})
     job = runner.run_job(ds_command(opts, gpus, runner.free_port()), env, work / f"{run_id}.log", opts.timeout_s)
-    fig = runner.read_train_run(work / run_id, opts.warmup, log_every(opts)).to_dict()
+    fig = runner.read_train_run(work / run_id).to_dict()
     fig.update(rc=job.rc, wall_s=round(job.wall_s, 1), log=job.log)
     if job.rc != 0 or fig.get("images_per_s") is None:
         fig["status"] = "failed"

@@ -1,10 +1,9 @@
 """Who am I in the job, and bringing up the process group with a timeout.
 
-Launchers disagree on how they tell a process its rank: torchrun/DeepSpeed set RANK,
-mpirun sets OMPI_COMM_WORLD_*, MPICH/Intel set PMI_*, PMIx PMIX_RANK, Slurm SLURM_*.
-`detect_ranks` falls back through them in that order (pure, unit-tested per launcher);
-`init` exports the result as RANK/LOCAL_RANK/WORLD_SIZE for DeepSpeed and warns when that
-overrides a different value already in the environment.
+The rank comes from `dscluster.ranks.detect_ranks`, the one rule (shared with the benchmarks and
+entry_cn.sh; re-exported here for training's callers). `export_env` writes the result as
+RANK/LOCAL_RANK/WORLD_SIZE for DeepSpeed and warns when that overrides a different value already
+in the environment.
 """
 
 from __future__ import annotations
@@ -14,65 +13,10 @@ import hashlib
 import os
 import socket
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from dscluster.errors import UsageError
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    """This process's place in the job and which launcher variables told us."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-    source: str
-
-
-def _int(env: dict, key: str) -> int | None:
-    value = env.get(key)
-    if value is None or value == "":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise UsageError(f"environment: {key}={value!r} is not a whole number") from None
-
-
-def detect_ranks(env: dict[str, str] | None = None) -> RankInfo:
-    """Rank, local rank and world size from whichever launcher started us (single process otherwise)."""
-    env = os.environ if env is None else env
-    candidates = (
-        ("torch", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"),
-        ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE",
-         "OMPI_COMM_WORLD_LOCAL_SIZE"),
-        ("pmi", "PMI_RANK", "MPI_LOCALRANKID", "PMI_SIZE", "MPI_LOCALNRANKS"),
-        ("pmix", "PMIX_RANK", "PMIX_LOCAL_RANK", "PMIX_SIZE", "PMIX_LOCAL_SIZE"),
-        ("slurm", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE"),
-    )
-    for source, rk, lrk, wk, lwk in candidates:
-        rank = _int(env, rk)
-        if rank is None:
-            continue
-        world = _int(env, wk)
-        if world is None:
-            continue
-        local = _int(env, lrk)
-        local_world = None
-        if lwk == "SLURM_NTASKS_PER_NODE":
-            # Slurm writes e.g. "4" or "4(x2)"; the local count is the leading number.
-            raw = env.get(lwk, "")
-            local_world = int(raw.split("(")[0]) if raw.split("(")[0].isdigit() else None
-        else:
-            local_world = _int(env, lwk)
-        if local is None:
-            local = 0 if world == 1 else rank % (local_world or 1)
-        if not 0 <= rank < world:
-            raise UsageError(f"environment: {rk}={rank} is outside 0..{world - 1} ({wk}={world})")
-        return RankInfo(rank, local, world, local_world or (1 if world == 1 else 0), source)
-    return RankInfo(0, 0, 1, 1, "single")
+from dscluster.ranks import RankInfo, detect_ranks  # noqa: F401  (re-exported: dist.detect_ranks, dist.RankInfo)
 
 
 def default_master_port(run_id: str) -> int:

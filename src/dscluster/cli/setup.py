@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from dscluster import console
-from dscluster.bringup import SetupOptions, SetupResult, result_to_dict, run_setup
+from dscluster.bringup.setup import SetupOptions, SetupResult, result_to_dict, run_setup
 from dscluster.errors import UsageError
 from dscluster.hosts import parse_hostfile
 from dscluster.remote import Target

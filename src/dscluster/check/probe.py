@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dscluster import remote
-from dscluster.facts import NodeFacts, clock_offset, node_facts
+from dscluster.check.facts import NodeFacts, clock_offset, node_facts
 
 GPU_QUERY = "index,name,uuid,compute_cap,memory.total,driver_version,ecc.errors.uncorrected.volatile.total"
 GPU_QUERY_OLD = "index,name,uuid,memory.total,driver_version,ecc.errors.uncorrected.volatile.total"

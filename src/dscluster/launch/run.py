@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dscluster import liveness, runinfo
-from dscluster.launch import NodeCommand
+from dscluster.launch.builders import NodeCommand
 
 
 # After the run's summary.json is written (the job's outcome is known), or after mpirun exited

@@ -1,6 +1,6 @@
 """Launch command builders: one typed LaunchPlan in, exact argv lists or script text out.
 
-Nothing here runs anything or reads the environment: `cli_launch` gathers the facts
+Nothing here runs anything or reads the environment: `cli.launch` gathers the facts
 (hostfile, what `dscluster check` wrote, the venv) into a LaunchPlan, and these functions
 turn it into the command each launcher needs. Keeping them pure lets the unit tests assert
 the exact argv, and lets `--dry-run` print precisely what would run.
@@ -20,6 +20,7 @@ from pathlib import Path
 
 from dscluster import state
 from dscluster.errors import UsageError
+from dscluster.launch import mpirun
 
 LAUNCHERS = ("mpirun", "deepspeed", "torchrun", "slurm")
 DEEPSPEED_RUNNERS = ("openmpi", "pdsh")
@@ -99,32 +100,13 @@ def train_command(plan: LaunchPlan) -> list[str]:
     return [plan.entry, *plan.train_args]
 
 
-def _export_args(exports: dict[str, str]) -> list[str]:
-    out: list[str] = []
-    for key in sorted(exports):
-        out += ["-x", f"{key}={exports[key]}"]
-    return out
-
-
-def _mpi_network_args(plan: LaunchPlan) -> list[str]:
-    if not plan.btl_cidr:
-        return []
-    # Both the MPI byte transfer layer and the runtime's out-of-band channel must stay on
-    # the common subnet: a decoy docker0 or a second NIC otherwise stalls the job.
-    return ["--mca", "btl_tcp_if_include", plan.btl_cidr, "--mca", "oob_tcp_if_include", plan.btl_cidr]
-
-
 # --- mpirun (OpenMPI 5) ---------------------------------------------------------------------
 
 def mpirun_argv(plan: LaunchPlan) -> list[str]:
     """`mpirun -np N --hostfile H --map-by slot --bind-to B -x ... --mca ... ./entry_cn.sh ARGS`."""
-    argv = [plan.tool("mpirun"), "-np", str(plan.np), "--hostfile", plan.hostfile,
-            "--map-by", "slot", "--bind-to", plan.bind_to]
-    argv += _export_args(plan.exports)
-    argv += _mpi_network_args(plan)
-    if plan.as_root:
-        argv.append("--allow-run-as-root")
-    return argv + train_command(plan)
+    app = mpirun.App(plan.np, train_command(plan), {key: plan.exports[key] for key in sorted(plan.exports)})
+    return mpirun.mpirun_argv(plan.tool("mpirun"), [app], hostfile=plan.hostfile, map_by="slot",
+                              bind_to=plan.bind_to, cidr=plan.btl_cidr, as_root=plan.as_root)
 
 
 # --- DeepSpeed's own launcher -----------------------------------------------------------------
@@ -145,7 +127,7 @@ def deepspeed_argv(plan: LaunchPlan, runner: str = "openmpi") -> list[str]:
     argv = [plan.tool("deepspeed"), "--hostfile", plan.hostfile, "--launcher", runner,
             "--master_addr", plan.master_addr, "--master_port", str(plan.master_port)]
     if runner == "openmpi":
-        launcher_args = ["--map-by", "slot", "--bind-to", plan.bind_to, *_mpi_network_args(plan)]
+        launcher_args = ["--map-by", "slot", "--bind-to", plan.bind_to, *mpirun.network_args(plan.btl_cidr)]
         if plan.as_root:
             launcher_args.append("--allow-run-as-root")
         argv += ["--launcher_args", shlex.join(launcher_args)]
@@ -205,7 +187,7 @@ def deepspeed_env_layers(plan: LaunchPlan, base: dict[str, str], home: dict[str,
 
 @dataclass(frozen=True)
 class NodeCommand:
-    """A command for one node: run through SSH by `cli_launch` (or by hand)."""
+    """A command for one node: run through SSH by `cli.launch` (or by hand)."""
 
     host: str
     argv: list[str]

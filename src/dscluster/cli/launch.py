@@ -1,7 +1,7 @@
 """`dscluster launch`: start the training on every node with the launcher of your choice.
 
 It reads what `dscluster check` wrote (check.json, cluster.env), refuses to go on when that
-is missing or was made for another hostfile, builds the command with `dscluster.launch`,
+is missing or was made for another hostfile, builds the command with `dscluster.launch.builders`,
 and either prints it (--dry-run) or runs it, streaming its output and returning its result.
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import os
 import shlex
@@ -18,11 +17,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dscluster import launch as builders
+from dscluster.launch import builders
+from dscluster.launch.mpirun import launcher_bin_dir
 from dscluster import state
+from dscluster.check import checkfile
+from dscluster.check.checkfile import CheckFile
 from dscluster.errors import UsageError
 from dscluster.fsutil import atomic_write_text
-from dscluster.hosts import parse_hostfile
+from dscluster.hosts import hostfile_sha256, parse_hostfile
 from dscluster.runinfo import resolve_run_id, runs_root
 
 EPILOG = """examples:
@@ -67,72 +69,44 @@ def register(sub: argparse._SubParsersAction) -> None:
 @dataclass(frozen=True)
 class CheckOutput:
     state_dir: Path
-    check: dict
+    check: CheckFile
     cluster_env: dict[str, str]
     deepspeed_env: dict[str, str]
 
 
-def sha256_file(path: str | Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def load_check_json(state_dir: Path) -> dict:
+def load_check(state_dir: Path) -> CheckFile:
     path = state_dir / "check.json"
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        return checkfile.load(path)
     except FileNotFoundError:
         raise UsageError(f"{path}: no check output yet; run `dscluster check --hostfile HOSTFILE` first "
                          "(it writes the per-node environment that launch needs)") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise UsageError(f"{path}: unreadable check output ({e}); run `dscluster check` again") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"{path}: not a check result; run `dscluster check` again")
-    return data
 
 
-def load_check_output(state_dir: Path, hostfile: Path, check: dict) -> CheckOutput:
+def load_check_output(state_dir: Path, hostfile: Path, check: CheckFile) -> CheckOutput:
     """Check output that matches this hostfile, or a UsageError that says to run check."""
-    expected = check.get("hostfile_sha256")
-    actual = sha256_file(hostfile)
-    if expected != actual:
-        made = check.get("created")
-        when = time.strftime(" at %Y-%m-%d %H:%M", time.localtime(made)) if isinstance(made, (int, float)) else ""
+    if check.hostfile_sha256 != hostfile_sha256(hostfile):
+        made = check.created
+        when = time.strftime(" at %Y-%m-%d %H:%M", time.localtime(made)) if made is not None else ""
         raise UsageError(
             f"{hostfile}: does not match the hostfile `dscluster check` ran on{when} "
-            f"({check.get('hostfile', '?')}); run `dscluster check --hostfile {hostfile}` again")
+            f"({check.hostfile or '?'}); run `dscluster check --hostfile {hostfile}` again")
     cluster_env = state.read_env_file(state_dir / "cluster.env")
     ds_path = state.deepspeed_env_path()
     ds_env = state.read_deepspeed_env(ds_path) if ds_path.exists() else {}
     return CheckOutput(state_dir=state_dir, check=check, cluster_env=cluster_env, deepspeed_env=ds_env)
 
 
-def cluster_has_gpus(check: dict) -> bool | None:
-    """Whether check found GPUs on the nodes it reached; None when it reached none (or the
-    check.json predates facts), so the builders fall back to a GPU per slot."""
-    facts = [n["facts"] for n in check.get("nodes") or []
-             if isinstance(n, dict) and isinstance(n.get("facts"), dict)]
-    if not facts:
-        return None
-    return any(f.get("gpus") for f in facts)
-
-
-def _check_says_failed(check: dict) -> bool:
-    if check.get("ok") is False:
-        return True
-    return str(check.get("status", "")).lower() in {"fail", "failed", "error", "problems"}
-
-
 # --- building the plan ----------------------------------------------------------------------
 
 def _repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
+    return Path(__file__).resolve().parents[3]
 
 
 def _bin_dir() -> str | None:
-    """The running venv's bin, where the pinned mpirun/deepspeed/torchrun live (not resolved:
-    the venv's python is a symlink to the base interpreter)."""
-    bin_dir = Path(sys.executable).parent
-    return str(bin_dir) if (bin_dir / "mpirun").exists() else None
+    """This installation's bin, where the pinned mpirun/deepspeed/torchrun live (`launch.mpirun`
+    finds it; not resolved: the venv's python is a symlink to the base interpreter)."""
+    return launcher_bin_dir()
 
 
 def _train_args(raw: list[str]) -> tuple[str, ...]:
@@ -141,12 +115,12 @@ def _train_args(raw: list[str]) -> tuple[str, ...]:
 
 def build_plan(args: argparse.Namespace) -> tuple[builders.LaunchPlan, CheckOutput]:
     state_dir = state.state_dir().absolute()
-    check = load_check_json(state_dir)
-    hostfile_arg = args.hostfile or check.get("hostfile") or "hosts.txt"
+    check = load_check(state_dir)
+    hostfile_arg = args.hostfile or check.hostfile or "hosts.txt"
     hostfile = Path(hostfile_arg).absolute()
     hf = parse_hostfile(hostfile)
     out = load_check_output(state_dir, hostfile, check)
-    if _check_says_failed(check):
+    if check.ok is False:
         print("dscluster launch: warning: the last `dscluster check` found problems; "
               "the job may fail (see `dscluster check`)", file=sys.stderr)
 
@@ -184,7 +158,8 @@ def build_plan(args: argparse.Namespace) -> tuple[builders.LaunchPlan, CheckOutp
         bind_to=args.bind_to,
         bin_dir=_bin_dir(),
         workdir=str(Path.cwd()),
-        gpus=cluster_has_gpus(check),
+        # None (no node reached): the builders fall back to a GPU per slot.
+        gpus=check.has_gpus(),
     )
     return plan, out
 
@@ -216,7 +191,7 @@ def launch_command(args: argparse.Namespace) -> int:
 
 def _run_local(args: argparse.Namespace, report: dict, argv: list[str], plan: builders.LaunchPlan,
                env_extra: dict[str, str]) -> int:
-    from dscluster.launch_exec import launcher_env, run_job
+    from dscluster.launch.run import launcher_env, run_job
 
     report["argv"] = argv
     report["env"] = env_extra
@@ -241,7 +216,7 @@ def _run_local(args: argparse.Namespace, report: dict, argv: list[str], plan: bu
 
 def job_report(launcher: str, outcome, run_dir: Path) -> tuple[int, str]:
     """Exit code and closing line for a local launcher run (a launch_exec.JobOutcome)."""
-    from dscluster.launch_exec import job_exit_code, summary_since
+    from dscluster.launch.run import job_exit_code, summary_since
 
     summary = summary_since(run_dir, outcome.started)  # not an earlier attempt's (a resumed run)
     vanished = list(outcome.vanished)
@@ -278,7 +253,7 @@ def _run_torchrun(args: argparse.Namespace, report: dict, plan: builders.LaunchP
             for c in commands:
                 print(f"ssh {shlex.quote(c.host)} {shlex.quote(c.shell)}")
         return 0
-    from dscluster.launch_exec import nodes_exit_code, run_over_ssh
+    from dscluster.launch.run import nodes_exit_code, run_over_ssh
 
     key = Path.home() / ".ssh" / "id_ed25519"
     print(f"dscluster launch: run {report['run_id']} -> {report['run_dir']} "

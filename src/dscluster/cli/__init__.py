@@ -1,4 +1,5 @@
-"""`dscluster` command line: one module per subcommand (cli_<name>.register).
+"""`dscluster` command line: one module per command (`dscluster.cli.<command>`), each with
+`register(subparsers)` that adds its parser and sets `func` (parse -> call -> render).
 
 Exit codes: 0 ok, 1 problems found / job failed, 2 bad input or usage.
 """
@@ -11,10 +12,23 @@ import sys
 
 from dscluster.errors import DsclusterError
 
-# Each module defines register(subparsers) and sets `func` on its parsers.
-COMMAND_MODULES = [
-    "hosts", "sim", "setup", "check", "launch", "train", "telemetry", "plot", "diagnose", "bench", "env", "plan",
-]
+# The command table, in `--help` order: command -> its module. Modules are imported when the
+# parser is built (not when `dscluster.cli` is), so `import dscluster.cli.plot` stays cheap; a
+# module that is missing is an ImportError, never a command that quietly disappears.
+COMMANDS: dict[str, str] = {
+    "hosts": "dscluster.cli.hosts",
+    "sim": "dscluster.cli.sim",
+    "setup": "dscluster.cli.setup",
+    "check": "dscluster.cli.check",
+    "launch": "dscluster.cli.launch",
+    "train": "dscluster.cli.train",
+    "telemetry": "dscluster.cli.telemetry",
+    "plot": "dscluster.cli.plot",
+    "diagnose": "dscluster.cli.diagnose",
+    "bench": "dscluster.cli.bench",
+    "env": "dscluster.cli.env",
+    "plan": "dscluster.cli.plan",
+}
 
 
 class VersionAction(argparse.Action):
@@ -41,14 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action=VersionAction,
                         help="print dscluster, python, torch and deepspeed versions and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"dscluster.cli_{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"dscluster.cli_{name}":
-                continue  # subcommand not built yet
-            raise
-        module.register(sub)
+    for name, module in COMMANDS.items():
+        importlib.import_module(module).register(sub)
+        if name not in sub.choices:
+            raise RuntimeError(f"{module}.register() did not add the `{name}` command")
     return parser
 
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from dscluster.errors import DsclusterError
-from dscluster.sim_reach import HOME_BIND, OVERLAY, REBIND
+from dscluster.sim.reach import HOME_BIND, OVERLAY, REBIND
 
 # Found on PATH, never at a fixed place: a host without them (a GPU server) is given a folder of
 # carried binaries whose bin/ goes first on PATH. ssh: OpenMPI starts its daemons through it.

@@ -13,7 +13,7 @@ import ipaddress
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 
-from dscluster.facts import NodeFacts
+from dscluster.check.facts import NodeFacts
 from dscluster.hosts import Hostfile
 from dscluster.netif import NetworkPlan, is_excluded, plan_network
 

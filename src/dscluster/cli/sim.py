@@ -12,9 +12,10 @@ import time
 
 from rich.table import Table
 
-from dscluster import console, sim
+from dscluster import console
+from dscluster.sim import lab as sim
 from dscluster.errors import JobFailed, UsageError
-from dscluster.sim_options import parse_env, parse_gpus, parse_link, resolve_size
+from dscluster.sim.options import parse_env, parse_gpus, parse_link, resolve_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -1,43 +1,8 @@
 """`dscluster check`: probe every node, report what would hang or crash the run, write the env.
 
-JSON schema (`dscluster check --json`, also written to <state>/check.json), version 1.
-Keys are only ever added; a change in meaning bumps "schema".
+The result, printed with --json and written to <state>/check.json, is `check.checkfile.CheckFile`;
+its schema is described in docs/schemas.md.
 
-    {
-      "schema": 1,
-      "ok": bool,                  # no finding of severity "error"
-      "created": float,            # unix time the probe started
-      "wall_s": float,             # how long the check took
-      "hostfile": str,             # path as given
-      "hostfile_sha256": str,      # launch compares it: a changed hostfile needs a new check
-      "np": int,                   # total slots: the -np for mpirun
-      "head": str,                 # first hostfile host: rank 0, MASTER_ADDR
-      "precision": {"value": "bf16"|"fp16"|"fp32", "reason": str, "deprecated_fp16": bool},
-      "batching": {"value": "uniform"|"balanced", "reason": str},
-      "network": {"subnet": str|null,            # CIDR shared by all nodes (btl_tcp_if_include)
-                  "common": [str],                # every shared subnet, best first
-                  "iface": {node: str},           # node's interface on "subnet"
-                  "address": {node: str},         # node's address on "subnet"
-                  "missing": {node: [str]}},      # when nothing is shared: each node's subnets
-      "master": {"addr": str|null, "port": int},
-      "nodes": [{"name": str,                     # as in the hostfile
-                 "reachable": bool,
-                 "hostname": str|null,            # what `hostname` prints there (env file name)
-                 "checks": {check: "ok"|"warning"|"error"},   # one per table column
-                 "env": {KEY: value},             # what <state>/env/<hostname>.env exports
-                 "facts": {...}|null}],           # NodeFacts.to_dict(): versions, GPUs, topology …
-      "findings": [{"severity": "error"|"warning"|"info", "node": str|null,
-                    "check": str, "what": str, "fix": str}],
-      "active": {"skipped": str|null,
-                 "mpi_hello": {"ok", "seconds", "argv", "output"}|null,
-                 "allreduce": {"ok", "seconds", "argv", "output",
-                               "result": {"backend", "world_size", "hosts", "device", "nccl",
-                                          "torch", "iters", "peak_busbw_GBps",
-                                          "results": [{"bytes", "time_us", "algbw_GBps",
-                                                       "busbw_GBps"}]}|null}|null},
-      "files": {"check_json": str, "cluster_env": str, "deepspeed_env": str,
-                "node_env": {node: str}}
-    }
 Check names (table columns): reach hostname network versions gpu precision p2p shm clock
 disk mesh port mpi allreduce. Exit status: 0 no errors (warnings allowed), 1 errors,
 2 bad input (hostfile, flags, no state from `dscluster setup`).
@@ -52,11 +17,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from dscluster import console, state
-from dscluster.fsutil import atomic_write_json
-from dscluster.preflight import CHECKS, cell_status, deepspeed_env
-from dscluster.preflight_run import CheckOptions, CheckRun, envs, ok, run_check
+from dscluster.check import checkfile
+from dscluster.check.checkfile import CheckFile, NodeResult
+from dscluster.check.rules import CHECKS, cell_status, deepspeed_env
+from dscluster.check.run import CheckOptions, CheckRun, envs, ok, run_check
 
-SCHEMA_VERSION = 1
 MARK = {"ok": "[green]✓[/]", "warning": "[yellow]![/]", "error": "[red]✗[/]"}
 SEVERITY_STYLE = {"error": "red", "warning": "yellow", "info": "cyan"}
 # Short column headers: the table must fit an 80-column terminal with 14 checks.
@@ -77,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog="example: dscluster check --hostfile hosts.txt --skip-active --json",
     )
     p.add_argument("--hostfile", default="hosts.txt", help="OpenMPI hostfile (default: hosts.txt)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON (schema in the module docstring)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON (schema: docs/schemas.md)")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per node for each phase (default: 30)")
     p.add_argument("--skip-active", action="store_true", help="skip the MPI hello and all-reduce tests")
     p.add_argument("--master-port", type=int, default=29500, help="rendezvous port to test and write (default: 29500)")
@@ -87,39 +52,38 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=check_command)
 
 
-def build_document(run: CheckRun, master_port: int, files: dict) -> dict:
+def build_document(run: CheckRun, master_port: int, files: dict) -> CheckFile:
     per_node, _ = envs(run, master_port)
     ev = run.evaluation
     nodes = []
     for h in run.hostfile.hosts:
         f = run.facts.get(h.name)
-        nodes.append({
-            "name": h.name,
-            "reachable": f is not None,
-            "hostname": f.hostname if f else None,
-            "checks": {c: cell_status(run.findings, h.name, c) for c in CHECKS},
-            "env": per_node.get(h.name, {}),
-            "facts": f.to_dict() if f else None,
-        })
-    return {
-        "schema": SCHEMA_VERSION,
-        "ok": ok(run),
-        "created": run.created,
-        "wall_s": round(run.wall_s, 3),
-        "hostfile": run.hostfile.path,
-        "hostfile_sha256": run.hostfile_sha256,
-        "np": run.hostfile.total_slots,
-        "head": ev.head,
-        "precision": {"value": ev.precision.value, "reason": ev.precision.reason,
-                      "deprecated_fp16": ev.precision.deprecated_fp16},
-        "batching": {"value": ev.batching.value, "reason": ev.batching.reason},
-        "network": ev.network.to_dict(),
-        "master": {"addr": ev.network.address.get(ev.head), "port": master_port},
-        "nodes": nodes,
-        "findings": [x.to_dict() for x in run.findings],
-        "active": run.active,
-        "files": files,
-    }
+        nodes.append(NodeResult(
+            name=h.name,
+            reachable=f is not None,
+            hostname=f.hostname if f else None,
+            checks={c: cell_status(run.findings, h.name, c) for c in CHECKS},
+            env=per_node.get(h.name, {}),
+            facts=f.to_dict() if f else None,
+        ))
+    return CheckFile(
+        ok=ok(run),
+        created=run.created,
+        wall_s=round(run.wall_s, 3),
+        hostfile=run.hostfile.path,
+        hostfile_sha256=run.hostfile_sha256,
+        np=run.hostfile.total_slots,
+        head=ev.head,
+        precision={"value": ev.precision.value, "reason": ev.precision.reason,
+                   "deprecated_fp16": ev.precision.deprecated_fp16},
+        batching={"value": ev.batching.value, "reason": ev.batching.reason},
+        network=ev.network.to_dict(),
+        master={"addr": ev.network.address.get(ev.head), "port": master_port},
+        nodes=nodes,
+        findings=[x.to_dict() for x in run.findings],
+        active=run.active,
+        files=files,
+    )
 
 
 def write_outputs(run: CheckRun, master_port: int) -> dict:
@@ -143,7 +107,7 @@ def write_outputs(run: CheckRun, master_port: int) -> dict:
     for note in notes:
         console.err.print(f"dscluster check: {note}", markup=False)
     files["check_json"] = str(state.check_json_path())
-    atomic_write_json(state.check_json_path(), build_document(run, master_port, files))
+    checkfile.write(state.check_json_path(), build_document(run, master_port, files))
     return files
 
 
@@ -195,7 +159,7 @@ def check_command(args: argparse.Namespace) -> int:
     files = write_outputs(run, opts.master_port)
     doc = build_document(run, opts.master_port, files)
     if args.json:
-        print(json.dumps(doc, indent=2, sort_keys=True))
+        print(json.dumps(doc.to_dict(), indent=2, sort_keys=True))
     else:
-        render(doc)
-    return 0 if doc["ok"] else 1
+        render(doc.to_dict())
+    return 0 if doc.ok else 1

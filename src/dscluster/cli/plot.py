@@ -1,9 +1,12 @@
-"""`dscluster plot RUN_DIR [RUN_DIR ...]` (same as `python analysis/plot.py`)."""
+"""`dscluster plot RUN_DIR [RUN_DIR ...]`, and `python analysis/plot.py` (`main`): the same command."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+
+from dscluster.errors import DsclusterError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,3 +47,16 @@ def plot_command(args: argparse.Namespace) -> int:
             print(f"  {p.path}" + (f"  ({'; '.join(p.notes)})" if p.notes else ""))
         print(f"  report: {r.report}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python analysis/plot.py RUN_DIR [RUN_DIR ...] [--out DIR]`."""
+    parser = argparse.ArgumentParser(prog="analysis/plot.py", description=
+                                     "Plots and a one-page report.html for dscluster run directories.")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return plot_command(args)
+    except DsclusterError as e:
+        print(f"plot: {e}", file=sys.stderr)
+        return e.exit_code

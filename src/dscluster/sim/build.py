@@ -16,16 +16,16 @@ import time
 from pathlib import Path
 
 from dscluster.fsutil import atomic_write_text
-from dscluster.sim_ns import (
+from dscluster.sim.ns import (
     SimError, anchor_script, kill_and_wait, netns_exists, pid_in_netns, read_pid, sh, start_anchor,
     start_sshd, wait_anchor, wait_sshd,
 )
-from dscluster.sim_options import LINK_NONE, tbf_argv
-from dscluster.sim_plan import (
+from dscluster.sim.options import LINK_NONE, tbf_argv
+from dscluster.sim.plan import (
     DECOY_CIDR, HOST_KEY_TYPES, LabState, SimNode, free_id, node_path, node_session_env, render_group,
     render_hostfile, render_hosts, render_passwd, render_shadow, render_sshd_config, uplink_names,
 )
-from dscluster.sim_reach import HOME_BIND, OVERLAY, REBIND
+from dscluster.sim.reach import HOME_BIND, OVERLAY, REBIND
 
 
 def save_state(state: LabState) -> None:

@@ -13,7 +13,7 @@ node's cable can be shaped to a link rate (`link="1gbit"`).
     down("dslab")                          # returns once no namespace, link or process is left
 
 State lives in /run/dscluster-sim/<lab>/state.json so `down`/`status` work from any process.
-The plan (names, addresses, paths) is in `sim_plan`, the namespace plumbing in `sim_ns`.
+The plan (names, addresses, paths) is in `sim.plan`, the namespace plumbing in `sim.ns`.
 """
 
 from __future__ import annotations
@@ -36,16 +36,16 @@ from typing import Iterator
 from dscluster.errors import UsageError
 from dscluster.fsutil import atomic_write_text
 from dscluster.hosts import is_valid_host
-from dscluster.sim_build import build, restart_sshd, save_state
-from dscluster.sim_host import (
+from dscluster.sim.build import build, restart_sshd, save_state
+from dscluster.sim.host import (
     check_gpus, check_link, extra_path_dirs, plan_shared_reach, repo_root, require_root, require_tools,
 )
-from dscluster.sim_ns import (
+from dscluster.sim.ns import (
     SimError, host_mounts_under, kill_and_wait, link_names, netns_exists, netns_pids, nsenter_argv,
     pid_in_netns, read_pid, sh, wait_for,
 )
-from dscluster.sim_options import LINK_NONE, parse_link, resolve_size, validate_env, validate_lab_name
-from dscluster.sim_plan import (
+from dscluster.sim.options import LINK_NONE, parse_link, resolve_size, validate_env, validate_lab_name
+from dscluster.sim.plan import (
     HOST_KEY_TYPES, ROOT_PATH, SIM_ROOT, USER_PATH, LabState, SimNode, free_id, node_path,
     node_session_env, pick_lab_index, plan_lab, render_hostfile,
 )

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from dscluster.errors import UsageError
-from dscluster.sim_options import (  # noqa: F401  (validators re-exported: callers import them here)
+from dscluster.sim.options import (  # noqa: F401  (validators re-exported: callers import them here)
     LINK_NONE, MAX_NODES, assign_gpus, parse_link, validate_lab_name, validate_node_count, validate_slots,
 )
 

@@ -14,16 +14,16 @@ import sys
 from pathlib import Path
 
 from dscluster.errors import UsageError
-from dscluster.sim_ns import LINK_TOOLS, REQUIRED_TOOLS, TOOL_PACKAGES, find_tool, tbf_available
-from dscluster.sim_options import LINK_NONE, check_gpu_supply, count_listed_gpus
-from dscluster.sim_plan import SIM_ROOT, USER_PATH
-from dscluster.sim_reach import host_stat, plan_reach
+from dscluster.sim.ns import LINK_TOOLS, REQUIRED_TOOLS, TOOL_PACKAGES, find_tool, tbf_available
+from dscluster.sim.options import LINK_NONE, check_gpu_supply, count_listed_gpus
+from dscluster.sim.plan import SIM_ROOT, USER_PATH
+from dscluster.sim.reach import host_stat, plan_reach
 
 
 def repo_root() -> Path:
     """The checkout this package runs from (src layout); it is visible on every node."""
     here = Path(__file__).resolve()
-    root = here.parents[2]
+    root = here.parents[3]
     return root if (root / "pyproject.toml").exists() else Path.cwd()
 
 

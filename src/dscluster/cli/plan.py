@@ -49,6 +49,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from dscluster import advisor, console, state
+from dscluster.check import checkfile
+from dscluster.check.checkfile import CheckFileError
 from dscluster.errors import UsageError
 
 SCHEMA_VERSION = 1
@@ -96,12 +98,11 @@ def busbw_from_check(path: Path) -> tuple[float, int | None]:
     """(bus bandwidth of check's largest all-reduce, closest to DDP's 100 MB buckets; its rank count)."""
     fix = "run `dscluster check` (without --skip-active) on this hostfile, or pass --busbw GBps"
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        result = checkfile.load(path).allreduce_result()
     except FileNotFoundError:
         raise UsageError(f"{path}: no all-reduce measurement yet: {fix}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UsageError(f"{path}: cannot read ({e}): {fix}") from None
-    result = ((doc.get("active") or {}).get("allreduce") or {}).get("result") if isinstance(doc, dict) else None
+    except CheckFileError as e:
+        raise UsageError(f"{e}; or pass --busbw GBps") from None
     rows = [r for r in (result or {}).get("results") or [] if r.get("busbw_GBps", 0) > 0]
     if not rows:
         raise UsageError(f"{path}: holds no all-reduce result (skipped or failed): {fix}")

@@ -1,13 +1,13 @@
 """All-reduce bandwidth across every rank: NCCL on GPUs, gloo on CPU.
 
-    mpirun -np 4 --hostfile hosts.txt python -m dscluster.allreduce_bench --json   # across nodes
-    python -m dscluster.allreduce_bench --json                                     # one host, all its GPUs
+    mpirun -np 4 --hostfile hosts.txt python -m dscluster.bench.allreduce --json   # across nodes
+    python -m dscluster.bench.allreduce --json                                     # one host, all its GPUs
 
 Bandwidth follows nccl-tests' definitions so figures compare with theirs:
     algbw = bytes / time            busbw = algbw * 2 (n - 1) / n
 (busbw is what each link carries in a ring all-reduce, independent of the rank count).
-Rank and world size come from OpenMPI (OMPI_COMM_WORLD_*), torchrun/DeepSpeed (RANK,
-WORLD_SIZE) or, with neither, this process spawns one rank per local GPU (or 2 on CPU).
+Rank and world size come from the launcher (`dscluster.ranks`, the rule training uses) or,
+without one, this process spawns one rank per local GPU (or 2 on CPU).
 When MASTER_ADDR is set and GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME are not, each rank picks
 its own interface on MASTER_ADDR's subnet: names differ between lab machines.
 """
@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+
+from dscluster.ranks import detect_ranks
 
 GPU_SIZES = [1 << 20, 16 << 20, 64 << 20, 256 << 20]
 CPU_SIZES = [64 << 10, 1 << 20, 4 << 20]
@@ -40,16 +42,6 @@ def parse_sizes(text: str) -> list[int]:
         mult = units.get(part[-1:], 1)
         out.append(int(float(part[:-1] if mult > 1 else part) * mult))
     return out
-
-
-def _rank_env() -> tuple[int, int, int] | None:
-    env = os.environ
-    for r, w, l in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-                    ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
-                    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID")):
-        if env.get(r) and env.get(w):
-            return int(env[r]), int(env[w]), int(env.get(l, "0") or 0)
-    return None
 
 
 def _pick_ifaces(master_addr: str) -> None:
@@ -140,7 +132,7 @@ def _emit(out: dict, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                epilog="example: mpirun -np 2 --hostfile hosts.txt python -m dscluster.allreduce_bench --json")
+                                epilog="example: mpirun -np 2 --hostfile hosts.txt python -m dscluster.bench.allreduce --json")
     p.add_argument("--json", action="store_true", help="print one JSON object (rank 0)")
     p.add_argument("--sizes", type=parse_sizes, default=None, help="e.g. 1M,64M,256M (default: up to 256M on GPU, 4M on CPU)")
     p.add_argument("--iters", type=int, default=20)
@@ -148,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, default=None, help="ranks to spawn when not launched by mpirun/torchrun")
     p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout, seconds")
     args = p.parse_args(argv)
-    ranks = _rank_env()
-    if ranks is not None:
-        out = run_rank(*ranks, args.sizes, args.iters, args.warmup, args.timeout)
+    info = detect_ranks()
+    if info.source != "single":
+        out = run_rank(info.rank, info.world_size, info.local_rank, args.sizes, args.iters, args.warmup, args.timeout)
         if out is not None:
             _emit(out, args)
         return 0

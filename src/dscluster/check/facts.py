@@ -1,6 +1,6 @@
 """What a node is, parsed from the text the probe printed on it. Pure code, no I/O.
 
-The probe (dscluster.probe) runs one shell command per node and prints sections:
+The probe (dscluster.check.probe) runs one shell command per node and prints sections:
 
     @@dscluster-section NAME
     ...whatever the command printed (stdout and stderr)...

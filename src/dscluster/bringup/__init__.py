@@ -1,0 +1,1 @@
+"""`dscluster setup`: passwordless SSH between every pair of nodes, pinned host keys."""

@@ -1,0 +1,147 @@
+"""`check.json`: what the last `dscluster check` found, as one typed record.
+
+`dscluster check` writes it (and prints it with --json); `dscluster launch`, `dscluster plan` and
+`dscluster env` read it, only through `load`. The schema, version `SCHEMA_VERSION`, is described in
+one place: docs/schemas.md ("`dscluster check --json` and `check.json`"). Keys are only ever added
+and a change in meaning bumps the version, so reading is lenient: a check.json from an older
+dscluster, or one trimmed by hand, loads with the fields it lacks empty, and each reader decides
+what an empty field means for it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from dscluster.errors import UsageError
+from dscluster.fsutil import atomic_write_json
+
+SCHEMA_VERSION = 1
+
+
+class CheckFileError(UsageError):
+    """check.json exists but cannot be read as a check result (the message names the file)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class NodeResult:
+    """One hostfile line as the check saw it."""
+
+    name: str
+    """As in the hostfile."""
+    reachable: bool = True
+    hostname: str | None = None
+    """What `hostname` prints there: the name of its env file."""
+    checks: dict[str, str] = field(default_factory=dict)
+    """Check (table column) -> "ok" | "warning" | "error"."""
+    env: dict[str, str] = field(default_factory=dict)
+    """What <state>/env/<hostname>.env exports."""
+    facts: dict[str, Any] | None = None
+    """NodeFacts.to_dict(); None when the node could not be probed."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "reachable": self.reachable, "hostname": self.hostname, "checks": self.checks,
+                "env": self.env, "facts": self.facts}
+
+    @classmethod
+    def from_dict(cls, doc: Mapping) -> NodeResult:
+        return cls(name=str(doc.get("name")), reachable=doc.get("reachable", True) is not False,
+                   hostname=doc.get("hostname"), checks=_dict(doc.get("checks")), env=_dict(doc.get("env")),
+                   facts=doc.get("facts") if isinstance(doc.get("facts"), dict) else None)
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckFile:
+    """The whole check result; field meanings are in docs/schemas.md."""
+
+    ok: bool | None
+    """No finding of severity "error"; None when the file does not say."""
+    created: float | None = None
+    """Unix time the probe started."""
+    wall_s: float | None = None
+    hostfile: str | None = None
+    """The hostfile's path as given to check."""
+    hostfile_sha256: str | None = None
+    """`hostfile_sha256(hostfile)` when check ran: launch refuses a hostfile that changed since."""
+    np: int | None = None
+    head: str | None = None
+    precision: dict[str, Any] = field(default_factory=dict)
+    batching: dict[str, Any] = field(default_factory=dict)
+    network: dict[str, Any] = field(default_factory=dict)
+    master: dict[str, Any] = field(default_factory=dict)
+    nodes: list[NodeResult] = field(default_factory=list)
+    findings: list[dict[str, Any]] = field(default_factory=list)
+    active: dict[str, Any] | None = None
+    files: dict[str, Any] = field(default_factory=dict)
+    schema: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": self.schema, "ok": self.ok, "created": self.created, "wall_s": self.wall_s,
+            "hostfile": self.hostfile, "hostfile_sha256": self.hostfile_sha256, "np": self.np, "head": self.head,
+            "precision": self.precision, "batching": self.batching, "network": self.network, "master": self.master,
+            "nodes": [n.to_dict() for n in self.nodes], "findings": self.findings, "active": self.active,
+            "files": self.files,
+        }
+
+    @classmethod
+    def from_dict(cls, doc: Mapping) -> CheckFile:
+        def number(key: str) -> float | None:
+            value = doc.get(key)
+            return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+        return cls(
+            schema=doc.get("schema", SCHEMA_VERSION),
+            ok=doc.get("ok") if isinstance(doc.get("ok"), bool) else None,
+            created=number("created"), wall_s=number("wall_s"),
+            hostfile=doc.get("hostfile") if isinstance(doc.get("hostfile"), str) else None,
+            hostfile_sha256=doc.get("hostfile_sha256") if isinstance(doc.get("hostfile_sha256"), str) else None,
+            np=doc.get("np") if isinstance(doc.get("np"), int) else None,
+            head=doc.get("head") if isinstance(doc.get("head"), str) else None,
+            precision=_dict(doc.get("precision")), batching=_dict(doc.get("batching")),
+            network=_dict(doc.get("network")), master=_dict(doc.get("master")),
+            nodes=[NodeResult.from_dict(n) for n in doc.get("nodes") or [] if isinstance(n, Mapping)],
+            findings=[dict(f) for f in doc.get("findings") or [] if isinstance(f, Mapping)],
+            active=doc.get("active") if isinstance(doc.get("active"), dict) else None,
+            files=_dict(doc.get("files")),
+        )
+
+    def has_gpus(self) -> bool | None:
+        """Whether check found GPUs on the nodes it reached; None when it reached none (or the
+        file predates facts)."""
+        facts = [n.facts for n in self.nodes if n.facts is not None]
+        if not facts:
+            return None
+        return any(f.get("gpus") for f in facts)
+
+    def allreduce_result(self) -> dict[str, Any] | None:
+        """The all-reduce test's result document (`dscluster.bench.allreduce --json`), if it ran and
+        gave one."""
+        result = ((self.active or {}).get("allreduce") or {}).get("result")
+        return result if isinstance(result, dict) else None
+
+
+def _dict(value: object) -> dict:
+    return dict(value) if isinstance(value, Mapping) else {}
+
+
+def write(path: str | Path, doc: CheckFile) -> Path:
+    """Write atomically: a reader never sees half a check.json."""
+    return atomic_write_json(path, doc.to_dict())
+
+
+def load(path: str | Path) -> CheckFile:
+    """The check.json at `path`. A missing file raises FileNotFoundError (each reader says what
+    to do about it); one that is not a check result raises CheckFileError."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckFileError(f"{path}: unreadable check output ({e}); run `dscluster check` again") from None
+    if not isinstance(doc, dict):
+        raise CheckFileError(f"{path}: not a check result; run `dscluster check` again")
+    return CheckFile.from_dict(doc)

@@ -1,0 +1,1 @@
+"""`dscluster launch`: the launch plan and command builders, and running them."""

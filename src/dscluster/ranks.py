@@ -1,0 +1,92 @@
+"""Who am I in the job: the one rank-detection rule, for training, the benchmarks and entry_cn.sh.
+
+Launchers disagree on how they tell a process its rank: torchrun and DeepSpeed's launcher set
+RANK, mpirun sets OMPI_COMM_WORLD_*, MPICH/Intel set PMI_*, PMIx PMIX_RANK, Slurm SLURM_*.
+`detect_ranks` tries them in that order and takes the first that names both a rank and a world
+size. RANK comes first because it is set by the innermost launcher: a torchrun agent started by
+mpirun hands its workers RANK while they still inherit the agent's OMPI_COMM_WORLD_RANK, and
+RANK is what torch.distributed itself reads.
+
+entry_cn.sh evaluates `shell_assignments` (it starts python for that anyway).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from dataclasses import dataclass
+
+from dscluster.errors import UsageError
+
+# (source, rank, local rank, world size, local world size) variables, in the order they are tried.
+LAUNCHER_VARS = (
+    ("torch", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"),
+    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE",
+     "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("pmi", "PMI_RANK", "MPI_LOCALRANKID", "PMI_SIZE", "MPI_LOCALNRANKS"),
+    ("pmix", "PMIX_RANK", "PMIX_LOCAL_RANK", "PMIX_SIZE", "PMIX_LOCAL_SIZE"),
+    ("slurm", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE"),
+)
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """This process's place in the job and which launcher variables told us."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    """0 when the launcher did not say."""
+    source: str
+    """"torch", "openmpi", "pmi", "pmix", "slurm", or "single" when no launcher started us."""
+
+
+def _int(env, key: str) -> int | None:
+    value = env.get(key)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise UsageError(f"environment: {key}={value!r} is not a whole number") from None
+
+
+def detect_ranks(env=None) -> RankInfo:
+    """Rank, local rank and world size from whichever launcher started us (single process otherwise)."""
+    env = os.environ if env is None else env
+    for source, rk, lrk, wk, lwk in LAUNCHER_VARS:
+        rank = _int(env, rk)
+        if rank is None:
+            continue
+        world = _int(env, wk)
+        if world is None:
+            continue
+        local = _int(env, lrk)
+        local_world = None
+        if lwk == "SLURM_NTASKS_PER_NODE":
+            # Slurm writes e.g. "4" or "4(x2)"; the local count is the leading number.
+            raw = env.get(lwk, "")
+            local_world = int(raw.split("(")[0]) if raw.split("(")[0].isdigit() else None
+        else:
+            local_world = _int(env, lwk)
+        if local is None:
+            local = 0 if world == 1 else rank % (local_world or 1)
+        if not 0 <= rank < world:
+            raise UsageError(f"environment: {rk}={rank} is outside 0..{world - 1} ({wk}={world})")
+        return RankInfo(rank, local, world, local_world or (1 if world == 1 else 0), source)
+    return RankInfo(0, 0, 1, 1, "single")
+
+
+def shell_assignments(info: RankInfo) -> str:
+    """What entry_cn.sh evaluates: GLOBAL_RANK (empty without a launcher), LOCAL_RANK_ID, WORLD and
+    LOCAL_WORLD (empty when unknown), RANK_SOURCE."""
+    launched = info.source != "single"
+    values = {
+        "GLOBAL_RANK": str(info.rank) if launched else "",
+        "LOCAL_RANK_ID": str(info.local_rank),
+        "WORLD": str(info.world_size) if launched else "",
+        "LOCAL_WORLD": str(info.local_world_size) if launched and info.local_world_size else "",
+        "RANK_SOURCE": info.source,
+    }
+    return "".join(f"{key}={shlex.quote(value)}\n" for key, value in values.items())

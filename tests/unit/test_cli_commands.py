@@ -1,0 +1,39 @@
+"""The command table: every command is there, and a missing module is an error, not a lost command."""
+
+import subprocess
+import sys
+import types
+
+import pytest
+
+from dscluster import cli
+
+
+def test_every_command_of_the_table_is_in_the_parser():
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    assert list(sub.choices) == list(cli.COMMANDS)
+    assert {"hosts", "sim", "setup", "check", "launch", "train", "telemetry", "plot", "diagnose", "bench", "env",
+            "plan"} <= set(sub.choices)
+
+
+def test_a_missing_command_module_fails_loudly(monkeypatch):
+    monkeypatch.setitem(cli.COMMANDS, "nope", "dscluster.cli.nope")
+    with pytest.raises(ModuleNotFoundError, match="dscluster.cli.nope"):
+        cli.build_parser()
+
+
+def test_a_module_that_does_not_register_its_command_is_an_error(monkeypatch):
+    silent = types.ModuleType("dscluster.cli.silent")
+    silent.register = lambda sub: None
+    monkeypatch.setitem(sys.modules, "dscluster.cli.silent", silent)
+    monkeypatch.setitem(cli.COMMANDS, "silent", "dscluster.cli.silent")
+    with pytest.raises(RuntimeError, match="silent"):
+        cli.build_parser()
+
+
+def test_help_lists_every_command():
+    out = subprocess.run([sys.executable, "-m", "dscluster", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for name in cli.COMMANDS:
+        assert f"    {name} " in out.stdout or f"    {name}\n" in out.stdout, name

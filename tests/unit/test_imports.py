@@ -1,0 +1,116 @@
+"""The package's shape: no import cycles, every package importable on its own, analysis apart from
+the command line, modules of a readable size."""
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+PACKAGE = SRC / "dscluster"
+MAX_LINES = 450
+# Being slimmed down on its own (the step, the logging window and fault injection each get a home).
+OVER_MAX_LINES = {"dscluster.train.loop"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+PACKAGES = sorted(name for name, p in MODULES.items() if p.name == "__init__.py")
+
+
+def imports_of(name: str) -> set[str]:
+    """The dscluster modules `name` imports, anywhere in it (a function's import counts too)."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in MODULES}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                if f"{base}.{alias.name}" in MODULES:
+                    out.add(f"{base}.{alias.name}")
+                elif base in MODULES:
+                    out.add(base)
+    out.discard(name)
+    return out
+
+
+GRAPH = {name: imports_of(name) for name in MODULES}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)):
+            return cycle
+    return None
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_the_graph_sees_the_imports():
+    # The checks below are only as good as the graph: it must see a top-level, a from-import of a
+    # module and a function-level import.
+    assert "dscluster.errors" in GRAPH["dscluster.hosts"]
+    assert "dscluster.launch.builders" in GRAPH["dscluster.cli.launch"]
+    assert "dscluster.launch.run" in GRAPH["dscluster.cli.launch"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(GRAPH)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_analysis_never_imports_the_command_line():
+    for name in (n for n in MODULES if n == "dscluster.analysis" or n.startswith("dscluster.analysis.")):
+        cli = sorted(m for m in reachable(GRAPH, name) if m == "dscluster.cli" or m.startswith("dscluster.cli."))
+        assert not cli, f"{name} imports {cli}"
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_package_imports_in_a_fresh_interpreter(package):
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    out = subprocess.run([sys.executable, "-c", f"import {package}"], capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert out.returncode == 0, out.stderr
+
+
+def test_no_module_is_over_the_line_limit():
+    long = {name: n for name, p in MODULES.items()
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES and name not in OVER_MAX_LINES}
+    assert not long, f"over {MAX_LINES} lines: {long}; split by job"
