@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from _wait import Deadline, run_bounded, scaled, wait_until
+from _wait import Deadline, run_bounded, scaled
 from dscluster.cli import main
 
 HOSTS = "node1 slots=2\nnode2 slots=1\n"
