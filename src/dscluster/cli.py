@@ -14,6 +14,7 @@ from dscluster.errors import DsclusterError
 # Each module defines register(subparsers) and sets `func` on its parsers.
 COMMAND_MODULES = [
     "hosts", "sim", "setup", "check", "launch", "train", "telemetry", "plot", "diagnose", "bench", "env", "plan",
+    "completion",
 ]
 
 

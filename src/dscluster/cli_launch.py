@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dscluster import launch as builders
-from dscluster import state
+from dscluster import paths, state
 from dscluster.errors import UsageError
 from dscluster.fsutil import atomic_write_text
 from dscluster.hosts import parse_hostfile
@@ -124,10 +124,6 @@ def _check_says_failed(check: dict) -> bool:
 
 # --- building the plan ----------------------------------------------------------------------
 
-def _repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
-
-
 def _bin_dir() -> str | None:
     """The running venv's bin, where the pinned mpirun/deepspeed/torchrun live (not resolved:
     the venv's python is a symlink to the base interpreter)."""
@@ -173,7 +169,7 @@ def build_plan(args: argparse.Namespace) -> tuple[builders.LaunchPlan, CheckOutp
     plan = builders.LaunchPlan(
         hostfile=str(hostfile),
         hosts=tuple((h.name, h.slots) for h in hf.hosts),
-        repo_root=str(_repo_root()),
+        repo_root=str(paths.assets_root()),
         np=np_,
         train_args=_train_args(args.train_args),
         exports=exports,

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dscluster import console
+from dscluster import console, paths
 
 LAB = "dslab"
 NODES = 3
@@ -37,7 +37,8 @@ TRAIN_TIMEOUT_S = 900
 
 
 def repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
+    """The checkout (the demo's runs/ and analysis/plot.py live there), else the working directory."""
+    return paths.checkout_root() or Path.cwd()
 
 
 def available(module: str) -> bool:
@@ -193,8 +194,7 @@ def lab_env(lab) -> dict[str, str]:
 def lab_demo(journey: Journey, opts: Options) -> int:
     from dscluster import sim
 
-    repo = repo_root()
-    dscluster = f"{repo}/.venv/bin/dscluster"
+    dscluster = paths.venv_bin() / "dscluster"
     run_dir_local: Path | None = None
     what = f"--gpus {','.join(map(str, opts.gpus))}" if opts.gpus else f"--nodes {NODES}"
     step = journey.start(f"sim up {what} --link {opts.link}")
@@ -232,7 +232,7 @@ def lab_demo(journey: Journey, opts: Options) -> int:
         else:
             runs = work / "runs"
             before = {p.name for p in runs.iterdir()} if runs.is_dir() else set()
-            cmd = f"{repo}/.venv/bin/mpirun -np {opts.ranks} --hostfile {hostfile} {repo}/entry_cn.sh"
+            cmd = f"{paths.venv_bin() / 'mpirun'} -np {opts.ranks} --hostfile {hostfile} {paths.entry_script()}"
             if opts.train_args:
                 cmd += " " + shlex.join(opts.train_args)
             step = journey.start(f"{cmd}  (in node1, cwd {work})")
@@ -285,7 +285,7 @@ def local_demo(journey: Journey, opts: Options) -> int:
         runs = opts.runs
         before = {p.name for p in runs.iterdir()}
         argv = [str(bin_dir / "mpirun"), "-np", "2", "--oversubscribe", "-x", "DSCLUSTER_RUNS",
-                "./entry_cn.sh", *opts.train_args]
+                str(paths.entry_script()), *opts.train_args]
         step = journey.start(shlex.join(argv))
         rc = stream(argv, cwd=str(repo), env={**os.environ, "DSCLUSTER_RUNS": str(runs)})
         run_dir = newest_run(runs, before)

