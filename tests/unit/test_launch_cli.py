@@ -1,5 +1,6 @@
 """`dscluster launch` front end: check output gate, --dry-run/--json, Slurm script file."""
 
+import contextlib
 import hashlib
 import json
 import os
@@ -201,14 +202,42 @@ sys.exit(main(["launch", "--run-id", sys.argv[2]]))
 """
 
 
-def _kill_stand_in(pidfile, tool) -> None:
-    """Stop a stand-in mpirun the launch left running (it leads its own session)."""
+def _kill_left(pidfile, marker: str) -> None:
+    """Kill the process group of the process named in `pidfile` if it still runs (its command
+    line holds `marker`): what a launch left of its stand-in mpirun."""
     try:
         pid = int(pidfile.read_text())
-        if not _pid_gone(pid) and str(tool).encode() in open(f"/proc/{pid}/cmdline", "rb").read():
-            os.killpg(pid, signal.SIGKILL)
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            ours = marker.encode() in f.read()
+        if ours and not _pid_gone(pid):
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
     except (OSError, ValueError):
         pass
+
+
+@contextlib.contextmanager
+def unhung(pidfile, marker: str, seconds: float):
+    """For a launch run in this process: past a load-scaled deadline, kill what it started (see
+    `_kill_left`), so that a watcher that stopped nothing makes the launch return and the test
+    fail on what it returned, instead of hanging the run. Yields a list, non-empty if it fired."""
+    done, fired = threading.Event(), []
+
+    def watch():
+        deadline = Deadline(seconds)
+        while not done.wait(0.2):
+            if deadline.passed():
+                fired.append(deadline.allowed)
+                _kill_left(pidfile, marker)
+                return
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield fired
+    finally:
+        done.set()
+        watcher.join()
+        _kill_left(pidfile, marker)
 
 
 @pytest.mark.parametrize("clock_behind_s", [0, 60], ids=["at-once", "file-clock-behind"])
@@ -229,7 +258,7 @@ while :; do sleep 0.2; done""")
         res = run_bounded([sys.executable, "-c", LAUNCH_WITH_1S_WATCH, str(tool.parent), "r5"], 60,
                           "dscluster launch with an mpirun that waits after the summary", cwd=lab_dir)
     finally:
-        _kill_stand_in(pidfile, tool)
+        _kill_left(pidfile, str(tool))
     took = watch.elapsed()
     assert res.returncode == 128 + 9, (res.returncode, res.stderr)
     assert "dscluster launch: node3 vanished" in res.stderr and "the job was ended" in res.stderr, res.stderr
@@ -247,9 +276,11 @@ sleep 600 &
 echo $! > runs/r6/rank.pid
 exit 0""")
     t0 = time.monotonic()
-    code = main(["launch", "--run-id", "r6"])
+    with unhung(lab_dir / "runs" / "r6" / "rank.pid", "sleep", 30) as fired:
+        code = main(["launch", "--run-id", "r6"])
     took = time.monotonic() - t0
     err = capsys.readouterr().err
+    assert not fired, f"the rank was still running after {fired[0]:.0f} s: {err}"
     # the rank gets the process-group timeout (1 s) plus the grace (1 s), and not much more
     assert code == 1 and 2 <= took < scaled(10), (took, err)
     assert "left ranks running on this machine" in err
@@ -268,7 +299,8 @@ def _main_thread_watching() -> bool:
 
 def test_ctrl_c_is_passed_to_mpirun_and_the_launch_says_interrupted(lab_dir, monkeypatch, capsys):
     write_check(lab_dir)
-    stand_in_mpirun(lab_dir, monkeypatch, """trap 'echo mpirun got INT; exit 130' INT
+    tool = stand_in_mpirun(lab_dir, monkeypatch, """trap 'echo mpirun got INT; exit 130' INT
+echo $$ > mpirun.pid
 touch started
 while :; do sleep 0.1; done""")
     pressed = threading.Event()
@@ -283,9 +315,11 @@ while :; do sleep 0.1; done""")
         os.kill(os.getpid(), signal.SIGINT)
 
     threading.Thread(target=press_ctrl_c, daemon=True).start()
-    code = main(["launch", "--run-id", "r7"])
+    with unhung(lab_dir / "mpirun.pid", str(tool), 60) as fired:
+        code = main(["launch", "--run-id", "r7"])
     captured = capsys.readouterr()
     assert pressed.is_set(), f"the stand-in mpirun never started: {captured.err}"
+    assert not fired, f"mpirun was still running {fired[0]:.0f} s after the launch started: {captured.err}"
     assert code == 130
     assert "mpirun got INT" in captured.out and "interrupted" in captured.err
 
