@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What every rank runs:  mpirun -np 5 --hostfile hosts.txt ./entry_cn.sh [train args]
 #
-# 1. finds the repository from its own path and uses its .venv (same path on every node);
+# 1. finds its python from its own path: a checkout's .venv, or the prefix it was installed
+#    into (<prefix>/share/dscluster/entry_cn.sh runs <prefix>/bin/python); same path on every node;
 # 2. loads this node's environment from `dscluster check` (<state>/env/$(hostname).env:
 #    the node's own interface for NCCL/GLOO, P2P, precision) — without it a multi-rank job
 #    would pick a wrong interface and hang, so a missing file stops the rank (exit 2);
@@ -15,14 +16,24 @@ say() { echo "entry_cn[$(hostname)${RANK_LABEL:+ rank $RANK_LABEL}]: $*" >&2; }
 
 REPO="$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")" && pwd)"
 
-# --- the venv: use the repo's when there is one, else whatever dscluster is on PATH -------
-VENV="${DSCLUSTER_VENV:-$REPO/.venv}"
-if [ -x "$VENV/bin/python" ]; then
+# --- the python: DSCLUSTER_VENV, else the checkout's .venv, else the prefix of an installed copy ---
+# `pip install .` puts this script in <prefix>/share/dscluster, so <prefix>/bin holds the python and
+# the dscluster of that install. Ranks must not depend on what each node's login PATH happens to hold.
+VENV="${DSCLUSTER_VENV:-}"
+if [ -z "$VENV" ]; then
+  if [ -x "$REPO/.venv/bin/python" ]; then
+    VENV="$REPO/.venv"
+  elif [ "$(basename "$(dirname "$REPO")")/$(basename "$REPO")" = share/dscluster ] && [ -x "$REPO/../../bin/python" ]; then
+    VENV="$(cd "$REPO/../.." && pwd)"
+  fi
+fi
+if [ -n "$VENV" ] && [ -x "$VENV/bin/python" ]; then
   export VIRTUAL_ENV="$VENV"
   export PATH="$VENV/bin:$PATH"
 fi
 if ! command -v dscluster >/dev/null 2>&1; then
-  say "no dscluster command: create the venv with 'make venv' in $REPO (or set DSCLUSTER_VENV)"
+  say "no dscluster command: run 'make venv' in a checkout, or 'pip install' dscluster into an environment" \
+      "(its <prefix>/bin/python is used), or set DSCLUSTER_VENV to the environment dscluster is installed in"
   exit 2
 fi
 

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dscluster import console
+from dscluster import console, paths
 from dscluster.launch.mpirun import App, mpirun_argv, mpirun_path
 
 LAB = "dslab"
@@ -35,7 +35,8 @@ TRAIN_TIMEOUT_S = 900
 
 
 def repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
+    """The checkout (the demo's runs/ and analysis/plot.py live there), else the working directory."""
+    return paths.checkout_root() or Path.cwd()
 
 
 @dataclass(frozen=True)
@@ -184,8 +185,7 @@ def lab_env(lab) -> dict[str, str]:
 def lab_demo(journey: Journey, opts: Options) -> int:
     from dscluster.sim import lab as sim
 
-    repo = repo_root()
-    dscluster = f"{repo}/.venv/bin/dscluster"
+    dscluster = paths.venv_bin() / "dscluster"
     run_dir_local: Path | None = None
     what = f"--gpus {','.join(map(str, opts.gpus))}" if opts.gpus else f"--nodes {NODES}"
     step = journey.start(f"sim up {what} --link {opts.link}")
@@ -215,7 +215,7 @@ def lab_demo(journey: Journey, opts: Options) -> int:
         runs = work / "runs"
         before = {p.name for p in runs.iterdir()} if runs.is_dir() else set()
         # The nodes share the software at the head's paths (like NFS): the head's mpirun is theirs.
-        cmd = shlex.join(mpirun_argv(mpirun_path(), [App(opts.ranks, [f"{repo}/entry_cn.sh", *opts.train_args])],
+        cmd = shlex.join(mpirun_argv(mpirun_path(), [App(opts.ranks, [str(paths.entry_script()), *opts.train_args])],
                                      hostfile=hostfile))
         step = journey.start(f"{cmd}  (in node1, cwd {work})")
         rc = stream(lab.command("node1", in_work + cmd), env=lab_env(lab))
@@ -259,7 +259,7 @@ def local_demo(journey: Journey, opts: Options) -> int:
                  "" if rc == 0 else f"exit {rc}; continuing, both ranks are on this host")
     runs = opts.runs
     before = {p.name for p in runs.iterdir()}
-    argv = mpirun_argv(mpirun_path(), [App(2, ["./entry_cn.sh", *opts.train_args], {"DSCLUSTER_RUNS": None})],
+    argv = mpirun_argv(mpirun_path(), [App(2, [str(paths.entry_script()), *opts.train_args], {"DSCLUSTER_RUNS": None})],
                        oversubscribe=True)
     step = journey.start(shlex.join(argv))
     rc = stream(argv, cwd=str(repo), env={**os.environ, "DSCLUSTER_RUNS": str(runs)})

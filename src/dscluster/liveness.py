@@ -3,7 +3,7 @@
 Three places need the same facts, so they live here:
 - OpenMPI 5's runtime (PRRTE) watches its remote daemons over TCP with keepalives, 300 s idle
   then 9 probes 20 s apart by default. On the simulated lab, with keepalives off, mpirun waited
-  for a node whose cable was pulled until it came back (200 s; 6.5 minutes in issue 20).
+  for a node whose cable was pulled until it came back (200 s; 6.5 minutes in a longer outage).
   `PRTE_KEEPALIVE` makes it give up after 25 s of silence: measured, mpirun printed PRTE's "lost
   communication with a remote daemon … on node X" 19-25 s after the cable was pulled, whether
   the ranks' process-group timeout had expired before (12 s) or not (30, 40 s).

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from _wait import wait_until
 from dscluster.sim import lab as sim
 from dscluster.sim.ns import REQUIRED_TOOLS
 
@@ -54,12 +55,27 @@ def install_test_mesh(lab: sim.Lab) -> None:
                         "-f", str(key)], check=True)
         private, public = key.read_bytes(), key.with_suffix(".pub").read_bytes()
     names = [n.name for n in lab.nodes] + [n.ip for n in lab.nodes]
-    scan = lab.run(lab.nodes[0].name, ["ssh-keyscan", "-T", "5", *names], timeout=30, check=True)
+    keys: dict[str, str] = {}
+
+    def scan_all() -> bool:
+        # ssh-keyscan leaves out a host that did not answer within -T (one sshd slow to fork
+        # on a loaded machine) and still exits 0: scan again for those until every name has keys.
+        missing = [n for n in names if n not in keys]
+        out = lab.run(lab.nodes[0].name, ["ssh-keyscan", "-T", "10", *missing], timeout=120).stdout
+        for line in out.splitlines():
+            host = line.split(" ", 1)[0]
+            if host in missing and not line.startswith("#"):
+                keys[host] = keys.get(host, "") + line + "\n"
+        return len(keys) == len(names)
+
+    wait_until(scan_all, 60, f"host keys of every node of lab {lab.name} by ssh-keyscan",
+               interval=1.0, explain=lambda: f"keys for {sorted(keys)} of {names}")
+    known_hosts = "".join(keys[n] for n in names)
     for node in lab.nodes:
         ssh = Path(node.home) / ".ssh"
         ssh.mkdir(mode=0o700, exist_ok=True)
         files = {"id_ed25519": (private, 0o600), "id_ed25519.pub": (public, 0o644),
-                 "authorized_keys": (public, 0o600), "known_hosts": (scan.stdout.encode(), 0o644)}
+                 "authorized_keys": (public, 0o600), "known_hosts": (known_hosts.encode(), 0o644)}
         for name, (data, mode) in files.items():
             (ssh / name).write_bytes(data)
             os.chmod(ssh / name, mode)

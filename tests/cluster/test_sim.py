@@ -21,6 +21,7 @@ from pathlib import Path
 import paramiko
 import pytest
 
+from _wait import scaled, wait_until
 from dscluster.sim import lab as sim
 from dscluster.errors import UsageError
 from dscluster.hosts import parse_hostfile
@@ -151,7 +152,7 @@ def test_cli_exec_timeout_stops_the_commands_children_too(lab):
     res = subprocess.run([*cli, "exec", "node2", "--lab", LAB, "--timeout", "2", "--", "sh", "-c",
                           f"{marker} & {marker} & wait"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 124 and "killed after 2 s" in res.stderr
-    assert time.time() - t0 < 30
+    assert time.time() - t0 < scaled(30)  # the 2 s timeout plus start-up, not the children's 4242 s
     left = lab.run("node2", ["pgrep", "-f", marker], user="root")
     assert left.stdout.strip() == "", f"children outlived the timeout: {left.stdout}"
 
@@ -197,9 +198,13 @@ def test_fault_helpers_change_what_a_client_sees(lab):
 
 
 def test_a_fresh_clone_in_a_0700_folder_runs_on_the_nodes_without_touching_the_host(lab_factory):
-    """Issue 20: the lab works wherever the checkout is. A clone inside a `mkdtemp` folder (0700)
-    is reached by the lab user through the nodes' own mounts; the host's folder keeps its mode."""
+    """The lab works wherever the checkout is. A clone inside a `mkdtemp` folder (0700) is
+    reached by the lab user through the nodes' own mounts: its entry_cn.sh runs there with the
+    clone's code; the host's folder keeps its mode; `sim up` as the lab user exits 2."""
     name = "simclone"
+    cli = [sys.executable, "-m", "dscluster", "sim"]
+    # A lab of this name left by an interrupted run points at a clone that is gone: start clean.
+    subprocess.run([*cli, "down", "--lab", name], capture_output=True, text=True, timeout=120)
     tmp = Path(tempfile.mkdtemp())
     clone = tmp / "clone"
     try:
@@ -208,19 +213,24 @@ def test_a_fresh_clone_in_a_0700_folder_runs_on_the_nodes_without_touching_the_h
         # The code under test is this working tree's, not the last commit's.
         shutil.copytree(sim.repo_root() / "src", clone / "src", dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy2(sim.repo_root() / "entry_cn.sh", clone / "entry_cn.sh")
         env = dict(os.environ, PYTHONPATH=str(clone / "src"))
-        cli = [sys.executable, "-m", "dscluster", "sim"]
         up = subprocess.run([*cli, "up", "--nodes", "2", "--lab", name, "--json"], cwd=clone, env=env,
                             capture_output=True, text=True, timeout=120)
         assert up.returncode == 0, up.stderr
-        mounts = sim.load(name).state.mounts
+        lab = sim.load(name)
+        mounts = lab.state.mounts
         assert ["overlay", str(tmp)] in mounts and ["bind", str(clone)] in mounts
-        probe = "import dscluster, os; print(dscluster.__file__, os.getcwd())"
+        # What a rank runs: the clone's entry_cn.sh (by hand, one process) with this Python's
+        # environment (a fresh clone has no .venv of its own), running a program of the user's.
+        probe = "import dscluster, os; print(dscluster.__file__, os.environ['DSCLUSTER_RUN_DIR'], os.getcwd())"
         res = subprocess.run([*cli, "exec", "node2", "--lab", name, "--", "env", f"PYTHONPATH={clone / 'src'}",
-                              sys.executable, "-c", probe], cwd=clone, env=env, capture_output=True, text=True,
-                             timeout=120)
-        assert res.returncode == 0, res.stderr
-        assert res.stdout.split() == [str(clone / "src" / "dscluster" / "__init__.py"), str(clone)]
+                              f"DSCLUSTER_VENV={sys.prefix}", f"DSCLUSTER_RUNS={lab.shared / 'runs'}",
+                              "DSCLUSTER_RUN_ID=from-clone", str(clone / "entry_cn.sh"), "python", "-c", probe],
+                             cwd=clone, env=env, capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert res.stdout.split()[-3:] == [str(clone / "src" / "dscluster" / "__init__.py"),
+                                           str(lab.shared / "runs" / "from-clone"), str(clone)], res.stdout
         # writes into the clone (root's: the lab user may not write there) reach the host's folder,
         # which every node shares, not one node's overlay layer
         subprocess.run([*cli, "exec", "--root", "node2", "--lab", name, "--", "sh", "-c", "hostname > from-node"],
@@ -233,10 +243,16 @@ def test_a_fresh_clone_in_a_0700_folder_runs_on_the_nodes_without_touching_the_h
         assert "Traceback" not in as_lab_user.stderr
         assert os.stat(tmp).st_mode & 0o777 == 0o700
     finally:
-        down = subprocess.run([sys.executable, "-m", "dscluster", "sim", "down", "--lab", name],
-                              capture_output=True, text=True, timeout=120)
+        down = subprocess.run([*cli, "down", "--lab", name], capture_output=True, text=True, timeout=120)
         shutil.rmtree(tmp, ignore_errors=True)
     assert down.returncode == 0, down.stderr
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []
 
 
 def _leftovers(state: dict, pids: list[int]) -> list[str]:
@@ -258,6 +274,8 @@ def _leftovers(state: dict, pids: list[int]) -> list[str]:
 def test_down_leaves_no_namespace_link_mount_or_process(lab_factory):
     name = "simdown"
     cli = [sys.executable, "-m", "dscluster", "sim"]
+    # Leftovers of an interrupted run would be counted as this lab's: start clean.
+    subprocess.run([*cli, "down", "--lab", name], capture_output=True, text=True, timeout=120)
     start = time.monotonic()
     up = subprocess.run([*cli, "up", "--nodes", "5", "--lab", name, "--json"], capture_output=True, text=True, timeout=120)
     up_s = time.monotonic() - start
@@ -270,10 +288,16 @@ def test_down_leaves_no_namespace_link_mount_or_process(lab_factory):
         lab.run("node4", "setsid -f sleep 300 >/dev/null 2>&1 < /dev/null", check=True)
         client = _password_client(lab.node("node2"), lab)
         client.exec_command("sleep 300")
-        time.sleep(0.5)
+
+        def sleeps_started() -> list[int]:
+            # both sleeps must be running before the lab is taken down, or `down` is not tested on them
+            pids = sorted({int(p) for n in lab.nodes for p in subprocess.run(
+                ["ip", "netns", "pids", n.netns], capture_output=True, text=True).stdout.split()})
+            sleeping = [p for p in pids if _cmdline(p) == ["sleep", "300"]]
+            return pids if len(sleeping) == 2 else []
+
+        pids = wait_until(sleeps_started, 30, "the detached sleep in node4 and the ssh session's sleep in node2")
         st = sim.status(name)
-        pids = sorted({int(p) for n in lab.nodes for p in subprocess.run(
-            ["ip", "netns", "pids", n.netns], capture_output=True, text=True).stdout.split()})
         assert len(pids) >= 5 * 2 + 2  # anchor + sshd per node, the sleeps
         assert st["uplink"] in subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     finally:

@@ -1,13 +1,18 @@
 """`dscluster launch` front end: check output gate, --dry-run/--json, Slurm script file."""
 
+import contextlib
 import hashlib
 import json
 import os
+import signal
 import subprocess
+import sys
+import threading
 import time
 
 import pytest
 
+from _wait import Deadline, run_bounded, scaled
 from dscluster.cli import main
 
 HOSTS = "node1 slots=2\nnode2 slots=1\n"
@@ -186,25 +191,81 @@ def _pid_gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.skip(reason="hangs: the watcher never stopped this stand-in mpirun in a fresh clone (8 min); "
-                         "to be fixed in launch_exec.run_job before it is re-enabled")
-def test_mpirun_still_waiting_after_the_summary_is_stopped_and_the_node_named(lab_dir, monkeypatch, capsys):
+# `dscluster launch` in a process of its own, the watcher's grace and TERM-to-KILL interval cut
+# to 1 s: a launch that does not end fails the test at its deadline instead of hanging the run.
+LAUNCH_WITH_1S_WATCH = """import sys
+from dscluster.cli import launch as cli_launch
+from dscluster.launch import run as launch_exec
+from dscluster.cli import main
+launch_exec.GRACE_S = launch_exec.TERM_S = 1.0
+cli_launch._bin_dir = lambda: sys.argv[1]
+sys.exit(main(["launch", "--run-id", sys.argv[2]]))
+"""
+
+
+def _kill_left(pidfile, marker: str) -> None:
+    """Kill the process group of the process named in `pidfile` if it still runs (its command
+    line holds `marker`): what a launch left of its stand-in mpirun."""
+    try:
+        pid = int(pidfile.read_text())
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            ours = marker.encode() in f.read()
+        if ours and not _pid_gone(pid):
+            os.killpg(os.getpgid(pid), signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
+
+
+@contextlib.contextmanager
+def unhung(pidfile, marker: str, seconds: float):
+    """For a launch run in this process: past a load-scaled deadline, kill what it started (see
+    `_kill_left`), so that a watcher that stopped nothing makes the launch return and the test
+    fail on what it returned, instead of hanging the run. Yields a list, non-empty if it fired."""
+    done, fired = threading.Event(), []
+
+    def watch():
+        deadline = Deadline(seconds)
+        while not done.wait(0.2):
+            if deadline.passed():
+                fired.append(deadline.allowed)
+                _kill_left(pidfile, marker)
+                return
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield fired
+    finally:
+        done.set()
+        watcher.join()
+        _kill_left(pidfile, marker)
+
+
+@pytest.mark.parametrize("clock_behind_s", [0, 60], ids=["at-once", "file-clock-behind"])
+def test_mpirun_still_waiting_after_the_summary_is_stopped_and_the_node_named(lab_dir, monkeypatch, clock_behind_s):
     # The ranks failed and wrote summary.json, but mpirun waits for a daemon that is gone (and
-    # ignores SIGTERM, as a hung one may): after the grace it is killed.
+    # ignores SIGTERM, as a hung one may): after the grace it is killed. The summary comes within
+    # moments of the start (file times lag the clock by up to a kernel tick), or stamped by a
+    # file server's clock that is behind this machine's: either way it is this attempt's.
     write_check(lab_dir)
-    monkeypatch.setattr("dscluster.launch.run.GRACE_S", 1.0)
-    monkeypatch.setattr("dscluster.launch.run.TERM_S", 1.0)
-    stand_in_mpirun(lab_dir, monkeypatch, """trap '' TERM
+    tool = stand_in_mpirun(lab_dir, monkeypatch, f"""trap '' TERM
 mkdir -p runs/r5 && echo $$ > runs/r5/mpirun.pid
-echo '{"status": "failed", "vanished_hosts": ["node3"]}' > runs/r5/summary.json
+echo '{{"status": "failed", "vanished_hosts": ["node3"]}}' > runs/r5/summary.json
+[ {clock_behind_s} = 0 ] || touch -d "@$(( $(date +%s) - {clock_behind_s} ))" runs/r5/summary.json
 while :; do sleep 0.2; done""")
-    t0 = time.monotonic()
-    code = main(["launch", "--run-id", "r5"])
-    took = time.monotonic() - t0
-    err = capsys.readouterr().err
-    assert code == 128 + 9 and took < 10, (code, took, err)
-    assert "node3 vanished" in err
-    assert _pid_gone(int((lab_dir / "runs" / "r5" / "mpirun.pid").read_text()))
+    pidfile = lab_dir / "runs" / "r5" / "mpirun.pid"
+    watch = Deadline(0)
+    try:
+        res = run_bounded([sys.executable, "-c", LAUNCH_WITH_1S_WATCH, str(tool.parent), "r5"], 60,
+                          "dscluster launch with an mpirun that waits after the summary", cwd=lab_dir)
+    finally:
+        _kill_left(pidfile, str(tool))
+    took = watch.elapsed()
+    assert res.returncode == 128 + 9, (res.returncode, res.stderr)
+    assert "dscluster launch: node3 vanished" in res.stderr and "the job was ended" in res.stderr, res.stderr
+    assert _pid_gone(int(pidfile.read_text()))
+    # noticed within a 0.5 s poll, 1 s grace, SIGTERM ignored, SIGKILL 1 s later, plus start-up
+    assert took < scaled(15), (took, res.stderr)
 
 
 def test_ranks_mpirun_left_behind_get_the_timeout_then_are_stopped(lab_dir, monkeypatch, capsys):
@@ -216,31 +277,51 @@ sleep 600 &
 echo $! > runs/r6/rank.pid
 exit 0""")
     t0 = time.monotonic()
-    code = main(["launch", "--run-id", "r6"])
+    with unhung(lab_dir / "runs" / "r6" / "rank.pid", "sleep", 30) as fired:
+        code = main(["launch", "--run-id", "r6"])
+    took = time.monotonic() - t0
     err = capsys.readouterr().err
-    assert code == 1 and 2 <= time.monotonic() - t0 < 10, err
+    assert not fired, f"the rank was still running after {fired[0]:.0f} s: {err}"
+    # the rank gets the process-group timeout (1 s) plus the grace (1 s), and not much more
+    assert code == 1 and 2 <= took < scaled(10), (took, err)
     assert "left ranks running on this machine" in err
     assert _pid_gone(int((lab_dir / "runs" / "r6" / "rank.pid").read_text()))
 
 
-def test_ctrl_c_is_passed_to_mpirun_and_the_launch_says_interrupted(lab_dir, monkeypatch, capsys):
-    import signal
-    import threading
+def _main_thread_watching() -> bool:
+    """The main thread is inside run_job's watch (not still starting the launcher)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    names = []
+    while frame is not None:
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    return "run_job" in names and "__init__" not in names  # __init__: Popen's
 
+
+def test_ctrl_c_is_passed_to_mpirun_and_the_launch_says_interrupted(lab_dir, monkeypatch, capsys):
     write_check(lab_dir)
-    stand_in_mpirun(lab_dir, monkeypatch, """trap 'echo mpirun got INT; exit 130' INT
+    tool = stand_in_mpirun(lab_dir, monkeypatch, """trap 'echo mpirun got INT; exit 130' INT
+echo $$ > mpirun.pid
 touch started
 while :; do sleep 0.1; done""")
+    pressed = threading.Event()
 
     def press_ctrl_c():
-        deadline = time.monotonic() + 20
-        while not (lab_dir / "started").exists() and time.monotonic() < deadline:
+        deadline = Deadline(20)
+        while not ((lab_dir / "started").exists() and _main_thread_watching()):
+            if deadline.passed():
+                return  # the launch never got going: the assertion below says so
             time.sleep(0.05)
+        pressed.set()
         os.kill(os.getpid(), signal.SIGINT)
 
     threading.Thread(target=press_ctrl_c, daemon=True).start()
-    assert main(["launch", "--run-id", "r7"]) == 130
+    with unhung(lab_dir / "mpirun.pid", str(tool), 60) as fired:
+        code = main(["launch", "--run-id", "r7"])
     captured = capsys.readouterr()
+    assert pressed.is_set(), f"the stand-in mpirun never started: {captured.err}"
+    assert not fired, f"mpirun was still running {fired[0]:.0f} s after the launch started: {captured.err}"
+    assert code == 130
     assert "mpirun got INT" in captured.out and "interrupted" in captured.err
 
 

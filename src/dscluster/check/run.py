@@ -16,9 +16,8 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from dscluster import remote, state
+from dscluster import paths, remote, state
 from dscluster.errors import UsageError
 from dscluster.check.facts import NodeFacts
 from dscluster.hosts import Hostfile, hostfile_sha256, parse_hostfile
@@ -29,7 +28,6 @@ from dscluster.check.probe import (ProbeSettings, default_key, open_session, par
 
 # Findings that make an mpirun across the cluster hang or fail for a known reason.
 BLOCKING_CHECKS = {"reach", "hostname", "network", "mesh", "port", "mpi"}
-REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 @dataclass
@@ -147,7 +145,7 @@ def active_mpirun_argv(mpirun: str, hostfile: str, np: int, cidr: str | None, pr
 
 
 def hello_program(python: str) -> list[str]:
-    hello = REPO_ROOT / "setup" / "hello_mpi.py"
+    hello = paths.assets_root() / "setup" / "hello_mpi.py"
     return [python, str(hello)] if hello.exists() else [python, "-m", "mpi4py.bench", "helloworld"]
 
 

@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "bench": "dscluster.cli.bench",
     "env": "dscluster.cli.env",
     "plan": "dscluster.cli.plan",
+    "completion": "dscluster.cli.completion",
 }
 
 

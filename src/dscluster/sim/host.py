@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dscluster import paths
 from dscluster.errors import UsageError
 from dscluster.sim.ns import LINK_TOOLS, REQUIRED_TOOLS, TOOL_PACKAGES, find_tool, tbf_available
 from dscluster.sim.options import LINK_NONE, check_gpu_supply, count_listed_gpus
@@ -21,10 +22,8 @@ from dscluster.sim.reach import host_stat, plan_reach
 
 
 def repo_root() -> Path:
-    """The checkout this package runs from (src layout); it is visible on every node."""
-    here = Path(__file__).resolve()
-    root = here.parents[3]
-    return root if (root / "pyproject.toml").exists() else Path.cwd()
+    """dscluster's own files (entry_cn.sh, presets): a checkout or an installed copy; visible on every node."""
+    return paths.assets_root()
 
 
 def require_root() -> None:
@@ -96,7 +95,7 @@ def shared_targets(shared: str, hostfile: str | None, extra_path: list[str] = ()
     """Directories every node uses at the host's path: the checkout, the Python that runs
     dscluster (its venv and the installation the venv links to), the checkout's own .venv and
     its Python, the lab's shared folder, the hostfile's folder, and folders of carried tools."""
-    pythons = [sys.executable, repo_root() / ".venv" / "bin" / "python"]
+    pythons = [sys.executable, paths.venv_bin() / "python"]
     dirs = [repo_root(), sys.prefix, sys.base_prefix, shared, *extra_path]
     for py in pythons:
         if os.path.exists(py):
