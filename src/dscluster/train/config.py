@@ -59,7 +59,13 @@ class DataConfig:
     limit: int | None = field(default=None, metadata=limits(ge=1))
     """Use only the first N training samples (quick runs, odd sizes in tests)."""
     augment: bool = True
-    """Random ±1-pixel shifts of training images (cheap, on the device)."""
+    """Random ±1-pixel shifts of training images (imagefolder, cifar10: in the loader workers; digits: on
+    the device)."""
+    workers: int | None = field(default=None, metadata=limits(ge=0, le=64))
+    """Loader worker processes per rank that decode, resize and augment imagefolder/cifar10 batches ahead
+    of the step; null: the node's CPUs divided among its ranks, at most 8; 0: in the training process."""
+    prefetch: int = field(default=2, metadata=limits(ge=1, le=64))
+    """Batches each loader worker keeps ready (DataLoader prefetch_factor)."""
     synthetic_samples: int = field(default=4096, metadata=limits(ge=1))
     """Number of synthetic images per epoch."""
     num_classes: int = field(default=10, metadata=limits(ge=2))

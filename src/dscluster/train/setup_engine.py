@@ -209,6 +209,7 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
         plan = plan_batch(micro, cfg.grad_accum, cfg.global_batch, info.world_size)
         shares, weight = [plan.micro_batch] * info.world_size, 1.0
         sampler = StepSampler(len(splits.train), shares, plan.grad_accum, info.rank, cfg.seed)
+    sampler = data_mod.with_loader(sampler, splits, cfg.data, device, info.local_world_size, notes)
 
     spe = sampler.steps_per_epoch
     total = spe * cfg.epochs if cfg.max_steps <= 0 else min(cfg.max_steps, spe * cfg.epochs)
