@@ -15,6 +15,9 @@ buckets during the last micro-step's backward; the other accumulation micro-step
     compute  = grad_accum × slowest compute_s     every rank waits for the slowest (uniform batching)
     comm     = wire_bytes × 2(N−1)/N ÷ busbw      ring all-reduce over N ranks; busbw as nccl-tests
                                                   and `dscluster check` define it
+    wire_bytes                                    what comm.compression sends (`wire_bytes`): the
+                                                  gradients; half their bytes with fp16/bf16 (of fp32
+                                                  gradients only); PowerSGD's low-rank factors
     backward = BACKWARD_SHARE × slowest compute_s the last micro-step's backward, the only one that
                                                   overlaps the all-reduce
     hidden   = min(overlap_fraction × backward, comm × (1 − last bucket's share))
@@ -23,7 +26,8 @@ buckets during the last micro-step's backward; the other accumulation micro-step
 The last bucket is the one DDP can only reduce after backward has finished, so its time is never
 hidden. ZeRO-1/2 move the same volume (reduce-scatter plus all-gather), so the estimate holds
 for them too. Not modelled: the optimizer step, data loading, the all-reduce's start-up latency
-(milliseconds against seconds on Ethernet), balanced batching.
+(milliseconds against seconds on Ethernet; PowerSGD makes three all-reduces of each bucket: the
+1-D tensors, then P, then Q), PowerSGD's own matrix products, balanced batching.
 """
 
 from __future__ import annotations
@@ -34,8 +38,14 @@ from dscluster.errors import UsageError
 
 BACKWARD_SHARE = 2 / 3
 """Backward is about two thirds of a forward+backward (twice the forward's matmul FLOPs)."""
-COMPRESSION_FACTOR = {"none": 1.0, "fp16": 0.5, "bf16": 0.5}
-"""Bytes on the wire per byte of fp32 gradient: fp16/bf16 compression halves them."""
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+"""comm.compression's values (train/comm.py)."""
+LADDER = ("none", "fp16", "powersgd")
+"""Compressions the recommendation tries at each accumulation, the smallest change first (bf16 sends
+what fp16 sends: it is tried in fp16's place when the config asks for it)."""
+FORMAT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+POWERSGD_MIN_COMPRESSION_RATE = 2
+"""torch's powerSGD_hook compresses an n×m matrix only when r(n+m) × this < nm (train/comm.py)."""
 ACCUM_CHOICES = (1, 2, 4, 8, 16, 32)
 """Gradient accumulation steps the recommendation tries, smallest first."""
 TARGET_EFFICIENCY = 0.8
@@ -45,6 +55,18 @@ MAX_GLOBAL_BATCH = 4096
 DDP_BUCKET_BYTES = 100 * 2**20
 """torch DDP bucket_cap_mb=100 (the training config's ddp_bucket_mb default)."""
 SLOWER = "adding nodes makes training SLOWER"
+
+
+def powersgd_elements(matrices, rank: int) -> int:
+    """Numbers PowerSGD sends per step: torch views each gradient as shape[0] × the rest; a matrix
+    it compresses goes as P (n×r) and Q (m×r), any other tensor (biases, norms, a 1×k embedding)
+    whole."""
+    total = 0
+    for n, m in matrices:
+        r = min(n, m, rank)
+        compressed = (n + m) * r * POWERSGD_MIN_COMPRESSION_RATE < n * m
+        total += (n + m) * r if compressed else n * m
+    return total
 
 
 def gradient_bytes(params: int, bytes_per_grad: int = 4) -> int:
@@ -86,7 +108,14 @@ class Scenario:
     grad_bytes: float
     """Gradient bytes DDP all-reduces per optimizer step, uncompressed (`gradient_bytes`)."""
     compression: str = "none"
-    """Gradients on the wire: none (fp32), fp16 or bf16 (half the bytes)."""
+    """Gradients on the wire (comm.compression): none, fp16 or bf16 (half the bytes of fp32 gradients),
+    powersgd (low-rank factors; needs `matrices`)."""
+    grad_format: str = "fp32"
+    """What the gradients are: fp32 (amp, fp32 training) or fp16/bf16 (half weights, amp=false)."""
+    powersgd_rank: int = 4
+    """comm.powersgd_rank."""
+    matrices: tuple[tuple[int, int], ...] = ()
+    """Each gradient tensor as PowerSGD views it: (shape[0], numel ÷ shape[0])."""
     busbw_GBps: float
     """Measured all-reduce bus bandwidth across these nodes (`dscluster check`), GB/s."""
     overlap_fraction: float = 1.0
@@ -108,8 +137,12 @@ class Scenario:
         for name, good in checks:
             if not good:
                 raise UsageError(f"{name}={getattr(self, name)!r} is out of range")
-        if self.compression not in COMPRESSION_FACTOR:
-            raise UsageError(f"compression {self.compression!r}: expected one of {', '.join(COMPRESSION_FACTOR)}")
+        if self.compression not in COMPRESSIONS:
+            raise UsageError(f"compression {self.compression!r}: expected one of {', '.join(COMPRESSIONS)}")
+        if self.grad_format not in FORMAT_BYTES:
+            raise UsageError(f"grad_format {self.grad_format!r}: expected one of {', '.join(FORMAT_BYTES)}")
+        if self.compression == "powersgd" and not (self.matrices and self.powersgd_rank >= 1):
+            raise UsageError("compression powersgd needs the gradient matrices' shapes and a rank of at least 1")
 
     @property
     def world(self) -> int:
@@ -121,7 +154,12 @@ class Scenario:
 
     @property
     def wire_bytes(self) -> float:
-        return self.grad_bytes * COMPRESSION_FACTOR[self.compression]
+        """Bytes all-reduced per optimizer step, in the gradients' own format where not compressed."""
+        if self.compression == "powersgd":
+            return powersgd_elements(self.matrices, self.powersgd_rank) * FORMAT_BYTES[self.grad_format]
+        if self.compression in ("fp16", "bf16") and self.grad_format == "fp32":
+            return self.grad_bytes / 2
+        return self.grad_bytes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -206,11 +244,10 @@ class Recommendation:
     """The smallest change that reaches the target, else the fastest option within the limit;
     None when not even the current micro-batch × ranks fits the limit."""
     without_compression: Option | None
-    """When choice compresses: the same search with fp32 gradients (compression may not be
-    available in the training yet)."""
+    """When choice compresses: the same search without compression (what accumulation alone does)."""
     needed: Option | None
     """When nothing within the limit reaches the target: the smallest accumulation (a power of 2
-    up to 4096, fp16 compression) that would, beyond the limit; None if none does."""
+    up to 4096, the strongest compression tried) that would, beyond the limit; None if none does."""
     train_alone: bool
     """Even choice is slower than the fastest node alone: train there."""
     summary: str
@@ -243,15 +280,24 @@ def _best(options: list[Option]) -> Option | None:
     return max(options, key=lambda o: o.prediction.images_per_s) if options else None
 
 
-def recommend(s: Scenario, *, target: float = TARGET_EFFICIENCY,
-              max_global_batch: int = MAX_GLOBAL_BATCH) -> Recommendation:
-    """The smallest gradient accumulation of ACCUM_CHOICES, with or without fp16 compression, that
-    reaches `target` efficiency within `max_global_batch`; else the fastest within it."""
+def ladder(current: str, allowed=None) -> tuple[str, ...]:
+    """The compressions worth trying from the config's own upward (LADDER, bf16 in fp16's place if
+    the config asks for bf16), those `allowed` (a predicate: training's rule, config_checks) only."""
+    rungs = tuple("bf16" if c == "fp16" and current == "bf16" else c for c in LADDER)
+    start = rungs.index(current) if current in rungs else 0
+    return tuple(c for c in rungs[start:] if allowed is None or c == current or allowed(c)) or (current,)
+
+
+def recommend(s: Scenario, *, target: float = TARGET_EFFICIENCY, max_global_batch: int = MAX_GLOBAL_BATCH,
+              compressions: tuple[str, ...] | None = None) -> Recommendation:
+    """The smallest gradient accumulation of ACCUM_CHOICES, with the smallest compression of
+    `compressions` (default: `ladder` from the scenario's), that reaches `target` efficiency within
+    `max_global_batch`; else the fastest within it."""
     if not 0 < target <= 1:
         raise UsageError(f"target efficiency {target} must be in (0, 1]")
     if max_global_batch < 1:
         raise UsageError(f"max global batch {max_global_batch} must be at least 1")
-    comps = ("none", "fp16") if s.compression == "none" else (s.compression,)
+    comps = compressions or ladder(s.compression, allowed=lambda c: c != "powersgd" or bool(s.matrices))
     options = _options(s, comps, ACCUM_CHOICES, max_global_batch)
     plain = [o for o in options if o.compression == "none"]
     choice = _first_reaching(options, target)
@@ -271,6 +317,8 @@ def recommend(s: Scenario, *, target: float = TARGET_EFFICIENCY,
 
 def describe(o: Option) -> str:
     comp = f" with {o.compression} gradient compression" if o.compression != "none" else ""
+    if o.compression == "powersgd":
+        comp = " with powersgd gradient compression (low-rank, error feedback)"
     p = o.prediction
     return (f"grad_accum {o.grad_accum} (global batch {p.global_batch:,}){comp}: {p.step_s:.2f} s/step, "
             f"{p.images_per_s:,.0f} img/s, {p.efficiency:.0%} efficiency, {p.speedup:.1f}× {p.fastest_node} alone")

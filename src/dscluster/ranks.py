@@ -80,13 +80,12 @@ def detect_ranks(env=None) -> RankInfo:
 
 def shell_assignments(info: RankInfo) -> str:
     """What entry_cn.sh evaluates: GLOBAL_RANK (empty without a launcher), LOCAL_RANK_ID, WORLD and
-    LOCAL_WORLD (empty when unknown), RANK_SOURCE."""
+    LOCAL_WORLD (empty when unknown)."""
     launched = info.source != "single"
     values = {
         "GLOBAL_RANK": str(info.rank) if launched else "",
         "LOCAL_RANK_ID": str(info.local_rank),
         "WORLD": str(info.world_size) if launched else "",
         "LOCAL_WORLD": str(info.local_world_size) if launched and info.local_world_size else "",
-        "RANK_SOURCE": info.source,
     }
     return "".join(f"{key}={shlex.quote(value)}\n" for key, value in values.items())

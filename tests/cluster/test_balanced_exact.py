@@ -142,6 +142,7 @@ def worker(out_dir: Path) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Run the 3 ranks once for the module; return each rank's saved parameters."""
+    from _wait import scaled  # here, not at the top: the ranks run this file as a script
     out = tmp_path_factory.mktemp("balanced_exact")
     port = free_port()
     procs = []
@@ -154,7 +155,7 @@ def ranks(tmp_path_factory):
                                        stderr=subprocess.STDOUT), log))
     try:
         for p, _ in procs:
-            p.wait(timeout=300)
+            p.wait(timeout=scaled(300))
     finally:
         for p, log in procs:
             if p.poll() is None:

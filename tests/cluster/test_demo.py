@@ -20,6 +20,7 @@ LAB = "demotest"
 
 def test_demo_runs_the_whole_journey_and_removes_its_lab(lab_factory, tmp_path):
     # lab_factory is requested for its root/tools skip only: the demo builds and removes its own lab.
+    sim.down(LAB)  # one left by an interrupted run would be reused as it is
     runs = tmp_path / "runs"
     out = subprocess.run(
         [sys.executable, "-m", "dscluster.demo", "--lab", LAB, "--runs-dir", str(runs), "--", "epochs=1"],

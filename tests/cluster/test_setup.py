@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from _wait import scaled
 from dscluster.bringup import files as bf
 
 pytestmark = pytest.mark.cluster
@@ -108,10 +109,12 @@ def test_kill_mid_install_leaves_authorized_keys_valid(lab):
         lab.run(n.name, "rm -f ~/.ssh/id_ed25519 ~/.ssh/id_ed25519.pub", check=True)
     env = lab._env(None, {"DSCLUSTER_SSH_PASSWORD": lab.password, "DSCLUSTER_STATE": _state(lab)})
     argv = lab.command("node1", [".venv/bin/dscluster", "setup", "--hostfile", str(lab.hostfile)])
+    # Moments to kill at, not waits for a condition: wherever they fall, the files must stay
+    # valid. They stretch with the load so that they fall in the same phases of the run.
     for delay in (0.8, 1.6, 2.4):
         proc = subprocess.Popen(argv, env=env, start_new_session=True,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(delay)
+        time.sleep(scaled(delay))
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         for n in lab.nodes:
@@ -137,7 +140,7 @@ def test_unreachable_node_reported_within_timeout_others_configured(lab):
     assert by["node2"]["error_kind"] in ("unreachable", "timeout")
     assert by["node1"]["ok"] and by["node3"]["ok"]
     assert doc["mesh"]["node1"]["node3"] and doc["mesh"]["node3"]["node1"]
-    assert elapsed < 4 + 30  # one connect timeout plus start-up, not a retry loop
+    assert elapsed < 4 + scaled(30)  # one connect timeout plus start-up, not a retry loop
     assert any(p.startswith("node2:") for p in doc["problems"])
 
 

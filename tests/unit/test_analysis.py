@@ -111,7 +111,7 @@ def test_several_runs_with_out_dir_get_one_folder_each_and_a_scaling_plot(tmp_pa
 def test_report_is_one_self_contained_page_with_the_summary_table(tmp_path):
     (res,) = analyse([make_run(tmp_path, precision="fp16", world=2)])
     html = res.report.read_text()
-    assert html.count("data:image/png;base64,") == 5
+    assert html.count("data:image/png;base64,") == 6
     assert "<img" in html and 'src="plots/' not in html and "http" not in html.split("<body>")[1]
     rows = dict(summary_table_rows(res.summary))
     assert rows["precision"] == "fp16" and rows["world size (ranks)"] == "2"
@@ -174,7 +174,7 @@ def test_plot_cli_json_lists_what_it_wrote(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     (doc,) = json.loads(out.stdout)
-    assert set(doc["plots"]) == {"utilisation", "throughput", "loss", "loss_scale", "gpu_health"}
+    assert set(doc["plots"]) == {"utilisation", "throughput", "step_split", "loss", "loss_scale", "gpu_health"}
     assert doc["report"] == str(run / "report.html") and doc["summary"]["world_size"] == 2
     assert summary_row(load_run(run))["hosts"] == ["node1", "node2"]
 

@@ -54,7 +54,7 @@ def _steps(rank: int) -> list[dict]:
 def test_recorded_run_is_complete_and_every_plot_is_a_real_png(recorded):
     assert recorded.run.completed
     names = {p.name for p in recorded.plots}
-    assert names == {"utilisation", "throughput", "loss", "loss_scale", "gpu_health"}
+    assert names == {"utilisation", "throughput", "step_split", "loss", "loss_scale", "gpu_health"}
     for p in recorded.plots:
         data = p.path.read_bytes()
         assert data[:8] == PNG_MAGIC and len(data) > 5000, p.path
@@ -108,7 +108,7 @@ def test_report_embeds_the_pictures_and_the_summary_table(recorded):
     assert rows["held-out accuracy (%)"] == f"{100 * summary['accuracy']:.1f}"
     for label, value in rows.items():
         assert f"<th>{label}</th>" in html and value.replace("'", "&#x27;") in html
-    assert html.count("data:image/png;base64,") == 5
+    assert html.count("data:image/png;base64,") == 6
     assert "did not complete" not in html
 
 
@@ -130,7 +130,7 @@ def test_truncated_copy_still_plots_and_says_it_did_not_complete(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "did NOT complete" in out.stdout
     pngs = sorted((tmp_path / "plots").glob("*.png"))
-    assert len(pngs) == 5 and all(p.read_bytes()[:8] == PNG_MAGIC for p in pngs)
+    assert len(pngs) == 6 and all(p.read_bytes()[:8] == PNG_MAGIC for p in pngs)
     html = (tmp_path / "plots" / "report.html").read_text()
     assert "This run did not complete" in html
     loaded = load_run(run)

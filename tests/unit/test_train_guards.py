@@ -9,7 +9,8 @@ import pytest
 from dscluster.errors import JobFailed, UsageError
 from dscluster.train.checkpoint import commit_latest, find_latest, resume_decision
 from dscluster.train.config import load_config
-from dscluster.train.guards import LossScaleGuard, TrainingAborted, check_equal_steps, parse_fault
+from dscluster.train.faults import parse_fault
+from dscluster.train.guards import LossScaleGuard, TrainingAborted, check_equal_steps
 from dscluster.train.losscale import recommend_initial_scale_power, replay_dynamic_scaler, write_initial_scale_power
 
 # Recorded by tests/unit/record_loss_scale.py: 60 healthy steps, then lr=5 makes the model diverge.

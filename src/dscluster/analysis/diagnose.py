@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dscluster.analysis.load import RunData
-from dscluster.analysis.stats import rank_stats
+from dscluster.analysis.stats import COMM_BOUND_SHARE, comm_share, rank_stats, step_split
 
 # Must be identical on every rank; anything else here differing means ranks were started
 # from different configs, venvs or check results.
@@ -237,9 +237,20 @@ def vanished_findings(run: RunData, findings: list[Finding]) -> list[Finding]:
     return out
 
 
+def comm_findings(run: RunData) -> list[Finding]:
+    """A job that spends much of each step waiting for the network (measured in the step records)."""
+    share = comm_share(step_split(run))
+    if share is None or share <= COMM_BOUND_SHARE:
+        return []
+    return [Finding("warning", "comm_bound",
+                    f"communication-bound: {share:.0%} of step time waiting for the network (mean over ranks, "
+                    f"after warm-up): `dscluster plan --config {run.path / 'config.yaml'}` predicts which gradient "
+                    "accumulation (global_batch=...) and comm.compression would scale")]
+
+
 def diagnose(run: RunData) -> dict[str, Any]:
     """Everything found, as the stable `--json` document."""
-    findings = vanished_findings(run, progress_findings(run)) + env_findings(run)
+    findings = vanished_findings(run, progress_findings(run)) + env_findings(run) + comm_findings(run)
     tfind, traces = trace_findings(run)
     findings += tfind
     if not run.ranks:

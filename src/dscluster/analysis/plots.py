@@ -17,7 +17,9 @@ matplotlib.use("Agg")
 from matplotlib.figure import Figure  # noqa: E402
 
 from dscluster.analysis.load import RunData  # noqa: E402
-from dscluster.analysis.stats import find_stragglers, rank_stats, summary_row  # noqa: E402
+from dscluster.analysis.stats import (  # noqa: E402
+    COMM_BOUND_SHARE, SPLIT_PARTS, comm_share, find_stragglers, rank_stats, step_split, summary_row,
+)
 from dscluster.train.timing import WARMUP_STEPS  # noqa: E402
 from dscluster.telemetry.backends import SLOWDOWN_REASONS  # noqa: E402
 
@@ -298,6 +300,78 @@ def plot_gpu_health(run: RunData, out: Path) -> Plot:
     return _save(fig, plot, not run.completed)
 
 
+SPLIT_STYLE = {"compute_s": ("compute", 0.0, ""), "comm_s": ("waiting for the network", 0.35, "///"),
+               "data_s": ("waiting for data", 0.6, "..."), "other_s": ("between steps (eval, checkpoints, logs)", 0.8, "xx")}
+"""Each part of a step: legend label, how much lighter than the rank's own shade, hatch."""
+SMOOTH = 10
+"""Steps in the running mean of the network share over the run (single CPU steps are noisy)."""
+
+
+def _lighter(colour: str, amount: float) -> str:
+    from matplotlib.colors import to_hex, to_rgb
+
+    return to_hex([c + (1 - c) * amount for c in to_rgb(colour)])
+
+
+def plot_step_split(run: RunData, out: Path) -> Plot:
+    """Where each rank's step time went (measured, train/split.py): stacked bars per rank, and the share
+    of each step spent waiting for the network over the run. A communication-bound run shows at once."""
+    plot = Plot("step_split", out / "step_split.png", _title(run, "step time: compute, network, data per rank"))
+    fig, (ax_b, ax_t) = _new(2)
+    splits = step_split(run)
+    if not splits:
+        plot.notes.append("no step split recorded")
+        for ax in (ax_b, ax_t):
+            _empty(ax, "no compute_s/comm_s/data_s in the step records\n(a run of an older dscluster)")
+        return _save(fig, plot, not run.completed)
+    colours = host_colours(run)
+    xs = list(range(len(splits)))
+    bottoms = [0.0] * len(splits)
+    for part in SPLIT_PARTS:
+        label, light, hatch = SPLIT_STYLE[part]
+        heights = [s.seconds.get(part) or 0.0 for s in splits]
+        faces = [_lighter(_rank_style(run, s.rank, colours)[0], light) for s in splits]
+        ax_b.bar(xs, heights, bottom=bottoms, color=faces, hatch=hatch, edgecolor="#444444", linewidth=0.6)
+        ax_b.bar([0], [0], color="#dddddd", hatch=hatch, edgecolor="#444444", label=label)  # legend swatch only
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    for s, x, top in zip(splits, xs, bottoms):
+        share = s.comm_share
+        text = "network\nnot measured" if share is None else f"{share:.0%}\nnetwork"
+        ax_b.annotate(text, (x, top), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8,
+                      color=STRAGGLER_COLOUR if share is not None and share > COMM_BOUND_SHARE else "black")
+        colour, _, label = _rank_style(run, s.rank, colours)
+        plot.series[f"split {label}"] = {"x": list(SPLIT_PARTS), "y": [s.seconds.get(p) for p in SPLIT_PARTS],
+                                         "colour": [colour]}
+    ax_b.set_xticks(xs, [f"r{s.rank}\n{s.host or '?'}" for s in splits], fontsize=8)
+    ax_b.set_ylabel("seconds per step (mean after warm-up)")
+    ax_b.set_ylim(0, max(bottoms) * 1.25 or 1)
+    ax_b.grid(alpha=0.3, axis="y")
+    ax_b.legend(fontsize=7, loc="upper left")
+    for s in splits:
+        steps = [r for r in run.ranks[s.rank].steps if isinstance(r.get("comm_s"), (int, float))
+                 and isinstance(r.get("step_time"), (int, float)) and r["step_time"] > 0]
+        colour, ls, label = _rank_style(run, s.rank, colours)
+        raw = [100.0 * r["comm_s"] / r["step_time"] for r in steps]
+        sx = [r["step"] for r in steps]
+        sy = [sum(raw[max(0, i - SMOOTH + 1):i + 1]) / len(raw[max(0, i - SMOOTH + 1):i + 1]) for i in range(len(raw))]
+        ax_t.plot(sx, sy, color=colour, ls=ls, lw=1.3, label=label)
+        plot.series[f"comm_share {label}"] = {"x": sx, "y": sy}
+    ax_t.axhline(100 * COMM_BOUND_SHARE, color="#7f7f7f", ls="--", lw=1, label=f"{COMM_BOUND_SHARE:.0%}: cannot scale 80%")
+    ax_t.set_xlabel("optimizer step")
+    ax_t.set_ylabel(f"waiting for the network (% of step, mean of {SMOOTH})")
+    ax_t.set_ylim(0, 100)
+    ax_t.grid(alpha=0.3)
+    ax_t.legend(fontsize=7, loc="best")
+    share = comm_share(splits)
+    if share is None:
+        plot.notes.append("communication not measured (one rank, or DeepSpeed reduced without DDP hooks)")
+    elif share > COMM_BOUND_SHARE:
+        plot.notes.append(f"communication-bound: {share:.0%} of step time waiting for the network")
+    else:
+        plot.notes.append(f"{share:.0%} of step time waiting for the network")
+    return _save(fig, plot, not run.completed)
+
+
 def plot_scaling(runs: list[RunData], out: Path) -> Plot:
     """Images/s against GPU (rank) count with the ideal line from the smallest run."""
     plot = Plot("scaling", out / "scaling.png", "scaling: images/s against GPU (rank) count")
@@ -333,7 +407,7 @@ def plot_scaling(runs: list[RunData], out: Path) -> Plot:
     return _save(fig, plot, False)
 
 
-RUN_PLOTS = (plot_utilisation, plot_throughput, plot_loss, plot_loss_scale, plot_gpu_health)
+RUN_PLOTS = (plot_utilisation, plot_throughput, plot_step_split, plot_loss, plot_loss_scale, plot_gpu_health)
 
 
 def plot_run(run: RunData, out: Path) -> list[Plot]:

@@ -167,3 +167,52 @@ def summary_row(run: RunData) -> dict[str, Any]:
         "overflow_rate": (overflows / steps) if steps else None,
         "wall_s": (run.summary or {}).get("wall_s"),
     }
+
+
+SPLIT_PARTS = ("compute_s", "comm_s", "data_s", "other_s")
+"""A step record's measured split (train/split.py): they add up to its step_time."""
+COMM_BOUND_SHARE = 0.2
+"""More of the step than this waiting for the network, and the job cannot reach the 80% scaling
+efficiency `dscluster plan` aims for: 'communication-bound'."""
+
+
+@dataclass
+class RankSplit:
+    rank: int
+    host: str | None
+    steps: int
+    """Steps averaged (after warm-up, when there are more)."""
+    seconds: dict[str, float | None]
+    """Mean seconds per step of each SPLIT_PARTS entry; comm_s None where training could not measure it."""
+    step_s: float
+    """Mean step_time over the same steps."""
+
+    @property
+    def comm_share(self) -> float | None:
+        comm = self.seconds.get("comm_s")
+        return None if comm is None or self.step_s <= 0 else comm / self.step_s
+
+
+def step_split(run: RunData) -> list[RankSplit]:
+    """Per rank, the mean split of its steady steps (means, not medians: means add up to the step)."""
+    out = []
+    for rank in sorted(run.ranks):
+        rm = run.ranks[rank]
+        steps = [s for s in _steady(rm.steps)
+                 if isinstance(s.get("step_time"), (int, float)) and isinstance(s.get("compute_s"), (int, float))]
+        if not steps:
+            continue
+        seconds: dict[str, float | None] = {}
+        for part in SPLIT_PARTS:
+            values = [s.get(part) for s in steps]
+            seconds[part] = (None if any(not isinstance(v, (int, float)) for v in values)
+                             else statistics.fmean(values))
+        out.append(RankSplit(rank=rank, host=rm.host, steps=len(steps), seconds=seconds,
+                             step_s=statistics.fmean(s["step_time"] for s in steps)))
+    return out
+
+
+def comm_share(splits: list[RankSplit]) -> float | None:
+    """Share of step time the job waited for the network: the mean over ranks that measured it."""
+    shares = [s.comm_share for s in splits if s.comm_share is not None]
+    return statistics.fmean(shares) if shares else None

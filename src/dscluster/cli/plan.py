@@ -5,32 +5,7 @@ the model's parameter count (built from the config on the meta device: no memory
 compute time of one micro-batch (--compute-s, else a few forward+backward passes measured here).
 The model and its assumptions: dscluster.advisor and docs/advisor.md.
 
-JSON schema (`dscluster plan --json`), version 1. Keys are only ever added.
-
-    {
-      "schema": 1,
-      "config": str, "model": str, "params": int,
-      "hostfile": str, "world_size": int,
-      "nodes": [{"name": str, "ranks": int, "compute_s": float, "images_per_s": float}],
-      "micro_batch": int, "grad_accum": int, "global_batch": int,
-      "grad_bytes": int,                 # fp32 gradients DDP all-reduces per optimizer step
-      "busbw_GBps": float, "busbw_source": str,          # "--busbw" or the check.json path
-      "compute": {"seconds": float,      # one forward+backward of one micro-batch, one rank
-                  "source": "--compute-s" | "measured",
-                  "device": str | null,  # what it was measured on
-                  "note": str | null},
-      "assumptions": {"backward_share": float, "overlap_fraction": float, "bucket_bytes": int},
-      "prediction": {compute_s, comm_s, hidden_s, exposed_s, step_s, images_per_s, global_batch,
-                     node_images_per_s: {node: float}, fastest_node, speedup, efficiency,
-                     slower: bool, verdict: str},
-      "recommendation": {"target_efficiency", "max_global_batch", "reached": bool,
-                         "train_alone": bool, "summary": str,
-                         "choice" | "without_compression" | "needed":
-                             {"grad_accum", "compression", "global_batch", "prediction": {...}} | null,
-                         "overrides": [str],          # key=value to paste after ./entry_cn.sh
-                         "pending": [str]},           # advice no training option implements yet
-      "notes": [str]
-    }
+The `--json` document (schema version `SCHEMA_VERSION`) is described in docs/schemas.md.
 Exit status: 0 the prediction was made (whatever it says), 2 bad input (config, hostfile, no
 bandwidth: run `dscluster check` or pass --busbw).
 """
@@ -54,10 +29,8 @@ from dscluster.check.checkfile import CheckFileError
 from dscluster.errors import UsageError
 
 SCHEMA_VERSION = 1
-COMPRESSION_KEY: str | None = None
-"""The training config key that compresses gradients on the wire, once training has one (issue 18's
-communication options). Until then the pasted overrides are the best setting without compression,
-and the compressed one is reported under "pending"."""
+COMPRESSION_KEY = "comm.compression"
+"""The training config key that compresses gradients on the wire (train/comm.py)."""
 CPU_PROBE_BATCH = 4
 """On CPU the probe runs at most this many samples and scales linearly: ViT-B/16 at 128 would
 take minutes, and a CPU figure is only a stand-in for the GPUs anyway."""
@@ -162,15 +135,60 @@ def batch_shape(cfg, world: int) -> tuple[int, int, str | None]:
                                "may take less on small GPUs and accumulate: pass micro_batch=N)")
 
 
-def count_params(cfg, in_chans: int, num_classes: int) -> int:
-    """On the meta device: shapes only, no memory, so ViT-B costs nothing to count."""
+def gradient_shapes(cfg, in_chans: int, num_classes: int) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """(parameters, each gradient as PowerSGD views it: shape[0] × the rest), built on the meta
+    device: shapes only, no memory, so ViT-B costs nothing to count."""
     import torch
 
     from dscluster.train.model import build_model, count_params as count
 
     with torch.device("meta"):
         model = build_model(cfg.model, in_chans=in_chans, num_classes=num_classes, img_size=cfg.data.img_size)
-    return count(model)
+    matrices = tuple((p.shape[0], p.numel() // p.shape[0]) if p.dim() else (1, 1)
+                     for p in model.parameters() if p.requires_grad)
+    return count(model), matrices
+
+
+def planned_precision(cfg) -> tuple[str, str | None]:
+    """(the precision training will use, a note when guessed): the config's, else `dscluster check`'s
+    (DSCLUSTER_PRECISION, <state>/cluster.env), else this machine's GPU's, else fp32 with a note."""
+    import os
+
+    from dscluster.train.precision import FORMATS, decide_here
+
+    if cfg.precision != "auto":
+        return cfg.precision, None
+    cluster = os.environ.get("DSCLUSTER_PRECISION")
+    try:
+        cluster = cluster or state.read_env_file(state.cluster_env_path()).get("DSCLUSTER_PRECISION")
+    except (OSError, UsageError):
+        pass
+    if cluster and cluster.strip().lower() in FORMATS:
+        return cluster.strip().lower(), None
+    decided = decide_here("auto").precision
+    return decided, (None if decided != "fp32" else "precision auto and no `dscluster check` result here: planned "
+                     "for fp32 (pass precision=... for the GPUs' format)")
+
+
+def allowed_compressions(cfg, precision: str) -> tuple[dict[str, bool], list[str]]:
+    """Which comm.compression values training accepts for this config, by training's own rule, and
+    why not where it refuses one."""
+    import copy
+
+    from dscluster.train.config_checks import ConfigValueError, compression_conflict
+
+    ok, why = {}, {}
+    for comp in advisor.COMPRESSIONS:
+        trial = copy.deepcopy(cfg)
+        trial.comm.compression = comp
+        try:
+            compression_conflict(trial, precision)
+            ok[comp] = True
+        except ConfigValueError as e:
+            ok[comp] = False
+            if comp in advisor.LADDER:
+                why.setdefault(e.also, str(e))  # one line per cause (ZeRO refuses every compression alike)
+    return ok, list(why.values())
 
 
 def measure_compute(cfg, in_chans: int, num_classes: int, micro: int) -> tuple[float, str, str]:
@@ -236,24 +254,38 @@ def measure_compute(cfg, in_chans: int, num_classes: int, micro: int) -> tuple[f
                            "the plan is for CPU ranks; pass --compute-s from your GPU nodes")
 
 
-def pasteable(rec: advisor.Recommendation) -> advisor.Option | None:
-    """The recommended option the training can run today."""
-    if rec.choice is None or rec.choice.compression == "none" or COMPRESSION_KEY:
-        return rec.choice
-    return rec.without_compression
-
-
 def overrides(cfg, current_global: int, option: advisor.Option | None, micro: int) -> list[str]:
     """key=value for `./entry_cn.sh` / `dscluster train`: all three batch keys, so the trainer's
-    check micro × accum × world = global holds whatever the preset says."""
+    check micro × accum × world = global holds whatever the preset says, and the compression."""
     out = []
     if option is not None and option.prediction.global_batch != current_global:
         out = [f"micro_batch={micro}", f"grad_accum={option.grad_accum}",
                f"global_batch={option.prediction.global_batch}"]
         if cfg.optim.lr_reference_batch is None:
             out.append(f"optim.lr_reference_batch={current_global}")  # linear LR scaling, as DeiT's recipe
-    if option is not None and option.compression != "none" and COMPRESSION_KEY:
+    if option is not None and option.compression != cfg.comm.compression:
         out.append(f"{COMPRESSION_KEY}={option.compression}")
+    return out
+
+
+def saved_entries(doc: dict, cfg, rec: advisor.Recommendation, args) -> dict[str, dict]:
+    """What `train` looks up at the end of a run (train/predicted.py): the config as given and each
+    recommended setting, keyed by what decides its figure."""
+    from dscluster.train import predicted
+
+    settings = [("now", doc["grad_accum"], cfg.comm.compression, doc["prediction"], [])]
+    for name in ("choice", "without_compression"):
+        o = getattr(rec, name)
+        if o is not None:
+            settings.append((name, o.grad_accum, o.compression, o.to_dict()["prediction"],
+                             overrides(cfg, doc["global_batch"], o, doc["micro_batch"])))
+    out = {}
+    for name, _accum, comp, p, ovr in settings:
+        k = predicted.key(model=doc["model"], micro_batch=doc["micro_batch"], global_batch=p["global_batch"],
+                          precision=doc["precision"], compression=comp, ranks=doc["world_size"])
+        out.setdefault(k, {"images_per_s": p["images_per_s"], "step_s": p["step_s"], "setting": name,
+                           "config": args.config, "hostfile": doc["hostfile"], "busbw_GBps": doc["busbw_GBps"],
+                           "compute_s": doc["compute"]["seconds"], "overrides": ovr})
     return out
 
 
@@ -275,7 +307,12 @@ def plan(args: argparse.Namespace) -> dict:
     world = hostfile.total_slots
     micro, accum, batch_note = batch_shape(cfg, world)
     in_chans, num_classes = data_shape(cfg)
-    params = count_params(cfg, in_chans, num_classes)
+    params, matrices = gradient_shapes(cfg, in_chans, num_classes)
+    precision, precision_note = planned_precision(cfg)
+    from dscluster.train.precision import gradient_format
+
+    grad_format = gradient_format(cfg, precision)
+    allowed, refused = allowed_compressions(cfg, precision)
     if compute is None:
         seconds, device, note = measure_compute(cfg, in_chans, num_classes, micro)
         compute, how = dict.fromkeys(names, seconds), {"seconds": seconds, "source": "measured", "device": device,
@@ -284,34 +321,48 @@ def plan(args: argparse.Namespace) -> dict:
         how = {"seconds": max(compute.values()), "source": "--compute-s", "device": None, "note": None}
     nodes = tuple(advisor.Node(name=h.name, ranks=h.slots, compute_s=compute[h.name]) for h in hostfile.hosts)
     scenario = advisor.Scenario(nodes=nodes, micro_batch=micro, grad_accum=accum,
-                                grad_bytes=advisor.gradient_bytes(params), busbw_GBps=busbw,
+                                grad_bytes=advisor.gradient_bytes(params, advisor.FORMAT_BYTES[grad_format]),
+                                grad_format=grad_format, compression=cfg.comm.compression,
+                                powersgd_rank=cfg.comm.powersgd_rank, matrices=matrices, busbw_GBps=busbw,
                                 bucket_bytes=cfg.ddp_bucket_mb * 2**20)
     prediction = advisor.predict(scenario)
-    rec = advisor.recommend(scenario, max_global_batch=args.max_global_batch)
-    today = pasteable(rec)
-    pending = [f"{o.compression} gradient compression (half the bytes on the wire) is not a training option yet: "
-               "the overrides are the best setting without it" for o in (rec.choice,) if o is not None and o is not today]
-    notes = [n for n in (batch_note, how["note"]) if n]
+    rec = advisor.recommend(scenario, max_global_batch=args.max_global_batch,
+                            compressions=advisor.ladder(cfg.comm.compression, allowed=allowed.get))
+    notes = [n for n in (batch_note, how["note"], precision_note) if n]
     if check_world and check_world != world:
         notes.append(f"check measured the all-reduce over {check_world} ranks, this plan has {world}: if the "
                      f"hostfile changed, run `dscluster check --hostfile {args.hostfile}` again")
     if cfg.zero_stage:
         notes.append(f"zero_stage {cfg.zero_stage}: reduce-scatter + all-gather move about what ZeRO-0's "
                      "all-reduce moves; the estimate is the same")
-    return {
+    if cfg.comm.compression == "powersgd" or (rec.choice and rec.choice.compression == "powersgd"):
+        notes.append("PowerSGD: its matrix products and the latency of its three all-reduces per bucket are not "
+                     "modelled, so its step time is a lower bound; it sends plain all-reduces for the first "
+                     "comm.powersgd_start_step steps")
+    doc = {
         "schema": SCHEMA_VERSION, "config": args.config, "model": cfg.model.name, "params": params,
         "hostfile": hostfile.path, "world_size": world,
         "nodes": [{"name": n.name, "ranks": n.ranks, "compute_s": n.compute_s,
                    "images_per_s": n.images_per_s(micro)} for n in nodes],
         "micro_batch": micro, "grad_accum": accum, "global_batch": scenario.global_batch,
-        "grad_bytes": int(scenario.grad_bytes), "busbw_GBps": busbw, "busbw_source": source, "compute": how,
+        "precision": precision, "compression": cfg.comm.compression, "grad_format": grad_format,
+        "grad_bytes": int(scenario.grad_bytes), "wire_bytes": int(scenario.wire_bytes),
+        "busbw_GBps": busbw, "busbw_source": source, "compute": how,
         "assumptions": {"backward_share": advisor.BACKWARD_SHARE, "overlap_fraction": scenario.overlap_fraction,
                         "bucket_bytes": int(scenario.bucket_bytes)},
         "prediction": prediction.to_dict(),
-        "recommendation": {**rec.to_dict(), "overrides": overrides(cfg, scenario.global_batch, today, micro),
-                           "pending": pending},
+        "recommendation": {**rec.to_dict(), "overrides": overrides(cfg, scenario.global_batch, rec.choice, micro),
+                           "pending": refused},
+        "saved_to": None,
         "notes": notes,
     }
+    from dscluster.train import predicted
+
+    try:
+        doc["saved_to"] = str(predicted.save(saved_entries(doc, cfg, rec, args)))
+    except OSError as e:  # a read-only state directory costs the comparison at the end of the run, not the plan
+        notes.append(f"could not save the prediction for `train` to compare with ({e})")
+    return doc
 
 
 def _row(label: str, p: dict, style: str = "") -> list[str]:
@@ -323,9 +374,11 @@ def _row(label: str, p: dict, style: str = "") -> list[str]:
 def render(doc: dict) -> None:
     out = console.out
     p, rec = doc["prediction"], doc["recommendation"]
+    wire = (f", {doc['wire_bytes'] / 1e6:.1f} MB on the wire with {doc['compression']}"
+            if doc["compression"] != "none" else "")
     out.print(escape(f"dscluster plan: {doc['model']} ({doc['params'] / 1e6:.1f} M parameters, "
-                     f"{doc['grad_bytes'] / 1e6:.0f} MB of fp32 gradients a step) on {len(doc['nodes'])} node(s), "
-                     f"{doc['world_size']} rank(s) from {doc['hostfile']}"))
+                     f"{doc['grad_bytes'] / 1e6:.0f} MB of {doc['grad_format']} gradients a step{wire}) on "
+                     f"{len(doc['nodes'])} node(s), {doc['world_size']} rank(s) from {doc['hostfile']}, {doc['precision']}"))
     c = doc["compute"]
     out.print(escape(f"inputs: all-reduce busbw {doc['busbw_GBps']:.3f} GB/s ({doc['busbw_source']}); "
                      f"{c['seconds']:.4f} s per micro-batch of {doc['micro_batch']} "
@@ -355,6 +408,9 @@ def render(doc: dict) -> None:
         out.print("nothing to change: the config as it is reaches the target")
     for line in rec["pending"] + doc["notes"]:
         out.print(escape(f"note: {line}"), style="dim")
+    if doc["saved_to"]:
+        out.print(escape(f"saved for `dscluster train` to compare with what it measures: {doc['saved_to']}"),
+                  style="dim")
     a = doc["assumptions"]
     out.print(escape(f"model: all-reduce = bytes × 2(N−1)/N ÷ busbw, once per optimizer step; up to "
                      f"{a['overlap_fraction']:.0%} of the last backward (≈{a['backward_share']:.2f} of compute) hides "

@@ -81,9 +81,11 @@ def commit_latest(ckpt_dir: Path, tag: str) -> None:
 
 
 def save(engine, ckpt_dir: Path, pos: Position, *, rank: int, fail_save: bool = False,
-         extra: dict | None = None) -> tuple[bool, str]:
+         extra: dict | None = None, rank_state=None) -> tuple[bool, str]:
     """Collective: every rank calls it. Returns (committed, message). `extra` goes into the
-    client state beside the position (e.g. the amp GradScaler's state)."""
+    client state beside the position (e.g. the amp GradScaler's state); `rank_state(tag_dir)`, if
+    given, writes this rank's own files into the tag (PowerSGD's error feedback) before `latest`
+    may name it."""
     import torch
     import torch.distributed as dist
 
@@ -106,6 +108,13 @@ def save(engine, ckpt_dir: Path, pos: Position, *, rank: int, fail_save: bool = 
     finally:
         if fail_save:
             engine.checkpoint_engine.save = original
+    if ok and rank_state is not None:
+        try:  # after DeepSpeed's closing barrier: a failure here is this rank's alone, told by the flag
+            rank_state(Path(ckpt_dir) / tag)
+        except (OSError, RuntimeError) as e:
+            if not is_write_failure(e):
+                raise
+            ok, error = 0, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     flag = torch.tensor([ok], dtype=torch.int32, device=engine.device)
     if dist.is_initialized():
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)

@@ -22,7 +22,8 @@ import yaml
 
 from dscluster.errors import UsageError
 from dscluster.train.config_checks import (
-    SMALL_IMAGE_MODEL, ConfigValueError, check_deepspeed_section, check_fields, check_world, limits,
+    SMALL_IMAGE_MODEL, ConfigValueError, check_deepspeed_section, check_fields, check_optimizer_name,
+    check_relations, check_world, compression_conflict, limits,
 )
 
 
@@ -59,7 +60,13 @@ class DataConfig:
     limit: int | None = field(default=None, metadata=limits(ge=1))
     """Use only the first N training samples (quick runs, odd sizes in tests)."""
     augment: bool = True
-    """Random ±1-pixel shifts of training images (cheap, on the device)."""
+    """Random ±1-pixel shifts of training images (imagefolder, cifar10: in the loader workers; digits: on
+    the device)."""
+    workers: int | None = field(default=None, metadata=limits(ge=0, le=64))
+    """Loader worker processes per rank that decode, resize and augment imagefolder/cifar10 batches ahead
+    of the step; null: the node's CPUs divided among its ranks, at most 8; 0: in the training process."""
+    prefetch: int = field(default=2, metadata=limits(ge=1, le=64))
+    """Batches each loader worker keeps ready (DataLoader prefetch_factor)."""
     synthetic_samples: int = field(default=4096, metadata=limits(ge=1))
     """Number of synthetic images per epoch."""
     num_classes: int = field(default=10, metadata=limits(ge=2))
@@ -89,6 +96,8 @@ class OptimConfig:
     """Global gradient-norm clip (0 disables)."""
     fused: str = field(default="auto", metadata={"choices": ("auto", "true", "false")})
     """Fused AdamW kernel: auto = on GPU only (CPU has none)."""
+    name: str = field(default="adamw", metadata={"choices": ("adamw",)})
+    """torch's AdamW. DeepSpeed's onebitadam, zerooneadam, onebitlamb are refused with the reason."""
 
 
 @dataclass
@@ -136,6 +145,18 @@ class DistConfig:
 
 
 @dataclass
+class CommConfig:
+    compression: str = field(default="none", metadata={"choices": ("none", "fp16", "bf16", "powersgd")})
+    """Gradients on the wire (ZeRO-0, several ranks; DDP hooks, comm.py): none (fp32), fp16/bf16 (half
+    the bytes), powersgd (low-rank factors with error feedback). Needs zero_stage=0, overlap_comm."""
+    powersgd_rank: int = field(default=4, metadata=limits(ge=1))
+    """PowerSGD: rank r of the factors; an n×m gradient matrix is sent as r·(n+m) numbers."""
+    powersgd_start_step: int | str = field(default="auto", metadata=limits(ge=2, words=("auto",)))
+    """PowerSGD: steps reduced uncompressed first (torch's start_powerSGD_iter, at least 2).
+    auto: optim.warmup_steps, at least 2."""
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     """Which ViT."""
@@ -149,6 +170,8 @@ class TrainConfig:
     """When to save and whether to resume."""
     dist: DistConfig = field(default_factory=DistConfig)
     """Process-group settings."""
+    comm: CommConfig = field(default_factory=CommConfig)
+    """Gradient communication: compression on the ZeRO-0 DDP path."""
     epochs: int = field(default=20, metadata=limits(ge=1))
     """Passes over the training set."""
     max_steps: int = field(default=0, metadata=limits(ge=0))
@@ -419,26 +442,11 @@ def _override_in_mapping(obj: Any, parts: list[str], i: int, raw: str, where: st
 def validate(cfg: TrainConfig) -> None:
     """Every field's declared range or choices, then the rules that tie fields together
     (ConfigValueError). Field rules come first: the cross-field ones divide by some of them."""
-    E = ConfigValueError
+    check_optimizer_name(cfg.optim.name)  # before the choices: a known name deserves its reason
     check_fields(cfg)
     check_deepspeed_section(cfg.deepspeed)
-    if cfg.model.name == SMALL_IMAGE_MODEL and cfg.model.embed_dim % cfg.model.num_heads:
-        raise E("model.embed_dim",
-                f"model.embed_dim={cfg.model.embed_dim} does not divide by model.num_heads={cfg.model.num_heads}",
-                also=("model.num_heads",))
-    if cfg.model.name == SMALL_IMAGE_MODEL and cfg.data.img_size % cfg.model.patch_size:
-        raise E("data.img_size",
-                f"data.img_size={cfg.data.img_size} does not divide by model.patch_size={cfg.model.patch_size}",
-                also=("model.patch_size",))
-    if cfg.data.dataset in ("cifar10", "imagefolder") and not cfg.data.path:
-        raise E("data.dataset", f"data.dataset={cfg.data.dataset} needs data.path (the folder with the data)")
-    power = cfg.fp16.initial_scale_power
-    if cfg.fp16.min_loss_scale > 2.0 ** power:
-        raise E("fp16.min_loss_scale",
-                f"fp16.min_loss_scale={cfg.fp16.min_loss_scale:g} is above the starting scale 2^{power} = {2 ** power} "
-                f"(fp16.initial_scale_power={power}): the guard would stop the run at once; lower "
-                "fp16.min_loss_scale or raise fp16.initial_scale_power",
-                also=("fp16.initial_scale_power",))
+    check_relations(cfg)
+    compression_conflict(cfg, None if cfg.precision == "auto" else cfg.precision)
 
 
 def to_dict(cfg: TrainConfig) -> dict:

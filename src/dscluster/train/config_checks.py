@@ -169,6 +169,7 @@ DEEPSPEED_DERIVED = {
     ("torch_autocast",): "precision and amp",
     ("gradient_clipping",): "optim.grad_clip",
     ("zero_optimization", "stage"): "zero_stage",
+    ("optimizer",): "optim.* (dscluster hands DeepSpeed its own AdamW, and DeepSpeed then ignores this section)",
 }
 
 
@@ -178,6 +179,10 @@ def check_deepspeed_section(section: dict | None) -> None:
 
     if not section:
         return
+    opt = section.get("optimizer")
+    if isinstance(opt, dict) and str(opt.get("type", "")).lower() in ONE_BIT_OPTIMIZERS:
+        raise ConfigValueError("deepspeed.optimizer.type", one_bit_refusal("deepspeed.optimizer.type", opt["type"]),
+                               also=("deepspeed.optimizer", "deepspeed"))
     for path, instead in DEEPSPEED_DERIVED.items():
         inner: Any = section
         for name in path:
@@ -195,6 +200,96 @@ def check_deepspeed_section(section: dict | None) -> None:
         json.dumps(section, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise ConfigValueError("deepspeed", f"deepspeed: a value DeepSpeed's JSON config cannot hold ({e})") from None
+
+
+def check_relations(cfg) -> None:
+    """The rules that tie fields together (after the field rules: some divide by them)."""
+    E = ConfigValueError
+    if cfg.model.name == SMALL_IMAGE_MODEL and cfg.model.embed_dim % cfg.model.num_heads:
+        raise E("model.embed_dim",
+                f"model.embed_dim={cfg.model.embed_dim} does not divide by model.num_heads={cfg.model.num_heads}",
+                also=("model.num_heads",))
+    if cfg.model.name == SMALL_IMAGE_MODEL and cfg.data.img_size % cfg.model.patch_size:
+        raise E("data.img_size",
+                f"data.img_size={cfg.data.img_size} does not divide by model.patch_size={cfg.model.patch_size}",
+                also=("model.patch_size",))
+    if cfg.data.dataset in ("cifar10", "imagefolder") and not cfg.data.path:
+        raise E("data.dataset", f"data.dataset={cfg.data.dataset} needs data.path (the folder with the data)")
+    power = cfg.fp16.initial_scale_power
+    if cfg.fp16.min_loss_scale > 2.0 ** power:
+        raise E("fp16.min_loss_scale",
+                f"fp16.min_loss_scale={cfg.fp16.min_loss_scale:g} is above the starting scale 2^{power} = {2 ** power} "
+                f"(fp16.initial_scale_power={power}): the guard would stop the run at once; lower "
+                "fp16.min_loss_scale or raise fp16.initial_scale_power",
+                also=("fp16.initial_scale_power",))
+
+
+# DeepSpeed's communication-compressing optimizers, by their config names. Why none can run here (their
+# code in DeepSpeed's runtime/fp16/onebit/ and runtime/comm/, before it was removed): they asserted ZeRO stage 0,
+# were validated with fp16 only, imported cupy for their nccl and mpi backends (cupy is not in
+# dscluster's pinned packages, and lab GPU hosts often cannot download it), their `compressed`
+# backend's packbits op was built for Intel XPU only, and freeze_step defaulted to 100000 (no
+# compression before then). The DeepSpeed pinned here (0.19) no longer has them at all: DeepSpeed
+# removed the three optimizers in 2026 (deepspeedai/DeepSpeed#8490) and then their backends.
+ONE_BIT_OPTIMIZERS = {"onebitadam": "1-bit Adam", "zerooneadam": "0/1 Adam", "onebitlamb": "1-bit LAMB"}
+
+
+def _deepspeed_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("deepspeed")
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def one_bit_refusal(key: str, value: str) -> str:
+    name = ONE_BIT_OPTIMIZERS[str(value).lower()]
+    return (f"{key}={value}: DeepSpeed's {name} cannot run on this stack: the installed DeepSpeed "
+            f"({_deepspeed_version()}) no longer has 1-bit Adam, 0/1 Adam or 1-bit LAMB (removed upstream in "
+            "2026), and before that they needed cupy for their nccl and mpi backends (not in dscluster's "
+            "packages) or an Intel XPU for the compressed one. For fewer bytes on the wire use "
+            "comm.compression=powersgd (low-rank gradients with error feedback) or comm.compression=fp16")
+
+
+def check_optimizer_name(name: str) -> None:
+    """optim.name: a 1-bit optimizer's name gets its reason, not just the list of choices."""
+    if str(name).lower() in ONE_BIT_OPTIMIZERS:
+        raise ConfigValueError("optim.name", one_bit_refusal("optim.name", name))
+
+
+def compression_conflict(cfg, precision: str | None) -> None:
+    """Where comm.compression cannot apply: ConfigValueError naming the key, the reason and the fix.
+
+    The one rule for it: load_config checks what the config alone decides (precision None while it
+    is auto), train checks again with the precision each rank decided, before the run directory
+    exists; `dscluster plan` recommends only what passes. One rank is not refused: there is nothing
+    to send (train notes it)."""
+    E, comp = ConfigValueError, cfg.comm.compression
+    if comp == "none":
+        return
+    key = "comm.compression"
+    if cfg.zero_stage != 0:
+        raise E(key, f"{key}={comp} needs zero_stage=0: ZeRO {cfg.zero_stage} reduces gradients with DeepSpeed's "
+                     "own reduce-scatter, not the DDP buckets the compression hooks act on; set zero_stage=0 or "
+                     f"{key}=none", also=("zero_stage",))
+    if not cfg.overlap_comm:
+        raise E(key, f"{key}={comp} needs overlap_comm=true: without it DeepSpeed all-reduces the gradients "
+                     f"itself after backward, and the DDP hooks never run; set overlap_comm=true or {key}=none",
+                also=("overlap_comm",))
+    if precision is None or comp == "powersgd":
+        return
+    from dscluster.train.precision import gradient_format
+
+    grads = gradient_format(cfg, precision)
+    if grads == comp:
+        raise E(key, f"{key}={comp} has no effect: with precision={precision} and amp=false the gradients are "
+                     f"{grads} already; set {key}=none (or amp=true: fp32 gradients, which {comp} compression "
+                     "halves)", also=("precision", "amp"))
+    if grads != "fp32":
+        raise E(key, f"{key}={comp} sends no fewer bytes than the {grads} gradients of precision={precision} with "
+                     f"amp=false, and rounds them to another format; set {key}=none or {key}=powersgd",
+                also=("precision", "amp"))
 
 
 def checkpoint_dir(cfg, run_dir: Path) -> Path:

@@ -1,15 +1,18 @@
 """Data sets as index-addressable batches: digits, CIFAR-10 (python folder), ImageFolder, synthetic.
 
-Every data set answers `get_batch(indices, device, dtype)`: samples are kept compactly
-(uint8 or small float at native resolution) and resized/normalised per batch on the
-device, so CIFAR-10 at 224×224 does not need 30 GB of RAM, and synthetic benchmark data
-lives on the GPU from the start (no host→device copy per step). What does cross from the host
-(indices, CPU-held batches) goes through pinned memory, so no step waits for the GPU.
+Every data set answers `get_batch(indices, device, dtype)`. Samples are kept compactly (uint8 or
+small float at native resolution), so CIFAR-10 at 224×224 does not need 30 GB of RAM, and
+synthetic benchmark data lives on the GPU from the start (no host→device copy per step).
+ImageFolder and CIFAR-10 batches are made on the host (`prepare`: decode, resize to img_size,
+augment, as uint8), which DataLoader workers do ahead of the step (train/loader.py); the
+device only normalises them. Digits, tiny and in memory, is resized and normalised on the
+device. What crosses from the host goes through pinned memory, so no step waits for the GPU.
 """
 
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 
 from dscluster.errors import UsageError
 from dscluster.train.config import DataConfig
+from dscluster.train.loader import with_loader  # noqa: F401  (the one way the engine wraps its sampler)
 
 _SPLIT_SEED = 1234  # the held-out split never depends on the training seed
 _IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".ppm", ".tif", ".tiff"}
@@ -37,6 +41,11 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
 class ImageSet:
     """Images + labels; `get_batch` returns (x[B,C,S,S] float on device, y[B] long on device)."""
 
+    feed = None
+    """train/loader.Feed while the batches asked for are being made ahead by loader workers."""
+    pass_feed: Callable | None = None
+    """Starts a feed for a front-to-back read (evaluation); set by train/loader.with_loader."""
+
     def __init__(self, name: str, num_classes: int, in_chans: int, img_size: int, mean, std):
         self.name = name
         self.num_classes = num_classes
@@ -45,6 +54,56 @@ class ImageSet:
         self.mean = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
         self._norm_on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._prefix: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def host_prepared(self) -> bool:
+        """Whether batches are made on the host by `prepare` (and so by loader workers)."""
+        return False
+
+    def prepare(self, indices: Sequence[int], seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """uint8 images [B, C, img_size, img_size] and int64 labels on the host; with a seed, augmented
+        (what a loader worker runs)."""
+        raise NotImplementedError
+
+    def _host_batch(self, indices: Sequence[int], augment: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        feed = self.feed
+        if feed is not None and feed.one_pass and feed.done:
+            self.feed = feed = None
+        if feed is None and self.pass_feed is not None:
+            self.feed = feed = self.pass_feed(indices)
+        got = feed.take(indices) if feed is not None else None
+        if got is not None:
+            return got
+        if augment:  # not from the plan (no loader): a seed of the process's own stream
+            return self.prepare(indices, int(torch.randint(0, 2**62, (1,))))
+        n = len(indices)
+        if list(indices) != list(range(n)):
+            return self.prepare(indices, None)
+        # The memory fit and speed calibration ask for [0, b) again and again with growing b:
+        # each image is made once.
+        have = 0 if self._prefix is None else len(self._prefix[1])
+        if have < n:
+            x, y = self.prepare(range(have, n), None)
+            self._prefix = (x, y) if self._prefix is None else (torch.cat([self._prefix[0], x]),
+                                                                 torch.cat([self._prefix[1], y]))
+        return self._prefix[0][:n], self._prefix[1][:n]
+
+    def drop_prefix(self) -> None:
+        """Forget the batches kept for the probes (training reads through the loader from now on)."""
+        self._prefix = None
+
+    def _finish(self, x: torch.Tensor, y: torch.Tensor, device, dtype, channels_last: bool):
+        """uint8 host batch -> normalised float on the device (pinned memory: the copy does not wait)."""
+        x = to_device(x, device).float()
+        mean, std = self._mean_std(x.device)
+        x = (x / 255.0 - mean) / std
+        x = x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        return x.to(dtype), to_device(y, device)
+
+    def fill(self) -> torch.Tensor:
+        """The uint8 colour an augmentation shift pads with: the mean, i.e. zero after normalisation."""
+        return (self.mean.flatten() * 255).round().to(torch.uint8)
 
     def _mean_std(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """mean and std on `device`, copied there once (not once per batch)."""
@@ -61,6 +120,8 @@ class ImageSet:
 
     def get_batch(self, indices, device, dtype=torch.float32, *, augment: bool = False,
                   generator: torch.Generator | None = None, channels_last: bool = False):
+        if self.host_prepared:  # augmented on the host, by the seed of its place in the plan
+            return self._finish(*self._host_batch(indices, augment), device, dtype, channels_last)
         idx = torch.as_tensor(indices, dtype=torch.long)
         x, y = self._raw(idx, device)
         if x.shape[-1] != self.img_size or x.shape[-2] != self.img_size:
@@ -83,6 +144,19 @@ class TensorImageSet(ImageSet):
 
     def __len__(self) -> int:
         return self.x.shape[0]
+
+    @property
+    def host_prepared(self) -> bool:
+        return self.x.dtype == torch.uint8  # CIFAR-10's images; digits (float, 8×8) stay on the device path
+
+    def prepare(self, indices, seed):
+        x = self.x[torch.as_tensor(list(indices), dtype=torch.long)]
+        if x.shape[-1] != self.img_size or x.shape[-2] != self.img_size:
+            x = F.interpolate(x.float(), size=(self.img_size, self.img_size), mode="bilinear", align_corners=False)
+            x = x.round_().clamp_(0, 255).to(torch.uint8)
+        if seed is not None:
+            x = shift_on_host(x, seed, self.fill())
+        return x, self.y[torch.as_tensor(list(indices), dtype=torch.long)]
 
     def _raw(self, idx, device):
         idx = to_device(idx, self.x.device)
@@ -122,7 +196,7 @@ class SyntheticImageSet(ImageSet):
 
 
 class FolderImageSet(ImageSet):
-    """Users' own images: root/<class>/<image>; decoded with PIL per batch."""
+    """Users' own images: root/<class>/<image>; decoded with PIL by the loader's workers."""
 
     def __init__(self, name, files: list[Path], labels: list[int], classes: list[str], img_size: int):
         super().__init__(name, len(classes), 3, img_size, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
@@ -131,17 +205,30 @@ class FolderImageSet(ImageSet):
     def __len__(self) -> int:
         return len(self.files)
 
-    def _raw(self, idx, device):
+    @property
+    def host_prepared(self) -> bool:
+        return True
+
+    def prepare(self, indices, seed):
         from PIL import Image
 
-        arrs = []
-        for i in idx.tolist():
-            with Image.open(self.files[i]) as im:
-                im = im.convert("RGB").resize((self.img_size, self.img_size), Image.BILINEAR)
-                arrs.append(np.asarray(im, dtype=np.uint8))
-        x = torch.from_numpy(np.stack(arrs)).permute(0, 3, 1, 2).contiguous()
-        y = torch.tensor([self.labels[i] for i in idx.tolist()], dtype=torch.long)
-        return to_device(x, device).float() / 255.0, to_device(y, device)
+        s = self.img_size
+        out = np.empty((len(indices), s, s, 3), dtype=np.uint8)
+        for j, i in enumerate(indices):
+            try:
+                with Image.open(self.files[i]) as im:
+                    # JPEG: decode straight at the smallest scale still at least s (a photo several times
+                    # larger than s decodes 4-64x fewer pixels).
+                    im.draft("RGB", (s, s))
+                    out[j] = np.asarray(im.convert("RGB").resize((s, s), Image.BILINEAR), dtype=np.uint8)
+            except (OSError, ValueError) as e:
+                raise UsageError(f"{self.files[i]}: not a readable image ({e}); replace or remove it from "
+                                 "data.path") from None
+        # NHWC as decoded, seen as NCHW: channels_last memory, which the device keeps when asked
+        x = torch.from_numpy(out).permute(0, 3, 1, 2)
+        if seed is not None:
+            x = shift_on_host(x, seed, self.fill())
+        return x, torch.tensor([self.labels[i] for i in indices], dtype=torch.long)
 
     def subset(self, idx: list[int], name: str) -> "FolderImageSet":
         return FolderImageSet(name, [self.files[i] for i in idx], [self.labels[i] for i in idx], self.classes,
@@ -166,6 +253,21 @@ def random_shift(x: torch.Tensor, generator: torch.Generator | None, pad: int = 
     bi = torch.arange(b, device=x.device)[:, None, None, None]
     ci = torch.arange(c, device=x.device)[None, :, None, None]
     return p[bi, ci, rows[:, None, :, None], cols[:, None, None, :]]
+
+
+def shift_on_host(x: torch.Tensor, seed: int, fill: torch.Tensor, pad: int = 1) -> torch.Tensor:
+    """random_shift for uint8 batches on the host: every image moved by up to ±pad pixels, the
+    uncovered border filled with `fill` per channel."""
+    b, c, h, w = x.shape
+    g = torch.Generator().manual_seed(seed)
+    dy = torch.randint(0, 2 * pad + 1, (b,), generator=g).tolist()
+    dx = torch.randint(0, 2 * pad + 1, (b,), generator=g).tolist()
+    padded = fill.view(1, c, 1, 1).expand(b, c, h + 2 * pad, w + 2 * pad).clone()
+    padded[:, :, pad:pad + h, pad:pad + w] = x
+    out = torch.empty_like(x)
+    for i in range(b):
+        out[i] = padded[i, :, dy[i]:dy[i] + h, dx[i]:dx[i] + w]
+    return out
 
 
 def _split(n: int, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:

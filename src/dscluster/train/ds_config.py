@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from dscluster.errors import UsageError
 from dscluster.train.config import TrainConfig
-from dscluster.train.optstep import amp_dtype, dscluster_clips
+from dscluster.train.optstep import dscluster_clips
+from dscluster.train.precision import amp_dtype
 
 
 @dataclass(frozen=True)

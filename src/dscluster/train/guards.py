@@ -5,16 +5,8 @@
 - fp16 loss-scale guard: DeepSpeed halves the scale on each overflow and, at the minimum,
   raises a generic error or silently skips steps. The guard watches (scale, overflow) per
   step and stops with the rank, host, step, recent scale history and what to try.
-- Fault injection (TEST-ONLY, for the fault tests): DSCLUSTER_FAULT makes one rank misbehave
-  on purpose so tests can prove the behaviour above:
-      DSCLUSTER_FAULT="skip_collective:rank=1,step=3"  rank 1 skips step 3's all-reduce (peers time out)
-      DSCLUSTER_FAULT="exit:rank=1,step=5"             rank 1 exits (code 3) before step 5
-      DSCLUSTER_FAULT="mismatch_steps:rank=1"          rank 1 reports one step more per epoch
-      DSCLUSTER_FAULT="disk_full:rank=0,step=20"       rank 0's checkpoint save at step 20 hits ENOSPC
-      DSCLUSTER_FAULT="slow_gpu:rank=1,ms=80"          rank 1's GPU spins 80 ms more every step, queued
-                                                       without the host waiting (honest-timing tests)
-  Several faults: separate them with ';'.
-  Nothing outside tests should set it.
+
+The test-only faults that prove these (DSCLUSTER_FAULT) live in faults.py.
 """
 
 from __future__ import annotations
@@ -22,7 +14,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
-from dscluster.errors import JobFailed, UsageError
+from dscluster.errors import JobFailed
 
 
 class TrainingAborted(JobFailed):
@@ -98,40 +90,3 @@ class LossScaleGuard:
             "`dscluster train --calibrate-loss-scale` measures a stable fp16.initial_scale_power",
             failed_ranks=[self.rank], failed_hosts=[self.host],
         )
-
-
-@dataclass(frozen=True)
-class Fault:
-    """A test-only injected fault (see module docstring)."""
-
-    kind: str
-    rank: int
-    step: int | None = None
-    ms: int | None = None
-
-
-FAULT_KINDS = ("skip_collective", "exit", "mismatch_steps", "disk_full", "slow_gpu")
-
-
-def parse_fault(text: str | None) -> Fault | None:
-    """Parse DSCLUSTER_FAULT ("kind:rank=R,step=S"); None when unset."""
-    if not text:
-        return None
-    kind, _, rest = text.partition(":")
-    kind = kind.strip()
-    if kind not in FAULT_KINDS:
-        raise UsageError(f"DSCLUSTER_FAULT={text!r}: unknown fault {kind!r} (test-only; one of {', '.join(FAULT_KINDS)})")
-    params: dict[str, int] = {}
-    for part in filter(None, (p.strip() for p in rest.split(","))):
-        k, _, v = part.partition("=")
-        if k not in ("rank", "step", "ms") or not v.strip().isdigit():
-            raise UsageError(f"DSCLUSTER_FAULT={text!r}: expected rank=N[,step=N][,ms=N], got {part!r}")
-        params[k] = int(v)
-    if "rank" not in params:
-        raise UsageError(f"DSCLUSTER_FAULT={text!r}: needs rank=N")
-    if kind == "slow_gpu":
-        if "ms" not in params:
-            raise UsageError(f"DSCLUSTER_FAULT={text!r}: slow_gpu needs ms=N")
-    elif kind != "mismatch_steps" and "step" not in params:
-        raise UsageError(f"DSCLUSTER_FAULT={text!r}: {kind} needs step=N")
-    return Fault(kind, params["rank"], params.get("step"), params.get("ms"))

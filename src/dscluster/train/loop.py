@@ -1,45 +1,42 @@
 """The training loop every rank runs: one readable path from process group to summary.
 
-Order of events: rank detection and env → run directory (env snapshot) → process group
-(gloo on CPU, nccl on GPU, bounded timeout) → data/model/engine (setup_engine) → resume →
-per epoch: equal-step check, steps (metrics per step, loss scale guard), held-out eval on
-rank 0 between barriers, checkpoint → summary. Any exception still writes the `end`
-record and, where this rank knows the story, a failed summary.json; the process group is
-destroyed in `finally`. Every rank keeps RUN_DIR/traces/rank-R.txt open for Python stack
-dumps (SIGUSR1, SIGTERM, exceptions); a failing rank also dumps torch's flight recorder to
-RUN_DIR/nccl_trace/ before the group is destroyed, on gloo as on NCCL.
-
-Host syncs: loss, gradient norm and (amp fp16) loss scale stay on the device and are read
-back in one go every `log_every` steps; the fp16 guard judges them then. Only DeepSpeed's own
-fp16 optimizer (amp=false or ZeRO 1/2) has host-side scale and overflow: it syncs for them.
+Order of events: rank detection and env → what the config cannot apply here (comm.compression
+for this rank's precision: exit 2 before anything is written) → run directory (env snapshot) →
+process group (gloo on CPU, nccl on GPU, bounded timeout) → data/model/engine (setup_engine) →
+resume → per epoch: equal-step check, steps (step.py; records per log window, logwindow.py),
+held-out eval on rank 0 between barriers (evaluation.py), checkpoint → summary, and the advisor's
+saved prediction beside the measured images/s (predicted.py). Any exception still writes the
+`end` record and, where this rank knows the story, a failed summary.json; the process group is
+destroyed in `finally`. Every rank keeps RUN_DIR/traces/rank-R.txt open for Python stack dumps
+(traces.py); a failing rank also dumps torch's flight recorder to RUN_DIR/nccl_trace/ before the
+group is destroyed, on gloo as on NCCL. Test-only faults: faults.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import faulthandler
 import gc
-import math
 import os
-import signal
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from dscluster import console, liveness, runinfo
 from dscluster.errors import DsclusterError, UsageError
 from dscluster.fsutil import atomic_write_json, atomic_write_text
-from dscluster.train import checkpoint, dist, guards, optstep
+from dscluster.train import checkpoint, dist, evaluation, faults, guards, predicted
 from dscluster.train.config import TrainConfig, to_yaml
+from dscluster.train.config_checks import ConfigValueError, compression_conflict
+from dscluster.train.logwindow import LogWindow
 from dscluster.train.optstep import StepBoundary
 from dscluster.train.precision import decide_here
+from dscluster.train.progress import ProgressBar
 from dscluster.train.runlog import RunLog, summary_record
+from dscluster.train.step import TrainStep
 from dscluster.train.syncwatch import SyncWatch
-from dscluster.train.timing import WARMUP_STEPS, StepWindow, ends_warmup, is_timed
+from dscluster.train.timing import WARMUP_STEPS, ends_warmup
+from dscluster.train.traces import StackTraces
 
 
 @dataclass
@@ -54,39 +51,15 @@ class Outcome:
     scale_history: list[tuple[float, bool]] = field(default_factory=list)  # calibration runs only
 
 
-def loss_scale_of(engine) -> float | None:
-    opt = engine.optimizer
-    for obj in (opt, getattr(opt, "loss_scaler", None)):
-        if obj is not None and hasattr(obj, "cur_scale"):
-            return float(obj.cur_scale)
-    return None
-
-
-@torch.no_grad()
-def evaluate(engine, dataset, dtype, device, channels_last: bool, batch: int = 256) -> tuple[float, float, int]:
-    from dscluster.train.setup_engine import bare_module
-
-    module = bare_module(engine)  # rank 0 alone: never through a DDP wrapper
-    was_training = module.training
-    module.eval()
-    correct, loss_sum, n = 0, 0.0, len(dataset)
-    for lo in range(0, n, batch):
-        x, y = dataset.get_batch(list(range(lo, min(n, lo + batch))), device, dtype, channels_last=channels_last)
-        out = module(x).float()
-        loss_sum += float(F.cross_entropy(out, y, reduction="sum"))
-        correct += int((out.argmax(1) == y).sum())
-    module.train(was_training)
-    return correct / n, loss_sum / n, n
-
-
 def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
     """Run training (or an fp16 loss-scale calibration) on this rank."""
     t0 = time.time()
     info = dist.detect_ranks()
+    has_cuda = dist.prepare_accelerator()
+    check_comm_here(cfg, calibrate)  # bad input: exit 2 before anything is written
     run_id = runinfo.resolve_run_id()
     rdir = runinfo.run_dir()
-    traces = _Traces(rdir, info.rank)
-    has_cuda = dist.prepare_accelerator()
+    traces = StackTraces(rdir, info.rank)
     dist.default_extensions_dir()  # before the env snapshot, so it shows where JIT ops are cached
     if not has_cuda and not os.environ.get("OMP_NUM_THREADS"):
         # ranks sharing a host share its cores; oversubscribed OpenMP threads spin and crawl
@@ -96,8 +69,7 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
     dist.export_env(info, run_id)
     dist.enable_nccl_diagnostics(rdir / "nccl_trace")
     host = dist.hostname()
-    fault = [f for f in (guards.parse_fault(t) for t in os.environ.get("DSCLUSTER_FAULT", "").split(";")) if f]
-    my_fault = {f.kind: f for f in fault if f.rank == info.rank}
+    my_fault = faults.for_rank(info.rank)
     log = RunLog(rdir, info.rank, host)
     log.write_env()
     out = Outcome(status="failed", run_dir=rdir)
@@ -171,7 +143,7 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
                           only_if_absent_or_not_failed=not primary)
         raise
     finally:
-        _Progress.stop_all()
+        ProgressBar.stop_all()
         log.close()
         # The engine (and a DDP reducer in it) sits in reference cycles: free it while its
         # process group still exists, not at interpreter exit (a rank then aborted in teardown,
@@ -179,6 +151,23 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
         gc.collect()
         dist.destroy()
         traces.close()
+
+
+def check_comm_here(cfg: TrainConfig, calibrate: bool) -> None:
+    """comm.compression against the precision this rank trains in: load_config could only check an
+    explicit precision, `auto` is decided here (the same on every rank of a job that `check` set up)."""
+    if cfg.comm.compression == "none":
+        return
+    try:
+        decision = decide_here(cfg.precision)
+    except UsageError:
+        return  # reported inside the run, where it always was
+    precision = "fp16" if calibrate else decision.precision
+    try:
+        compression_conflict(cfg, precision)
+    except ConfigValueError as e:
+        why = "loss-scale calibration" if calibrate else decision.reason
+        raise UsageError(f"precision {precision} on this rank ({why}): {e}") from None
 
 
 def peak_mem_mb(on_cuda: bool) -> float | None:
@@ -189,56 +178,6 @@ def peak_mem_mb(on_cuda: bool) -> float | None:
         return round(torch.cuda.max_memory_allocated() / 2**20, 1)
     except Exception:
         return None
-
-
-class _Traces:
-    """RUN_DIR/traces/rank-R.txt: Python stacks of every thread when the rank is stuck or dies.
-
-    `kill -USR1 <pid>` writes them without stopping the rank (where does a hang wait?); a
-    SIGTERM (mpirun tearing the job down) writes them and then terminates as before; an
-    exception writes them plus its traceback. `dscluster diagnose` lists the files. Works on
-    any backend (the flight recorder in nccl_trace/ covers the collectives themselves).
-    """
-
-    def __init__(self, run_dir: Path, rank: int):
-        self.path = Path(run_dir) / "traces" / f"rank-{rank}.txt"
-        self.file = None
-        self.signals: list[int] = []
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(self.path, "a", encoding="utf-8")
-        except OSError:
-            return
-        if hasattr(faulthandler, "register"):
-            faulthandler.register(signal.SIGUSR1, file=self.file, all_threads=True)
-            faulthandler.register(signal.SIGTERM, file=self.file, all_threads=True, chain=True)
-            self.signals = [signal.SIGUSR1, signal.SIGTERM]
-
-    def exception(self) -> None:
-        if self.file is None:
-            return
-        try:
-            self.file.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}: exception, all threads\n")
-            self.file.flush()
-            faulthandler.dump_traceback(file=self.file, all_threads=True)
-            traceback.print_exc(file=self.file)
-            self.file.flush()
-        except (OSError, ValueError):
-            pass
-
-    def close(self) -> None:
-        for sig in self.signals:
-            faulthandler.unregister(sig)
-        self.signals = []
-        if self.file is not None:
-            self.file.close()
-            self.file = None
-            try:
-                if self.path.stat().st_size == 0:  # nothing happened: no empty files in a healthy run
-                    self.path.unlink()
-                    self.path.parent.rmdir()
-            except OSError:
-                pass
 
 
 def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Path, facts: dict,
@@ -265,6 +204,8 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
             atomic_write_json(rdir / "shares.json", b.share_plan)
 
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else rdir / runinfo.CHECKPOINT_DIR
+    # what a checkpoint keeps per rank beside DeepSpeed's files: PowerSGD's error feedback
+    rank_state = None if b.comm is None else (lambda tag_dir: b.comm.save(tag_dir, info.rank, info.world_size))
     pos = checkpoint.Position(0, 0, 0)
     if not calibrate:
         tag = checkpoint.resume_decision(cfg.checkpoint.resume, ckpt_dir)
@@ -275,8 +216,12 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
         if tag:
             pos, client = checkpoint.load(engine, ckpt_dir, tag)
             boundary.load_state_dict(client)
+            note = b.comm.restore(ckpt_dir / tag, info.rank, info.world_size, device,
+                                  dist.all_gather_strings) if b.comm is not None else None
             if primary:
                 console.err.print(f"dscluster train: resumed from {ckpt_dir}/{tag} at global step {pos.global_step}")
+                if note:
+                    console.err.print(f"[dim]dscluster train: {note}[/dim]")
     epoch, start_step, global_step = pos.epoch, pos.step_in_epoch, pos.global_step
     facts["steps"] = global_step
     if start_step >= spe:
@@ -294,40 +239,26 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
                                       rank=info.rank, host=log.host)
     total = b.total_steps
     gen = torch.Generator(device=device).manual_seed(cfg.seed * 7919 + info.rank * 104729 + global_step)
-    progress = _Progress(primary and cfg.progress and not calibrate, total, global_step)
+    progress = ProgressBar(primary and cfg.progress and not calibrate, total, global_step)
     out = Outcome(status="complete", run_dir=rdir)
     steps_this_run, accuracy = 0, None
     run_length = total - pos.global_step
-    window = StepWindow()
-    pending: list[dict] = []
-    pending_dev: list[torch.Tensor] = []  # per step on the device: [loss, grad_norm, scale_tried, scale_after]
+    window = LogWindow(log, b.split, boundary, guard, facts, run_length,
+                       scale_history=out.scale_history if calibrate else None)
+    trainer = TrainStep(engine, b, cfg, precision, boundary, device, b.split, gen)
     watch = SyncWatch(cfg.sync_debug if device.type == "cuda" and not calibrate else "off")
     if cfg.sync_debug != "off" and device.type != "cuda" and primary:
         console.err.print("[yellow]warning:[/yellow] sync_debug watches CUDA host syncs; this rank has no GPU, "
                           "so it is off")
     watched = 0
 
-    def flush():
-        if not pending:
-            return
-        values = torch.stack(pending_dev).float().tolist()  # the one host sync per log window
-        # Only now has the device finished the window's steps: time them (timing.py says why).
-        window.close(pending, timed=is_timed(steps_this_run - len(pending) + 1, run_length))
-        for rec, (loss_v, *stats) in zip(pending, values):
-            norm, scale, overflow = optstep.decode(stats)
-            rec["loss"] = loss_v
-            if boundary.device_scale:
-                rec["loss_scale"], rec["overflow"] = scale, overflow
-            if norm is not None:
-                rec["grad_norm"] = norm
-            facts["overflow_steps"] += rec["overflow"]
-            if calibrate:
-                out.scale_history.append((rec["loss_scale"], rec["overflow"]))
-            log.record("step", **rec)
-            if guard is not None:
-                guard.observe(rec["step"], rec["loss_scale"], rec["overflow"])
-        pending.clear()
-        pending_dev.clear()
+    def save(pos: checkpoint.Position) -> None:
+        f = my_fault.get("disk_full")
+        ok, msg = checkpoint.save(engine, ckpt_dir, pos, rank=info.rank, fail_save=f is not None and f.step == pos.global_step,
+                                  extra=boundary.state_dict(), rank_state=rank_state)
+        if not ok or primary:
+            (progress.print if primary else console.err.print)(
+                f"{'[yellow]warning:[/yellow] ' if not ok else ''}{msg}" + ("" if primary else f" (rank {info.rank})"))
 
     done = global_step >= total
     while not done and epoch < cfg.epochs:
@@ -336,67 +267,34 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
         step_in_epoch = start_step - 1
         for step_in_epoch, micro in enumerate(sampler.steps(epoch, start_step), start=start_step):
             global_step += 1
-            _inject(my_fault, global_step, log, cfg)
-            step_loss = torch.zeros((), device=device)
-            scale = None
-            samples = 0
-            norm = None
-            log_step = global_step % cfg.log_every == 0
+            faults.inject(my_fault, global_step, log, cfg.dist.timeout_s)
             armed = steps_this_run >= WARMUP_STEPS
             watched += armed
             with watch.step(global_step, armed):
-                for k, idx in enumerate(micro):
-                    x, y = b.splits.train.get_batch(idx, device, b.dtype, augment=cfg.data.augment, generator=gen,
-                                                    channels_last=cfg.channels_last)
-                    # DDP-synchronised engines reduce only at the accumulation boundary
-                    with b.ddp.no_sync() if b.ddp is not None and k < len(micro) - 1 else contextlib.nullcontext():
-                        loss = F.cross_entropy(engine(x).float(), y)
-                        engine.backward(loss * b.loss_weight if b.loss_weight != 1.0 else loss)
-                    if k == len(micro) - 1:
-                        boundary.before_step(want_norm=log_step)  # gradients are all-reduced by now
-                        if precision == "fp16" and not boundary.device_scale:
-                            scale = loss_scale_of(engine)  # the scale this step is attempted at (a host float)
-                    engine.step()
-                    step_loss += loss.detach() / len(micro)
-                    samples += len(idx)
-                overflow = False
-                if precision == "fp16" and not boundary.device_scale:
-                    overflow = bool(getattr(engine.optimizer, "overflow", False))
-                if log_step and not boundary.own_clip:
-                    norm = engine.get_global_grad_norm()  # DeepSpeed clipped (ZeRO, half-weight optimizers)
-                    norm = None if norm is None or (isinstance(norm, float) and math.isnan(norm)) else float(norm)
-                pending_dev.append(torch.cat([step_loss.reshape(1).float(), boundary.after_step()]))
+                r = trainer.run(micro, log_step=global_step % cfg.log_every == 0)
             steps_this_run += 1
             facts["steps"] = global_step  # what a failed run's summary reports as reached
-            pending.append({"step": global_step, "epoch": epoch, "lr": float(engine.get_lr()[0]),
-                            "loss_scale": scale, "overflow": overflow, "samples": samples, "grad_norm": norm})
+            window.add({"step": global_step, "epoch": epoch, "lr": float(engine.get_lr()[0]), "loss_scale": r.loss_scale,
+                        "overflow": r.overflow, "samples": r.samples, "grad_norm": r.grad_norm}, r.values, r.marks)
             progress.advance(epoch)
             done = global_step >= total
             every = cfg.checkpoint.every_steps
             save_now = bool(every and global_step % every == 0 and step_in_epoch + 1 < spe and not calibrate)
-            if len(pending) >= cfg.log_every or save_now or ends_warmup(steps_this_run, run_length):
-                flush()
+            if len(window) >= cfg.log_every or save_now or ends_warmup(steps_this_run, run_length):
+                window.flush(steps_this_run)
             if save_now:
-                _save(engine, ckpt_dir, checkpoint.Position(epoch, step_in_epoch + 1, global_step), info.rank,
-                      my_fault, progress, boundary)
+                save(checkpoint.Position(epoch, step_in_epoch + 1, global_step))
             if done:
                 break
-        flush()
+        window.flush(steps_this_run)
         end_of_epoch = not done or step_in_epoch + 1 >= spe
         last = done or epoch + 1 >= cfg.epochs
         if not calibrate and b.splits.holdout is not None and (last or (epoch + 1) % cfg.eval_every_epochs == 0):
-            dist.barrier()
-            if primary:  # rank-0-only work between barriers: the others wait instead of racing ahead
-                acc, eloss, n = evaluate(engine, b.splits.holdout, b.dtype, device, cfg.channels_last)
-                accuracy = acc
-                log.record("eval", epoch=epoch, step=global_step, accuracy=acc, loss=eloss, samples=n)
-                progress.print(f"epoch {epoch + 1}/{cfg.epochs} step {global_step}: held-out accuracy {acc:.1%} "
-                               f"loss {eloss:.3f}")
-            dist.barrier()
+            accuracy = evaluation.held_out(engine, b, cfg, device, primary=primary, log=log, progress=progress,
+                                           epoch=epoch, step=global_step)
         every_e = cfg.checkpoint.every_epochs
         if not calibrate and end_of_epoch and every_e and ((epoch + 1) % every_e == 0 or last):
-            _save(engine, ckpt_dir, checkpoint.Position(epoch, spe, global_step), info.rank, my_fault, progress,
-                  boundary)
+            save(checkpoint.Position(epoch, spe, global_step))
         epoch, start_step = epoch + 1, 0
     progress.stop()
     if watch.enabled:
@@ -408,85 +306,12 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
     out.accuracy, out.steps = accuracy, global_step
     out.images_per_s = window.images_per_s(gb)
     facts.update(steps=global_step, images_per_s=out.images_per_s, accuracy=accuracy,
-                 timed_steps=window.timed_steps, timed_s=round(window.timed_s, 4))
+                 timed_steps=window.window.timed_steps, timed_s=round(window.window.timed_s, 4))
+    if primary and not calibrate:
+        cmp = predicted.compare(predicted.key(model=cfg.model.name, micro_batch=max(b.shares), global_batch=gb,
+                                              precision=precision, compression=cfg.comm.compression,
+                                              ranks=info.world_size), out.images_per_s)
+        if cmp is not None:
+            facts["plan"] = cmp
+            console.err.print(f"dscluster train: {predicted.line(cmp)}")
     return out
-
-
-def _save(engine, ckpt_dir, pos, rank, my_fault, progress, boundary: StepBoundary) -> None:
-    f = my_fault.get("disk_full")
-    ok, msg = checkpoint.save(engine, ckpt_dir, pos, rank=rank,
-                              fail_save=f is not None and f.step == pos.global_step, extra=boundary.state_dict())
-    if not ok or rank == 0:
-        (progress.print if rank == 0 else console.err.print)(
-            f"{'[yellow]warning:[/yellow] ' if not ok else ''}{msg}" + ("" if rank == 0 else f" (rank {rank})"))
-
-
-def _inject(my_fault: dict, step: int, log: RunLog, cfg: TrainConfig) -> None:
-    """Test-only faults (guards.py documents DSCLUSTER_FAULT)."""
-    f = my_fault.get("slow_gpu")
-    if f is not None and torch.cuda.is_available():
-        torch.cuda._sleep(_spin_cycles(f.ms))  # queued: the host runs on, as with any slow kernel
-    f = my_fault.get("exit")
-    if f is not None and f.step == step:
-        log.record("end", status="failed", error=f"injected fault: exit before step {step}")
-        log.close()
-        os._exit(3)
-    f = my_fault.get("skip_collective")
-    if f is not None and f.step == step:
-        # stay away from this step's all-reduce: the peers must time out, not hang forever
-        deadline = time.time() + 2 * cfg.dist.timeout_s + 30
-        while time.time() < deadline:
-            time.sleep(0.5)
-        os._exit(4)
-
-
-_CYCLES_PER_MS: list[float] = []
-
-
-def _spin_cycles(ms: int) -> int:
-    """GPU clock cycles that torch.cuda._sleep spins for `ms` milliseconds, measured once."""
-    if not _CYCLES_PER_MS:
-        probe = 20_000_000
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(probe)
-        stop.record()
-        stop.synchronize()
-        _CYCLES_PER_MS.append(probe / max(start.elapsed_time(stop), 1e-3))
-    return int(ms * _CYCLES_PER_MS[0])
-
-
-class _Progress:
-    """rich progress bar with ETA on rank 0 (nothing elsewhere)."""
-
-    _live: list["_Progress"] = []
-
-    @classmethod
-    def stop_all(cls) -> None:
-        for p in list(cls._live):
-            p.stop()
-
-    def __init__(self, enabled: bool, total: int, done: int):
-        self.bar = None
-        if enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.bar = Progress(TextColumn("[bold]train[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("ETA"), TimeRemainingColumn(), console=console.err, transient=False)
-            self.task = self.bar.add_task("epoch 1", total=total, completed=done)
-            self.bar.start()
-            _Progress._live.append(self)
-
-    def advance(self, epoch: int) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, advance=1, description=f"epoch {epoch + 1}")
-
-    def print(self, text: str) -> None:
-        (self.bar.console if self.bar is not None else console.err).print(text)
-
-    def stop(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-            self.bar = None
-            if self in _Progress._live:
-                _Progress._live.remove(self)

@@ -27,19 +27,9 @@ import math
 import torch
 
 from dscluster.train.config import TrainConfig
+from dscluster.train.precision import amp_dtype
 
 NAN = float("nan")
-
-
-def amp_dtype(cfg: TrainConfig, precision: str) -> str | None:
-    """DeepSpeed torch_autocast dtype for this run, or None when DeepSpeed holds half weights."""
-    if not cfg.amp:
-        return None
-    if precision == "bf16":
-        return "bfloat16"
-    if precision == "fp16" and cfg.zero_stage == 0:
-        return "float16"  # ZeRO 1/2 with autocast fp16 has no GradScaler in DeepSpeed: keep its fp16 optimizer
-    return None
 
 
 def dscluster_clips(cfg: TrainConfig, precision: str) -> bool:

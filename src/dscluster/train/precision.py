@@ -68,3 +68,20 @@ def torch_dtype(precision: str):
     import torch
 
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+
+
+def amp_dtype(cfg, precision: str) -> str | None:
+    """DeepSpeed torch_autocast dtype for this run, or None when DeepSpeed holds half weights."""
+    if not cfg.amp:
+        return None
+    if precision == "bf16":
+        return "bfloat16"
+    if precision == "fp16" and cfg.zero_stage == 0:
+        return "float16"  # ZeRO 1/2 with autocast fp16 has no GradScaler in DeepSpeed: keep its fp16 optimizer
+    return None
+
+
+def gradient_format(cfg, precision: str) -> str:
+    """What the gradients DDP reduces are: fp32 under autocast (fp32 weights) and in fp32 training;
+    the half format itself where DeepSpeed holds half weights (amp=false)."""
+    return "fp32" if precision == "fp32" or amp_dtype(cfg, precision) is not None else precision

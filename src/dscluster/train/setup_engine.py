@@ -19,9 +19,9 @@ from dscluster.train import autofit, data as data_mod, dist
 from dscluster.train.config import TrainConfig
 from dscluster.train.ds_config import BatchPlan, build_ds_config, plan_batch
 from dscluster.train.model import build_model, count_params
-from dscluster.train.optstep import amp_dtype
-from dscluster.train.precision import torch_dtype
+from dscluster.train.precision import amp_dtype, torch_dtype
 from dscluster.train.sampler import BalancedStepSampler, StepSampler
+from dscluster.train.split import StepSplit
 
 
 class OverlapDDP(torch.nn.parallel.DistributedDataParallel):
@@ -77,6 +77,10 @@ class Built:
     notes: list[str] = field(default_factory=list)
     ddp: OverlapDDP | None = None
     """Set when DDP synchronises gradients: non-boundary micro-steps run under ddp.no_sync()."""
+    comm: object = None
+    """The DDP communication hook (comm.CommHook) where ddp is set."""
+    split: object = None
+    """The step's time split (split.StepSplit), marked by the step and by the hook."""
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -209,6 +213,7 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
         plan = plan_batch(micro, cfg.grad_accum, cfg.global_batch, info.world_size)
         shares, weight = [plan.micro_batch] * info.world_size, 1.0
         sampler = StepSampler(len(splits.train), shares, plan.grad_accum, info.rank, cfg.seed)
+    sampler = data_mod.with_loader(sampler, splits, cfg.data, device, info.local_world_size, notes)
 
     spe = sampler.steps_per_epoch
     total = spe * cfg.epochs if cfg.max_steps <= 0 else min(cfg.max_steps, spe * cfg.epochs)
@@ -222,6 +227,15 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
     # pass nothing (device_rank=-1 would make DeepSpeed treat the job as a single process).
     ds_args = argparse.Namespace(device_rank=device.index or 0) if device.type == "cuda" else None
     ddp = wrap_for_overlap(model, device, cfg.ddp_bucket_mb) if overlaps_with_ddp(cfg, info.world_size) else None
+    split = StepSplit(device, "measured" if ddp is not None else "none" if info.world_size == 1 else "unmeasured")
+    hook = None
+    if ddp is not None:
+        from dscluster.train import comm, faults
+
+        hook = comm.install(ddp, cfg, split, faults.comm_delay_s(faults.for_rank(info.rank)))
+    elif cfg.comm.compression != "none":
+        notes.append(f"comm.compression={cfg.comm.compression} has nothing to compress on one rank: no gradient "
+                     "crosses a network")
     engine, _, _, _ = deepspeed.initialize(args=ds_args, model=ddp or model, optimizer=opt, lr_scheduler=sched,
                                            config=ds_cfg, dist_init_required=False)
     if cfg.zero_stage == 0 and (info.world_size == 1 or ddp is not None):
@@ -233,7 +247,7 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
         engine.compile()
     return Built(engine=engine, sampler=sampler, splits=splits, plan=plan, shares=shares, loss_weight=weight,
                  ds_config=ds_cfg, dtype=dtype, params=count_params(model), total_steps=total,
-                 share_plan=share_plan, notes=notes, ddp=ddp)
+                 share_plan=share_plan, notes=notes, ddp=ddp, comm=hook, split=split)
 
 
 def peak_lr(cfg: TrainConfig, global_batch: int) -> float:
