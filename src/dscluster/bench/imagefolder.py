@@ -165,8 +165,9 @@ def read_run(run_dir: Path, job: runner.JobResult) -> dict:
 def global_batch_of(opts: Options) -> int:
     from dscluster.train.config import load_config
 
-    cfg = load_config(opts.config, [f"precision={opts.precision}", f"micro_batch={opts.micro_batch}",
-                                    *opts.train_args])
+    # entry_cn.sh reads a relative --config that is not here as the checkout's preset: so does this
+    config = opts.config if Path(opts.config).exists() else paths.assets_root() / opts.config
+    cfg = load_config(config, [f"precision={opts.precision}", f"micro_batch={opts.micro_batch}", *opts.train_args])
     if cfg.global_batch:
         return cfg.global_batch
     if str(cfg.micro_batch).isdigit():
