@@ -154,16 +154,6 @@ if [ "${1#-}" = "$1" ] && ! [[ "$1" =~ ^[A-Za-z_][A-Za-z0-9_.]*= ]]; then
   "$@" &
   TRAIN_PID=$!
 else
-  # A relative --config that is not here but is in the repository (ranks start in the launch
-  # directory, which may not be the repo root) means the repository's preset.
-  args=()
-  while [ "$#" -gt 0 ]; do
-    if [ "$1" = "--config" ] && [ "$#" -ge 2 ] && [ ! -e "$2" ] && [ "${2#/}" = "$2" ] && [ -f "$REPO/$2" ]; then
-      args+=("--config" "$REPO/$2"); shift 2; continue
-    fi
-    args+=("$1"); shift
-  done
-  set -- "${args[@]}"
   # Not exec: the traps above must outlive training to stop the sampler.
   dscluster train "$@" &
   TRAIN_PID=$!

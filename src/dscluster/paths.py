@@ -52,6 +52,20 @@ def preset(name: str) -> Path:
     return assets_root() / (rel if rel.parts[0] == CONFIGS_DIR else Path(CONFIGS_DIR) / rel)
 
 
+def config_path(text: str) -> Path:
+    """What `--config TEXT` names: the file TEXT where it exists or is absolute, else a relative TEXT
+    that names a file of the checkout or the installed copy (`configs/vit_base.yaml`): ranks and
+    `dscluster plan` run wherever they were started, not in the repository."""
+    here = Path(text)
+    if here.exists() or here.is_absolute():
+        return here
+    try:
+        shipped = assets_root() / here
+    except UsageError:
+        return here
+    return shipped if shipped.is_file() else here
+
+
 def venv_dir() -> Path:
     """The environment dscluster runs in: a checkout's .venv when it has one (the path entry_cn.sh
     uses on every node), else the running interpreter's prefix."""

@@ -42,6 +42,20 @@ def test_in_the_checkout_everything_is_at_its_root():
         assert paths.venv_bin() == ROOT / ".venv" / "bin"
 
 
+def test_a_relative_config_missing_here_names_the_shipped_preset_and_a_local_file_wins(tmp_path, monkeypatch):
+    """Ranks and `dscluster plan` start in the launch directory, not in the repository."""
+    from dscluster.train.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    assert paths.config_path("configs/vit_base.yaml") == ROOT / "configs" / "vit_base.yaml"
+    assert load_config("configs/vit_base.yaml").model.name == "vit_base_patch16_224"
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "vit_base.yaml").write_text("epochs: 1\n")
+    assert paths.config_path("configs/vit_base.yaml") == Path("configs/vit_base.yaml")
+    assert load_config("configs/vit_base.yaml").epochs == 1
+    assert paths.config_path("configs/none.yaml") == Path("configs/none.yaml")  # load_config: "no such config"
+
+
 def test_an_installed_layout_is_found_and_its_entry_script_runs_that_prefixs_python(tmp_path):
     # The layout `pip install .` makes, without building a wheel: the package in site-packages,
     # entry_cn.sh and the presets in <prefix>/share/dscluster.

@@ -23,6 +23,7 @@ import sys
 import time
 from datetime import timedelta
 
+from dscluster.cpus import free_launcher_binding
 from dscluster.ranks import detect_ranks
 
 GPU_SIZES = [1 << 20, 16 << 20, 64 << 20, 256 << 20]
@@ -140,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, default=None, help="ranks to spawn when not launched by mpirun/torchrun")
     p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout, seconds")
     args = p.parse_args(argv)
+    note = free_launcher_binding()  # NCCL's socket threads on one core halve the bandwidth measured
+    if note:
+        print(f"allreduce: {note}", file=sys.stderr)
     info = detect_ranks()
     if info.source != "single":
         out = run_rank(info.rank, info.world_size, info.local_rank, args.sizes, args.iters, args.warmup, args.timeout)

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from dscluster import paths
 from dscluster.errors import UsageError
 from dscluster.train.config_checks import (
     SMALL_IMAGE_MODEL, ConfigValueError, check_deepspeed_section, check_fields, check_optimizer_name,
@@ -356,7 +357,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (), *, world: bo
     else:
         path = str(path)
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            text = paths.config_path(path).read_text(encoding="utf-8")
         except FileNotFoundError:
             raise UsageError(f"{path}: no such config (presets live in configs/, e.g. configs/digits.yaml)") from None
         except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from dscluster import cpus
+
 MAX_DEFAULT_WORKERS = 8
 
 
@@ -46,7 +48,7 @@ def _spread_worker(_worker_id: int) -> None:
     would put every worker on that core too: let the workers use the whole node."""
     try:
         if len(os.sched_getaffinity(0)) < (os.cpu_count() or 1):
-            os.sched_setaffinity(0, range(os.cpu_count() or 1))
+            cpus.widen()
     except OSError:
         pass  # a cpuset that forbids it: the workers stay where the launcher put the rank
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from dscluster import console, liveness, runinfo
+from dscluster import console, cpus, liveness, runinfo
 from dscluster.errors import DsclusterError, UsageError
 from dscluster.fsutil import atomic_write_json, atomic_write_text
 from dscluster.train import checkpoint, dist, evaluation, faults, guards, predicted
@@ -55,6 +55,7 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
     """Run training (or an fp16 loss-scale calibration) on this rank."""
     t0 = time.time()
     info = dist.detect_ranks()
+    cpu_note = cpus.free_launcher_binding()  # before CUDA, NCCL and the loader start their threads
     has_cuda = dist.prepare_accelerator()
     check_comm_here(cfg, calibrate)  # bad input: exit 2 before anything is written
     run_id = runinfo.resolve_run_id()
@@ -71,7 +72,9 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
     host = dist.hostname()
     my_fault = faults.for_rank(info.rank)
     log = RunLog(rdir, info.rank, host)
-    log.write_env()
+    log.write_env(cpus=cpus.cpu_list(os.sched_getaffinity(0)), cpus_note=cpu_note)
+    if cpu_note and primary:
+        console.err.print(f"[dim]dscluster train: {cpu_note}[/dim]")
     out = Outcome(status="failed", run_dir=rdir)
     facts: dict = {"run_id": run_id, "world_size": info.world_size, "hosts": [host], "model": cfg.model.name,
                    "dataset": cfg.data.dataset, "epochs": cfg.epochs, "steps": 0, "overflow_steps": 0}

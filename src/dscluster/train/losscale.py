@@ -62,7 +62,9 @@ def make_dynamic_scaler(*, init_power: int, window: int, hysteresis: int, min_sc
 
 def write_initial_scale_power(config_path: str | Path, power: int) -> None:
     """Set fp16.initial_scale_power in a YAML preset in place, keeping its comments and layout."""
-    path = Path(config_path)
+    from dscluster import paths
+
+    path = paths.config_path(str(config_path))  # the file load_config read
     text = path.read_text(encoding="utf-8")
     root = yaml.compose(text)
     if root is not None and not isinstance(root, yaml.MappingNode):

@@ -55,9 +55,10 @@ class RunLog:
         self.metrics.write(rec)
         return rec
 
-    def write_env(self) -> None:
+    def write_env(self, **facts) -> None:
+        """env/rank-R.json: the effective environment, versions, and `facts` (e.g. the rank's CPUs)."""
         snap = effective_env()
-        snap.update({"host": self.host, "pid": os.getpid(), "versions": software_versions()})
+        snap.update({"host": self.host, "pid": os.getpid(), "versions": software_versions(), **facts})
         atomic_write_json(self.run_dir / runinfo.ENV_DIR / f"rank-{self.rank}.json", snap)
 
     def write_summary(self, summary: dict, *, only_if_absent_or_not_failed: bool = False) -> None:
