@@ -13,25 +13,30 @@ buckets during the last micro-step's backward; the other accumulation micro-step
 `no_sync` and communicate nothing):
 
     compute  = grad_accum × slowest compute_s     every rank waits for the slowest (uniform batching)
+    hook     = powersgd_s                         PowerSGD's own matrix products, error feedback and
+                                                  orthogonalisation (measured by `plan`); 0 otherwise
     comm     = wire_bytes × 2(N−1)/N ÷ busbw      ring all-reduce over N ranks; busbw as nccl-tests
-                                                  and `dscluster check` define it
+               + all-reduces × latency_s          and `dscluster check` define it; latency_s is the
+                                                  start-up of one all-reduce (check's smallest
+                                                  message); one all-reduce per DDP bucket, three
+                                                  with PowerSGD (1-D tensors, then P, then Q)
     wire_bytes                                    what comm.compression sends (`wire_bytes`): the
                                                   gradients; half their bytes with fp16/bf16 (of fp32
                                                   gradients only); PowerSGD's low-rank factors
     backward = BACKWARD_SHARE × slowest compute_s the last micro-step's backward, the only one that
                                                   overlaps the all-reduce
     hidden   = min(overlap_fraction × backward, comm × (1 − last bucket's share))
-    step     = compute + comm − hidden
+    step     = compute + hook + comm − hidden
 
 The last bucket is the one DDP can only reduce after backward has finished, so its time is never
-hidden. ZeRO-1/2 move the same volume (reduce-scatter plus all-gather), so the estimate holds
-for them too. Not modelled: the optimizer step, data loading, the all-reduce's start-up latency
-(milliseconds against seconds on Ethernet; PowerSGD makes three all-reduces of each bucket: the
-1-D tensors, then P, then Q), PowerSGD's own matrix products, balanced batching.
+hidden. PowerSGD's products run on the compute stream between backward's kernels, so they are
+never hidden either. ZeRO-1/2 move the same volume (reduce-scatter plus all-gather), so the
+estimate holds for them too. Not modelled: the optimizer step, data loading, balanced batching.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 
 from dscluster.errors import UsageError
@@ -55,6 +60,9 @@ MAX_GLOBAL_BATCH = 4096
 DDP_BUCKET_BYTES = 100 * 2**20
 """torch DDP bucket_cap_mb=100 (the training config's ddp_bucket_mb default)."""
 SLOWER = "adding nodes makes training SLOWER"
+POWERSGD_ALLREDUCES_PER_BUCKET = 3
+"""torch's powerSGD_hook: the bucket's uncompressed tensors, then every P, then every Q, each waiting
+for the one before."""
 
 
 def powersgd_elements(matrices, rank: int) -> int:
@@ -73,6 +81,18 @@ def gradient_bytes(params: int, bytes_per_grad: int = 4) -> int:
     """What DDP all-reduces per optimizer step before any compression: fp32 gradients (amp keeps
     fp32 weights, so the gradients are fp32 too) → 4 bytes a parameter."""
     return params * bytes_per_grad
+
+
+def startup_latency_s(rows: list[dict], ranks: int) -> float:
+    """Start-up time of one all-reduce, from a measurement of several sizes (check's rows: bytes,
+    time_us, busbw_GBps): the smallest message's time less what its bytes take at the best bus
+    bandwidth measured. 0 with one rank or fewer than two sizes."""
+    rows = sorted((r for r in rows if r.get("time_us", 0) > 0 and r.get("busbw_GBps", 0) > 0), key=lambda r: r["bytes"])
+    if ranks <= 1 or len(rows) < 2:
+        return 0.0
+    peak = max(r["busbw_GBps"] for r in rows)
+    small = rows[0]
+    return max(0.0, small["time_us"] / 1e6 - ring_allreduce_s(small["bytes"], ranks, peak))
 
 
 def ring_allreduce_s(nbytes: float, ranks: int, busbw_GBps: float) -> float:
@@ -122,6 +142,11 @@ class Scenario:
     """Share of the last backward during which the all-reduce may run; 0 = none overlaps."""
     bucket_bytes: float = DDP_BUCKET_BYTES
     """DDP bucket size: the last bucket is reduced after backward, never hidden."""
+    latency_s: float = 0.0
+    """Start-up time of one all-reduce across these nodes (`startup_latency_s`)."""
+    powersgd_s: float = 0.0
+    """PowerSGD's own work per optimizer step on the slowest node (its products, orthogonalisation and
+    error feedback; `plan` measures it with training's hook)."""
 
     def __post_init__(self):
         if not self.nodes:
@@ -133,7 +158,8 @@ class Scenario:
                 raise UsageError(f"node {n.name}: compute time per micro-batch must be > 0 s, got {n.compute_s}")
         checks = [("micro_batch", self.micro_batch >= 1), ("grad_accum", self.grad_accum >= 1),
                   ("grad_bytes", self.grad_bytes > 0), ("busbw_GBps", self.busbw_GBps > 0),
-                  ("overlap_fraction", 0 <= self.overlap_fraction <= 1), ("bucket_bytes", self.bucket_bytes > 0)]
+                  ("overlap_fraction", 0 <= self.overlap_fraction <= 1), ("bucket_bytes", self.bucket_bytes > 0),
+                  ("latency_s", self.latency_s >= 0), ("powersgd_s", self.powersgd_s >= 0)]
         for name, good in checks:
             if not good:
                 raise UsageError(f"{name}={getattr(self, name)!r} is out of range")
@@ -153,6 +179,20 @@ class Scenario:
         return self.micro_batch * self.grad_accum * self.world
 
     @property
+    def allreduces(self) -> int:
+        """All-reduces per optimizer step: one per DDP bucket, three with PowerSGD; none on one rank."""
+        if self.world <= 1:
+            return 0
+        buckets = max(1, math.ceil(self.grad_bytes / self.bucket_bytes))
+        return buckets * (POWERSGD_ALLREDUCES_PER_BUCKET if self.compression == "powersgd" else 1)
+
+    @property
+    def hook_s(self) -> float:
+        """Compression work per step that no communication hides (PowerSGD's; training installs no
+        hook on one rank)."""
+        return self.powersgd_s if self.compression == "powersgd" and self.world > 1 else 0.0
+
+    @property
     def wire_bytes(self) -> float:
         """Bytes all-reduced per optimizer step, in the gradients' own format where not compressed."""
         if self.compression == "powersgd":
@@ -166,14 +206,16 @@ class Scenario:
 class Prediction:
     compute_s: float
     """grad_accum forward+backward passes of the slowest node."""
+    hook_s: float
+    """PowerSGD's own work (0 for the other compressions)."""
     comm_s: float
-    """The whole all-reduce of one optimizer step."""
+    """The whole all-reduce of one optimizer step, start-up latencies included."""
     hidden_s: float
     """Part of comm_s that runs during the last backward."""
     exposed_s: float
     """Part of comm_s the step waits for: comm_s − hidden_s."""
     step_s: float
-    """compute_s + exposed_s."""
+    """compute_s + hook_s + exposed_s."""
     images_per_s: float
     global_batch: int
     node_images_per_s: dict[str, float]
@@ -194,10 +236,10 @@ class Prediction:
 def predict(s: Scenario) -> Prediction:
     slowest = max(n.compute_s for n in s.nodes)
     compute = s.grad_accum * slowest
-    comm = ring_allreduce_s(s.wire_bytes, s.world, s.busbw_GBps)
+    comm = ring_allreduce_s(s.wire_bytes, s.world, s.busbw_GBps) + s.allreduces * s.latency_s
     last_share = min(1.0, s.bucket_bytes / s.grad_bytes)
     hidden = min(s.overlap_fraction * BACKWARD_SHARE * slowest, comm * (1 - last_share))
-    step = compute + comm - hidden
+    step = compute + s.hook_s + comm - hidden
     rate = s.global_batch / step
     alone = {n.name: n.images_per_s(s.micro_batch) for n in s.nodes}
     fastest = max(alone, key=alone.get)
@@ -216,7 +258,7 @@ def predict(s: Scenario) -> Prediction:
     else:
         verdict = (f"faster than {fastest} alone ({speedup:.1f}×), but communication takes {comm_share:.0%} "
                    f"of each step: {efficiency:.0%} of the nodes' summed speed")
-    return Prediction(compute_s=compute, comm_s=comm, hidden_s=hidden, exposed_s=comm - hidden, step_s=step,
+    return Prediction(compute_s=compute, hook_s=s.hook_s, comm_s=comm, hidden_s=hidden, exposed_s=comm - hidden, step_s=step,
                       images_per_s=rate, global_batch=s.global_batch, node_images_per_s=alone, fastest_node=fastest,
                       speedup=speedup, efficiency=efficiency, slower=slower, verdict=verdict)
 
@@ -343,7 +385,7 @@ def implied_busbw_GBps(s: Scenario, measured_step_s: float) -> float | None:
     """The bus bandwidth that would explain a measured step time (the model inverted): what
     the all-reduce really reached in training. None when compute alone explains the step."""
     slowest = max(n.compute_s for n in s.nodes)
-    exposed = measured_step_s - s.grad_accum * slowest
+    exposed = measured_step_s - s.grad_accum * slowest - s.hook_s - s.allreduces * s.latency_s
     if exposed <= 0 or s.world <= 1:
         return None
     # step = compute + comm − min(backward, comm × (1 − share)); on slow links backward is the smaller

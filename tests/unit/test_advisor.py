@@ -245,3 +245,32 @@ def test_advisor_does_not_import_torch():
     code = "import sys, dscluster.advisor; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+# check's all-reduce on the 4-node GPU lab at 10 Gbit (NCCL over sockets, H100s)
+CHECK_10GBIT_4_NODES = [{"bytes": 1048576, "time_us": 1734.7, "busbw_GBps": 0.907},
+                        {"bytes": 16777216, "time_us": 21139.1, "busbw_GBps": 1.19},
+                        {"bytes": 67108864, "time_us": 84436.0, "busbw_GBps": 1.192},
+                        {"bytes": 268435456, "time_us": 337180.1, "busbw_GBps": 1.194}]
+
+
+def test_startup_latency_is_what_the_smallest_message_took_beyond_its_bytes():
+    # 1 MiB over 4 ranks at 1.194 GB/s is 1.317 ms of bytes: 1.735 ms measured leaves 0.42 ms
+    assert advisor.startup_latency_s(CHECK_10GBIT_4_NODES, 4) == pytest.approx(0.000417, abs=2e-6)
+    assert advisor.startup_latency_s(CHECK_10GBIT_4_NODES, 1) == 0.0
+    assert advisor.startup_latency_s(CHECK_10GBIT_4_NODES[-1:], 4) == 0.0  # one size: nothing to separate
+    fast_small = [dict(CHECK_10GBIT_4_NODES[0], time_us=1000.0)] + CHECK_10GBIT_4_NODES[1:]
+    assert advisor.startup_latency_s(fast_small, 4) == 0.0  # never negative
+
+
+def test_every_bucket_pays_the_startup_latency_and_powersgd_three_times_plus_its_own_work():
+    plain = lab(1.19, latency_s=0.002, overlap_fraction=0.0)
+    assert plain.allreduces == 4  # 343 MB of fp32 gradients in 100 MiB buckets
+    base = predict(replace(plain, latency_s=0.0))
+    assert predict(plain).comm_s == pytest.approx(base.comm_s + 4 * 0.002)
+    psgd = replace(plain, compression="powersgd", powersgd_s=0.015)
+    assert psgd.allreduces == 12
+    p, p0 = predict(psgd), predict(replace(psgd, latency_s=0.0, powersgd_s=0.0))
+    assert p.hook_s == 0.015 and p.step_s == pytest.approx(p0.step_s + 0.015 + 12 * 0.002)
+    one = replace(psgd, nodes=psgd.nodes[:1])  # one rank: training installs no hook, sends nothing
+    assert one.allreduces == 0 and predict(one).hook_s == 0 and predict(one).comm_s == 0

@@ -216,3 +216,19 @@ def test_saved_prediction_against_the_measured_figure(tmp_path):
     assert predicted.compare(k.replace("ranks=2", "ranks=3"), 436.0, env) is None  # another config: no claim
     (tmp_path / "state" / "plans.json").write_text("{torn")
     assert predicted.compare(k, 436.0, env) is None
+
+
+def test_powersgd_work_is_measured_with_trainings_hook_and_latency_comes_from_checks_smallest_message(lab, capsys):
+    rows = [{"bytes": 1048576, "time_us": 1734.7, "busbw_GBps": 0.907, "algbw_GBps": 0.605},
+            {"bytes": 268435456, "time_us": 337180.1, "busbw_GBps": 1.194, "algbw_GBps": 0.796}]
+    write_check(lab / "state", {"ok": True, "result": {"world_size": 4, "results": rows}})
+    assert main(["plan", "--config", str(REPO / "configs/digits.yaml"), "--hostfile", str(lab / "hosts.txt"),
+                 "comm.compression=powersgd", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["latency_s"] == pytest.approx(0.000417, abs=2e-6) and doc["busbw_GBps"] == 1.194
+    p = doc["prediction"]
+    assert doc["powersgd_s"] is not None and doc["powersgd_s"] >= 0 and p["hook_s"] == doc["powersgd_s"]
+    assert p["step_s"] == pytest.approx(p["compute_s"] + p["hook_s"] + p["exposed_s"])
+    # one bucket of digits' 2 MB of gradients: three all-reduces, each with its start-up
+    assert p["comm_s"] >= 3 * doc["latency_s"]
+    assert any(n.startswith("PowerSGD: its own work measured here") for n in doc["notes"])

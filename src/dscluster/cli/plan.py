@@ -67,8 +67,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=plan_command)
 
 
-def busbw_from_check(path: Path) -> tuple[float, int | None]:
-    """(bus bandwidth of check's largest all-reduce, closest to DDP's 100 MB buckets; its rank count)."""
+def busbw_from_check(path: Path) -> tuple[float, int | None, float]:
+    """(bus bandwidth of check's largest all-reduce, closest to DDP's 100 MB buckets; its rank count;
+    the start-up latency of one all-reduce, from its smallest message)."""
     fix = "run `dscluster check` (without --skip-active) on this hostfile, or pass --busbw GBps"
     try:
         result = checkfile.load(path).allreduce_result()
@@ -79,7 +80,9 @@ def busbw_from_check(path: Path) -> tuple[float, int | None]:
     rows = [r for r in (result or {}).get("results") or [] if r.get("busbw_GBps", 0) > 0]
     if not rows:
         raise UsageError(f"{path}: holds no all-reduce result (skipped or failed): {fix}")
-    return float(max(rows, key=lambda r: r["bytes"])["busbw_GBps"]), result.get("world_size")
+    world = result.get("world_size")
+    return (float(max(rows, key=lambda r: r["bytes"])["busbw_GBps"]), world,
+            advisor.startup_latency_s(rows, world or 1))
 
 
 def parse_compute(text: str, names: list[str]) -> dict[str, float]:
@@ -254,6 +257,62 @@ def measure_compute(cfg, in_chans: int, num_classes: int, micro: int) -> tuple[f
                            "the plan is for CPU ranks; pass --compute-s from your GPU nodes")
 
 
+def measure_powersgd(cfg, in_chans: int, num_classes: int, micro: int) -> float | None:
+    """PowerSGD's own work per optimizer step on this machine: one training step of a one-rank DDP
+    with training's PowerSGD hook (train/comm.py) less the same step with its plain all-reduce. On
+    one rank the all-reduces cost nothing, so what is left is the hook's products, orthogonalisation
+    and error feedback, which no communication hides. None where it cannot be measured here."""
+    import copy
+
+    import torch
+    import torch.distributed as tdist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    from dscluster.train import comm
+    from dscluster.train.model import build_model
+    from dscluster.train.precision import decide_here, torch_dtype
+
+    if not tdist.is_available() or tdist.is_initialized():
+        return None
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    precision = decide_here(cfg.precision).precision if cuda else "fp32"
+    batch = micro if cuda else min(micro, CPU_PROBE_BATCH)
+    warmup, steps = 5, (10 if cuda else 3)  # PowerSGD starts at step 2, after DDP's first backward
+    tdist.init_process_group("nccl" if cuda else "gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    seconds = {}
+    try:
+        x = torch.randn(batch, in_chans, cfg.data.img_size, cfg.data.img_size, device=device)
+        y = torch.randint(0, num_classes, (batch,), device=device)
+        for compression in ("none", "powersgd"):
+            trial = copy.deepcopy(cfg)
+            trial.comm.compression, trial.comm.powersgd_start_step = compression, 2
+            model = build_model(cfg.model, in_chans=in_chans, num_classes=num_classes,
+                                img_size=cfg.data.img_size).to(device)
+            ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None,
+                                          bucket_cap_mb=cfg.ddp_bucket_mb)
+            comm.install(ddp, trial, split=None)
+            for i in range(warmup + steps):
+                if i == warmup:
+                    if cuda:
+                        torch.cuda.synchronize(device)
+                    t0 = time.perf_counter()
+                with torch.autocast(device.type, dtype=torch_dtype(precision), enabled=cuda and precision != "fp32"):
+                    loss = F.cross_entropy(ddp(x), y)
+                loss.backward()
+                ddp.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize(device)
+            seconds[compression] = (time.perf_counter() - t0) / steps
+            del ddp, model
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        tdist.destroy_process_group()
+    return max(0.0, seconds["powersgd"] - seconds["none"])
+
+
 def overrides(cfg, current_global: int, option: advisor.Option | None, micro: int) -> list[str]:
     """key=value for `./entry_cn.sh` / `dscluster train`: all three batch keys, so the trainer's
     check micro × accum × world = global holds whatever the preset says, and the compression."""
@@ -303,7 +362,8 @@ def plan(args: argparse.Namespace) -> dict:
     compute = parse_compute(args.compute_s, names) if args.compute_s is not None else None
     # cheap inputs first: a missing bandwidth says so before any model is built or measured
     source = "--busbw" if args.busbw is not None else str(state.check_json_path())
-    busbw, check_world = (args.busbw, None) if args.busbw is not None else busbw_from_check(state.check_json_path())
+    busbw, check_world, latency = ((args.busbw, None, 0.0) if args.busbw is not None
+                                   else busbw_from_check(state.check_json_path()))
     world = hostfile.total_slots
     micro, accum, batch_note = batch_shape(cfg, world)
     in_chans, num_classes = data_shape(cfg)
@@ -319,12 +379,16 @@ def plan(args: argparse.Namespace) -> dict:
                                                        "note": note}
     else:
         how = {"seconds": max(compute.values()), "source": "--compute-s", "device": None, "note": None}
+    powersgd_s = None
+    if allowed.get("powersgd") and world > 1 and how["source"] == "measured":
+        powersgd_s = measure_powersgd(cfg, in_chans, num_classes, micro)
     nodes = tuple(advisor.Node(name=h.name, ranks=h.slots, compute_s=compute[h.name]) for h in hostfile.hosts)
     scenario = advisor.Scenario(nodes=nodes, micro_batch=micro, grad_accum=accum,
                                 grad_bytes=advisor.gradient_bytes(params, advisor.FORMAT_BYTES[grad_format]),
                                 grad_format=grad_format, compression=cfg.comm.compression,
                                 powersgd_rank=cfg.comm.powersgd_rank, matrices=matrices, busbw_GBps=busbw,
-                                bucket_bytes=cfg.ddp_bucket_mb * 2**20)
+                                bucket_bytes=cfg.ddp_bucket_mb * 2**20, latency_s=latency,
+                                powersgd_s=powersgd_s or 0.0)
     prediction = advisor.predict(scenario)
     rec = advisor.recommend(scenario, max_global_batch=args.max_global_batch,
                             compressions=advisor.ladder(cfg.comm.compression, allowed=allowed.get))
@@ -335,10 +399,11 @@ def plan(args: argparse.Namespace) -> dict:
     if cfg.zero_stage:
         notes.append(f"zero_stage {cfg.zero_stage}: reduce-scatter + all-gather move about what ZeRO-0's "
                      "all-reduce moves; the estimate is the same")
-    if cfg.comm.compression == "powersgd" or (rec.choice and rec.choice.compression == "powersgd"):
-        notes.append("PowerSGD: its matrix products and the latency of its three all-reduces per bucket are not "
-                     "modelled, so its step time is a lower bound; it sends plain all-reduces for the first "
-                     "comm.powersgd_start_step steps")
+    if (cfg.comm.compression == "powersgd" or (rec.choice and rec.choice.compression == "powersgd")) and world > 1:
+        notes.append((f"PowerSGD: its own work measured here, {powersgd_s * 1e3:.1f} ms a step"
+                      if powersgd_s is not None else
+                      "PowerSGD: its own work is not measured with --compute-s, so its step time is a lower bound")
+                     + "; it sends plain all-reduces for the first comm.powersgd_start_step steps")
     doc = {
         "schema": SCHEMA_VERSION, "config": args.config, "model": cfg.model.name, "params": params,
         "hostfile": hostfile.path, "world_size": world,
@@ -347,7 +412,8 @@ def plan(args: argparse.Namespace) -> dict:
         "micro_batch": micro, "grad_accum": accum, "global_batch": scenario.global_batch,
         "precision": precision, "compression": cfg.comm.compression, "grad_format": grad_format,
         "grad_bytes": int(scenario.grad_bytes), "wire_bytes": int(scenario.wire_bytes),
-        "busbw_GBps": busbw, "busbw_source": source, "compute": how,
+        "busbw_GBps": busbw, "busbw_source": source, "compute": how, "latency_s": latency,
+        "powersgd_s": powersgd_s,
         "assumptions": {"backward_share": advisor.BACKWARD_SHARE, "overlap_fraction": scenario.overlap_fraction,
                         "bucket_bytes": int(scenario.bucket_bytes)},
         "prediction": prediction.to_dict(),
@@ -380,7 +446,8 @@ def render(doc: dict) -> None:
                      f"{doc['grad_bytes'] / 1e6:.0f} MB of {doc['grad_format']} gradients a step{wire}) on "
                      f"{len(doc['nodes'])} node(s), {doc['world_size']} rank(s) from {doc['hostfile']}, {doc['precision']}"))
     c = doc["compute"]
-    out.print(escape(f"inputs: all-reduce busbw {doc['busbw_GBps']:.3f} GB/s ({doc['busbw_source']}); "
+    out.print(escape(f"inputs: all-reduce busbw {doc['busbw_GBps']:.3f} GB/s, {doc['latency_s'] * 1e3:.2f} ms "
+                     f"start-up ({doc['busbw_source']}); "
                      f"{c['seconds']:.4f} s per micro-batch of {doc['micro_batch']} "
                      f"({c['source']}{', ' + c['device'] if c['device'] else ''})"), style="dim")
     table = Table(title="one optimizer step, predicted (s; speed-up over the fastest node alone)",
@@ -412,7 +479,8 @@ def render(doc: dict) -> None:
         out.print(escape(f"saved for `dscluster train` to compare with what it measures: {doc['saved_to']}"),
                   style="dim")
     a = doc["assumptions"]
-    out.print(escape(f"model: all-reduce = bytes × 2(N−1)/N ÷ busbw, once per optimizer step; up to "
+    out.print(escape(f"model: all-reduce = bytes × 2(N−1)/N ÷ busbw + start-up per bucket (3 with PowerSGD), "
+                     f"once per optimizer step; up to "
                      f"{a['overlap_fraction']:.0%} of the last backward (≈{a['backward_share']:.2f} of compute) hides "
                      f"it, never the last {a['bucket_bytes'] >> 20} MiB bucket. See docs/advisor.md."), style="dim")
 
