@@ -34,6 +34,10 @@ COMPRESSION_KEY = "comm.compression"
 CPU_PROBE_BATCH = 4
 """On CPU the probe runs at most this many samples and scales linearly: ViT-B/16 at 128 would
 take minutes, and a CPU figure is only a stand-in for the GPUs anyway."""
+GPU_WARMUP_S, GPU_TIMED_S = 0.5, 1.0
+"""On a GPU the probe warms up for at least this long (kernel choice, clocks leaving idle) and times
+at least 10 steps and this long: ViT-S's 10 steps alone take a third of a second, and read 20 %
+slow against training when timed that briefly."""
 CPU_PROBE_BUDGET_S = 10.0
 """After its first 3 timed steps the CPU probe takes more (up to 7) while this many seconds have not
 passed: a steadier median on a busy machine."""
@@ -194,6 +198,23 @@ def allowed_compressions(cfg, precision: str) -> tuple[dict[str, bool], list[str
     return ok, list(why.values())
 
 
+def gpu_seconds_per_step(step, sync, min_steps: int = 10) -> float:
+    """Mean seconds of `step` once warm: GPU_WARMUP_S of warm-up (3 steps at least), then at least
+    `min_steps` steps and GPU_TIMED_S, the clock read after `sync` (the GPU finished, not queued)."""
+    t_end, n = time.perf_counter() + GPU_WARMUP_S, 0
+    while n < 3 or time.perf_counter() < t_end:
+        step()
+        sync()  # each warm-up step finishes before the clock is read
+        n += 1
+    t0, n = time.perf_counter(), 0
+    while n < min_steps or time.perf_counter() - t0 < GPU_TIMED_S:
+        for _ in range(min_steps):
+            step()
+            n += 1
+        sync()
+    return (time.perf_counter() - t0) / n
+
+
 def measure_compute(cfg, in_chans: int, num_classes: int, micro: int) -> tuple[float, str, str]:
     """(seconds per micro-batch, device, note): forward+backward passes of the configured model on
     this machine's first GPU (synchronised before the clock is read), else a few on CPU."""
@@ -227,16 +248,11 @@ def measure_compute(cfg, in_chans: int, num_classes: int, micro: int) -> tuple[f
         if cfg.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         y = torch.randint(0, num_classes, (batch,), device=device)
-        for _ in range(warmup):
-            step()
-        sync()
         if cuda:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step()
-            sync()  # the clock stops when the GPU has finished, not when the work was queued
-            per_batch = (time.perf_counter() - t0) / steps
+            per_batch = gpu_seconds_per_step(step, sync)
         else:
+            for _ in range(warmup):
+                step()
             # a shared CPU is noisy (other processes): the median of single steps, within a time budget
             times, t_end = [], time.perf_counter() + CPU_PROBE_BUDGET_S
             while len(times) < steps or (time.perf_counter() < t_end and len(times) < 2 * steps + 1):
@@ -279,7 +295,7 @@ def measure_powersgd(cfg, in_chans: int, num_classes: int, micro: int) -> float 
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     precision = decide_here(cfg.precision).precision if cuda else "fp32"
     batch = micro if cuda else min(micro, CPU_PROBE_BATCH)
-    warmup, steps = 5, (10 if cuda else 3)  # PowerSGD starts at step 2, after DDP's first backward
+    warmup, steps = 5, 3  # on CPU; PowerSGD starts at step 2, after DDP's first backward
     tdist.init_process_group("nccl" if cuda else "gloo", store=tdist.HashStore(), rank=0, world_size=1)
     seconds = {}
     try:
@@ -293,18 +309,22 @@ def measure_powersgd(cfg, in_chans: int, num_classes: int, micro: int) -> float 
             ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None,
                                           bucket_cap_mb=cfg.ddp_bucket_mb)
             comm.install(ddp, trial, split=None)
-            for i in range(warmup + steps):
-                if i == warmup:
-                    if cuda:
-                        torch.cuda.synchronize(device)
-                    t0 = time.perf_counter()
+
+            def step():
                 with torch.autocast(device.type, dtype=torch_dtype(precision), enabled=cuda and precision != "fp32"):
                     loss = F.cross_entropy(ddp(x), y)
                 loss.backward()
                 ddp.zero_grad(set_to_none=True)
+
             if cuda:
-                torch.cuda.synchronize(device)
-            seconds[compression] = (time.perf_counter() - t0) / steps
+                seconds[compression] = gpu_seconds_per_step(step, lambda: torch.cuda.synchronize(device))
+            else:
+                for _ in range(warmup):
+                    step()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    step()
+                seconds[compression] = (time.perf_counter() - t0) / steps
             del ddp, model
     except torch.OutOfMemoryError:
         return None
