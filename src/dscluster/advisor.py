@@ -26,7 +26,11 @@ buckets during the last micro-step's backward; the other accumulation micro-step
     backward = BACKWARD_SHARE × slowest compute_s the last micro-step's backward, the only one that
                                                   overlaps the all-reduce
     hidden   = min(overlap_fraction × backward, comm × (1 − last bucket's share))
-    step     = compute + hook + comm − hidden
+    step     = (compute + hook + comm − hidden) × calibration
+
+calibration is 1 unless runs of this model, precision and rank count measured their step against
+this model before (`dscluster train` keeps each outcome, train/predicted.py): then it is the median
+of measured ÷ modelled step for the compression in question.
 
 The last bucket is the one DDP can only reduce after backward has finished, so its time is never
 hidden. PowerSGD's products run on the compute stream between backward's kernels, so they are
@@ -147,6 +151,8 @@ class Scenario:
     powersgd_s: float = 0.0
     """PowerSGD's own work per optimizer step on the slowest node (its products, orthogonalisation and
     error feedback; `plan` measures it with training's hook)."""
+    calibration: tuple[tuple[str, float], ...] = ()
+    """(compression, measured ÷ modelled step) from earlier runs of the same model, precision and ranks."""
 
     def __post_init__(self):
         if not self.nodes:
@@ -159,7 +165,8 @@ class Scenario:
         checks = [("micro_batch", self.micro_batch >= 1), ("grad_accum", self.grad_accum >= 1),
                   ("grad_bytes", self.grad_bytes > 0), ("busbw_GBps", self.busbw_GBps > 0),
                   ("overlap_fraction", 0 <= self.overlap_fraction <= 1), ("bucket_bytes", self.bucket_bytes > 0),
-                  ("latency_s", self.latency_s >= 0), ("powersgd_s", self.powersgd_s >= 0)]
+                  ("latency_s", self.latency_s >= 0), ("powersgd_s", self.powersgd_s >= 0),
+                  ("calibration", all(f > 0 for _, f in self.calibration))]
         for name, good in checks:
             if not good:
                 raise UsageError(f"{name}={getattr(self, name)!r} is out of range")
@@ -215,7 +222,11 @@ class Prediction:
     exposed_s: float
     """Part of comm_s the step waits for: comm_s − hidden_s."""
     step_s: float
-    """compute_s + hook_s + exposed_s."""
+    """model_step_s × calibration."""
+    model_step_s: float
+    """compute_s + hook_s + exposed_s: the model's step before any calibration."""
+    calibration: float
+    """Measured ÷ modelled step of earlier runs with this compression (1.0 without any)."""
     images_per_s: float
     global_batch: int
     node_images_per_s: dict[str, float]
@@ -239,7 +250,9 @@ def predict(s: Scenario) -> Prediction:
     comm = ring_allreduce_s(s.wire_bytes, s.world, s.busbw_GBps) + s.allreduces * s.latency_s
     last_share = min(1.0, s.bucket_bytes / s.grad_bytes)
     hidden = min(s.overlap_fraction * BACKWARD_SHARE * slowest, comm * (1 - last_share))
-    step = compute + s.hook_s + comm - hidden
+    model_step = compute + s.hook_s + comm - hidden
+    factor = dict(s.calibration).get(s.compression, 1.0)
+    step = model_step * factor
     rate = s.global_batch / step
     alone = {n.name: n.images_per_s(s.micro_batch) for n in s.nodes}
     fastest = max(alone, key=alone.get)
@@ -258,7 +271,8 @@ def predict(s: Scenario) -> Prediction:
     else:
         verdict = (f"faster than {fastest} alone ({speedup:.1f}×), but communication takes {comm_share:.0%} "
                    f"of each step: {efficiency:.0%} of the nodes' summed speed")
-    return Prediction(compute_s=compute, hook_s=s.hook_s, comm_s=comm, hidden_s=hidden, exposed_s=comm - hidden, step_s=step,
+    return Prediction(compute_s=compute, hook_s=s.hook_s, comm_s=comm, hidden_s=hidden, exposed_s=comm - hidden,
+                      step_s=step, model_step_s=model_step, calibration=factor,
                       images_per_s=rate, global_batch=s.global_batch, node_images_per_s=alone, fastest_node=fastest,
                       speedup=speedup, efficiency=efficiency, slower=slower, verdict=verdict)
 

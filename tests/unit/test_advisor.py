@@ -274,3 +274,14 @@ def test_every_bucket_pays_the_startup_latency_and_powersgd_three_times_plus_its
     assert p.hook_s == 0.015 and p.step_s == pytest.approx(p0.step_s + 0.015 + 12 * 0.002)
     one = replace(psgd, nodes=psgd.nodes[:1])  # one rank: training installs no hook, sends nothing
     assert one.allreduces == 0 and predict(one).hook_s == 0 and predict(one).comm_s == 0
+
+
+def test_calibration_scales_the_step_of_its_own_compression_only():
+    s = lab(1.19, compression="powersgd", powersgd_s=0.016, calibration=(("powersgd", 1.15),))
+    p, raw = predict(s), predict(replace(s, calibration=()))
+    assert p.model_step_s == pytest.approx(raw.step_s) and p.calibration == 1.15
+    assert p.step_s == pytest.approx(1.15 * raw.step_s) and p.images_per_s == pytest.approx(raw.images_per_s / 1.15)
+    plain = predict(replace(s, compression="none"))
+    assert plain.calibration == 1.0 and plain.step_s == plain.model_step_s
+    with pytest.raises(UsageError, match="calibration"):
+        replace(s, calibration=(("powersgd", 0.0),))

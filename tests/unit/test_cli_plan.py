@@ -231,4 +231,50 @@ def test_powersgd_work_is_measured_with_trainings_hook_and_latency_comes_from_ch
     assert p["step_s"] == pytest.approx(p["compute_s"] + p["hook_s"] + p["exposed_s"])
     # one bucket of digits' 2 MB of gradients: three all-reduces, each with its start-up
     assert p["comm_s"] >= 3 * doc["latency_s"]
-    assert any(n.startswith("PowerSGD: its own work measured here") for n in doc["notes"])
+    assert any(n.startswith("PowerSGD: its own work") and "measured here" in n for n in doc["notes"])
+
+
+# What the 2-node GPU lab (one H100 per node, 10 Gbit) measured on 2026-11-26: ViT-B/16 fp16,
+# micro-batch 128, PowerSGD at global 256 and at 512 (grad_accum 2): the advisor's model step and
+# the measured one (bench/results/2026-11-26-2node-gpu-lab-binding-advisor.json).
+LAB_10GBIT = dict(busbw="1.194", compute="0.053", powersgd="0.0163")
+LAB_OUTCOMES = [(256, 0.0808, 256 / 2839.5), (512, 0.1231, 512 / 3615.0)]
+
+
+def plan_2_nodes(lab, capsys, *extra):
+    (lab / "two.txt").write_text("node1 slots=1\nnode2 slots=1\n")
+    assert main(["plan", "--config", str(REPO / "configs/vit_base.yaml"), "--hostfile", str(lab / "two.txt"),
+                 "--busbw", LAB_10GBIT["busbw"], "--compute-s", LAB_10GBIT["compute"],
+                 "--powersgd-s", LAB_10GBIT["powersgd"], "--json", "precision=fp16", "micro_batch=128",
+                 "global_batch=256", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_runs_measured_against_their_plan_correct_the_next_recommendation(lab, capsys):
+    from dscluster.train import predicted
+
+    first = plan_2_nodes(lab, capsys)
+    choice = first["recommendation"]["choice"]
+    assert (choice["grad_accum"], choice["compression"]) == (2, "powersgd")  # what the lab was told
+    assert first["calibration"] == {}
+    # the two PowerSGD runs end: train records each against the model step plan saved for it
+    for gb, model_step, measured_step in LAB_OUTCOMES:
+        k = predicted.key(model="vit_base_patch16_224", micro_batch=128, global_batch=gb, precision="fp16",
+                          compression="powersgd", ranks=2)
+        predicted.save({k: {"images_per_s": gb / model_step, "step_s": model_step, "model_step_s": model_step}})
+        cmp = predicted.compare(k, gb / measured_step)
+        predicted.record(cmp, model="vit_base_patch16_224", precision="fp16", compression="powersgd", ranks=2,
+                         global_batch=gb, run_id=f"psgd-{gb}")
+    again = plan_2_nodes(lab, capsys)
+    cal = again["calibration"]["powersgd"]
+    assert cal["runs"] == 2 and cal["factor"] == pytest.approx((1.115 + 1.150) / 2, abs=0.01)
+    choice = again["recommendation"]["choice"]
+    # 77 % measured at grad_accum 2: the corrected model moves on to grad_accum 4
+    assert (choice["grad_accum"], choice["compression"]) == (4, "powersgd")
+    assert choice["prediction"]["efficiency"] >= 0.8
+    assert any(n.startswith("calibrated by 2 earlier run(s)") for n in again["notes"])
+    # saved for the next run: the model's own step, so corrections do not compound
+    saved = json.loads((lab / "state" / "plans.json").read_text())
+    entry = next(v for v in saved["plans"].values() if v["setting"] == "choice")
+    assert entry["step_s"] == pytest.approx(entry["model_step_s"] * cal["factor"])
+    assert plan_2_nodes(lab, capsys, "--no-calibration")["recommendation"]["choice"]["grad_accum"] == 2

@@ -65,6 +65,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compute-s", metavar="S|NODE=S,...",
                    help="seconds of one forward+backward of one micro-batch on one rank, for every node or "
                    "per node (default: measured here)")
+    p.add_argument("--powersgd-s", type=float, metavar="S",
+                   help="PowerSGD's own work per optimizer step on one rank, seconds (default: measured here "
+                   "when compute is)")
+    p.add_argument("--no-calibration", action="store_true",
+                   help="ignore what earlier runs measured against their plans (<state>/plans.json outcomes)")
     p.add_argument("--max-global-batch", type=int, default=advisor.MAX_GLOBAL_BATCH, metavar="N",
                    help=f"largest global batch to recommend (default: {advisor.MAX_GLOBAL_BATCH})")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (schema in the module docstring)")
@@ -364,7 +369,8 @@ def saved_entries(doc: dict, cfg, rec: advisor.Recommendation, args) -> dict[str
                           precision=doc["precision"], compression=comp, ranks=doc["world_size"])
         out.setdefault(k, {"images_per_s": p["images_per_s"], "step_s": p["step_s"], "setting": name,
                            "config": args.config, "hostfile": doc["hostfile"], "busbw_GBps": doc["busbw_GBps"],
-                           "compute_s": doc["compute"]["seconds"], "overrides": ovr})
+                           "compute_s": doc["compute"]["seconds"], "overrides": ovr,
+                           "model_step_s": p["model_step_s"]})
     return out
 
 
@@ -399,16 +405,23 @@ def plan(args: argparse.Namespace) -> dict:
                                                        "note": note}
     else:
         how = {"seconds": max(compute.values()), "source": "--compute-s", "device": None, "note": None}
-    powersgd_s = None
-    if allowed.get("powersgd") and world > 1 and how["source"] == "measured":
+    powersgd_s = args.powersgd_s
+    if powersgd_s is not None and not (powersgd_s >= 0 and math.isfinite(powersgd_s)):
+        raise UsageError(f"--powersgd-s {powersgd_s}: expected seconds >= 0, e.g. --powersgd-s 0.02")
+    if powersgd_s is None and allowed.get("powersgd") and world > 1 and how["source"] == "measured":
         powersgd_s = measure_powersgd(cfg, in_chans, num_classes, micro)
+    from dscluster.train import predicted
+
+    calibration = {} if args.no_calibration else predicted.calibration(model=cfg.model.name, precision=precision,
+                                                                          ranks=world)
     nodes = tuple(advisor.Node(name=h.name, ranks=h.slots, compute_s=compute[h.name]) for h in hostfile.hosts)
     scenario = advisor.Scenario(nodes=nodes, micro_batch=micro, grad_accum=accum,
                                 grad_bytes=advisor.gradient_bytes(params, advisor.FORMAT_BYTES[grad_format]),
                                 grad_format=grad_format, compression=cfg.comm.compression,
                                 powersgd_rank=cfg.comm.powersgd_rank, matrices=matrices, busbw_GBps=busbw,
                                 bucket_bytes=cfg.ddp_bucket_mb * 2**20, latency_s=latency,
-                                powersgd_s=powersgd_s or 0.0)
+                                powersgd_s=powersgd_s or 0.0,
+                                calibration=tuple((c, v["factor"]) for c, v in calibration.items()))
     prediction = advisor.predict(scenario)
     rec = advisor.recommend(scenario, max_global_batch=args.max_global_batch,
                             compressions=advisor.ladder(cfg.comm.compression, allowed=allowed.get))
@@ -419,10 +432,16 @@ def plan(args: argparse.Namespace) -> dict:
     if cfg.zero_stage:
         notes.append(f"zero_stage {cfg.zero_stage}: reduce-scatter + all-gather move about what ZeRO-0's "
                      "all-reduce moves; the estimate is the same")
+    for comp, c in calibration.items():
+        notes.append(f"calibrated by {c['runs']} earlier run(s) of this model on {world} rank(s): {comp} steps took "
+                     f"{c['factor']:.2f}× what the model gives, so its predictions are scaled by that "
+                     "(--no-calibration ignores them)")
     if (cfg.comm.compression == "powersgd" or (rec.choice and rec.choice.compression == "powersgd")) and world > 1:
-        notes.append((f"PowerSGD: its own work measured here, {powersgd_s * 1e3:.1f} ms a step"
+        notes.append((f"PowerSGD: its own work {powersgd_s * 1e3:.1f} ms a step"
+                      + (" (--powersgd-s)" if args.powersgd_s is not None else ", measured here")
                       if powersgd_s is not None else
-                      "PowerSGD: its own work is not measured with --compute-s, so its step time is a lower bound")
+                      "PowerSGD: its own work is not measured with --compute-s (pass --powersgd-s), so its step "
+                      "time is a lower bound")
                      + "; it sends plain all-reduces for the first comm.powersgd_start_step steps")
     doc = {
         "schema": SCHEMA_VERSION, "config": args.config, "model": cfg.model.name, "params": params,
@@ -433,7 +452,7 @@ def plan(args: argparse.Namespace) -> dict:
         "precision": precision, "compression": cfg.comm.compression, "grad_format": grad_format,
         "grad_bytes": int(scenario.grad_bytes), "wire_bytes": int(scenario.wire_bytes),
         "busbw_GBps": busbw, "busbw_source": source, "compute": how, "latency_s": latency,
-        "powersgd_s": powersgd_s,
+        "powersgd_s": powersgd_s, "calibration": calibration,
         "assumptions": {"backward_share": advisor.BACKWARD_SHARE, "overlap_fraction": scenario.overlap_fraction,
                         "bucket_bytes": int(scenario.bucket_bytes)},
         "prediction": prediction.to_dict(),
@@ -442,8 +461,6 @@ def plan(args: argparse.Namespace) -> dict:
         "saved_to": None,
         "notes": notes,
     }
-    from dscluster.train import predicted
-
     try:
         doc["saved_to"] = str(predicted.save(saved_entries(doc, cfg, rec, args)))
     except OSError as e:  # a read-only state directory costs the comparison at the end of the run, not the plan

@@ -317,4 +317,9 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
         if cmp is not None:
             facts["plan"] = cmp
             console.err.print(f"dscluster train: {predicted.line(cmp)}")
+            try:  # the next `plan` corrects itself by what this lab really did
+                predicted.record(cmp, model=cfg.model.name, precision=precision, compression=cfg.comm.compression,
+                                 ranks=info.world_size, global_batch=gb, run_id=facts["run_id"])
+            except OSError:
+                pass
     return out

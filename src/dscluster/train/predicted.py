@@ -4,19 +4,29 @@
 
     {"schema": 1,
      "plans": {KEY: {"images_per_s": float, "step_s": float, "setting": "now"|"choice"|"without_compression",
-                     "created": unix time, "config": str, "hostfile": str, "busbw_GBps": float,
-                     "compute_s": float, "overrides": [str]}}}
+                     "model_step_s": float, "created": unix time, "config": str, "hostfile": str,
+                     "busbw_GBps": float, "compute_s": float, "overrides": [str]}},
+     "outcomes": [{"key": KEY, "model": str, "precision": str, "compression": str, "ranks": int,
+                   "model_step_s": float, "measured_step_s": float, "run_id": str, "at": unix time}]}
 
 KEY names what decides the figure (`key`): model, per-rank micro-batch, global batch, precision,
 gradient compression, ranks. `plan` saves its prediction for the config as given and for each
 setting it recommends, so a run with the pasted overrides finds its own. At the end of a run rank 0
 looks its config up and prints "plan predicted X img/s, measured Y img/s (±Z%)"; summary.json
 keeps both (`plan`). A later `plan` for the same key replaces the entry.
+
+Each such comparison is also kept as an outcome (the last MAX_OUTCOMES): the step time the run
+measured against the advisor's uncorrected model step (`model_step_s`). `calibration` turns the
+outcomes of the same model, precision and ranks into one factor per compression, the median of
+measured ÷ modelled, and `plan` multiplies its step times by it: a lab that ran PowerSGD 15 %
+slower than modelled gets its next recommendation from the corrected figure. Against the model's
+own step, never a corrected one, so corrections do not compound.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -25,6 +35,7 @@ from dscluster.fsutil import atomic_write_json
 
 PLANS_FILE = "plans.json"
 SCHEMA = 1
+MAX_OUTCOMES = 50
 
 
 def key(*, model: str, micro_batch: int, global_batch: int, precision: str, compression: str, ranks: int) -> str:
@@ -36,22 +47,59 @@ def path(env=None) -> Path:
     return state.state_dir(env) / PLANS_FILE
 
 
-def _read(p: Path) -> dict:
+def _read_doc(p: Path) -> tuple[dict, list]:
     try:
         doc = json.loads(p.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return {}
+        return {}, []
     plans = doc.get("plans") if isinstance(doc, dict) else None
-    return plans if isinstance(plans, dict) else {}
+    outcomes = doc.get("outcomes") if isinstance(doc, dict) else None
+    return (plans if isinstance(plans, dict) else {}), [o for o in (outcomes or []) if isinstance(o, dict)]
+
+
+def _read(p: Path) -> dict:
+    return _read_doc(p)[0]
 
 
 def save(entries: dict[str, dict], env=None) -> Path:
     """Merge `entries` (KEY → entry) into plans.json, atomically; an unreadable file is replaced."""
     p = path(env)
-    plans = _read(p)
+    plans, outcomes = _read_doc(p)
     now = time.time()
     plans.update({k: {**v, "created": v.get("created", now)} for k, v in entries.items()})
-    return atomic_write_json(p, {"schema": SCHEMA, "plans": plans})
+    return atomic_write_json(p, {"schema": SCHEMA, "plans": plans, "outcomes": outcomes})
+
+
+def record(cmp: dict, *, model: str, precision: str, compression: str, ranks: int, global_batch: int,
+           run_id: str, env=None) -> None:
+    """Keep a run's comparison as an outcome (atomically), when its plan entry has a model step."""
+    p = path(env)
+    plans, outcomes = _read_doc(p)
+    entry = plans.get(cmp["key"]) or {}
+    model_step = entry.get("model_step_s", entry.get("step_s"))
+    if not isinstance(model_step, (int, float)) or model_step <= 0 or not cmp.get("measured_images_per_s"):
+        return
+    outcomes.append({"key": cmp["key"], "model": model, "precision": precision, "compression": compression,
+                     "ranks": ranks, "model_step_s": float(model_step),
+                     "measured_step_s": global_batch / float(cmp["measured_images_per_s"]), "run_id": run_id,
+                     "at": time.time()})
+    atomic_write_json(p, {"schema": SCHEMA, "plans": plans, "outcomes": outcomes[-MAX_OUTCOMES:]})
+
+
+def calibration(*, model: str, precision: str, ranks: int, env=None) -> dict[str, dict]:
+    """{compression: {"factor": median measured ÷ modelled step, "runs": n}} from the outcomes of
+    this model, precision and rank count."""
+    by: dict[str, list[float]] = {}
+    for o in _read_doc(path(env))[1]:
+        if (o.get("model"), o.get("precision"), o.get("ranks")) != (model, precision, ranks):
+            continue
+        try:
+            ratio = float(o["measured_step_s"]) / float(o["model_step_s"])
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            continue
+        if ratio > 0:
+            by.setdefault(str(o.get("compression")), []).append(ratio)
+    return {c: {"factor": statistics.median(r), "runs": len(r)} for c, r in sorted(by.items())}
 
 
 def lookup(plan_key: str, env=None) -> dict | None:
