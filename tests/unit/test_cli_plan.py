@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from dscluster import plan_probe
 from dscluster.cli import plan as cli_plan
 from dscluster.cli import main
 from dscluster.errors import UsageError
@@ -142,7 +143,7 @@ def test_measures_compute_on_this_machine():
     from dscluster.train.config import load_config
 
     cfg = load_config(REPO / "configs/digits.yaml")
-    seconds, device, note = cli_plan.measure_compute(cfg, 1, 10, 8)
+    seconds, device, note = plan_probe.measure_compute(cfg, 1, 10, 8)
     assert seconds > 0
     if not torch.cuda.is_available():
         assert device == "cpu" and "measured on CPU" in note and "--compute-s" in note
@@ -159,7 +160,7 @@ def test_out_of_memory_while_measuring_names_the_fix(monkeypatch):
 
     monkeypatch.setattr(torch, "randn", oom)
     with pytest.raises(UsageError, match="does not fit this GPU.*--compute-s"):
-        cli_plan.measure_compute(load_config(REPO / "configs/digits.yaml"), 1, 10, 100000)
+        plan_probe.measure_compute(load_config(REPO / "configs/digits.yaml"), 1, 10, 100000)
 
 
 def test_check_on_another_rank_count_is_noted(lab, capsys):
