@@ -9,8 +9,8 @@ Every option trains the digits preset (configs/digits.yaml: global batch 64, 30 
 in this invocation, so `none` is the baseline of the same machine, load and seeds. Writes
 bench/results/<date>-cpu-digits-compression.json: card "cpu", link "loopback", the date, and per
 option the held-out accuracy of each seed, their mean, the mean's difference from `none` in
-points, images/s and wall seconds. Exit 1 when an option's mean ends more than --max-drop points
-below `none`'s. The held-out set has 359 images: one image is 0.28 points, so one seed alone
+points, images/s and wall seconds (means over the seeds, and each run's). Exit 1 when an option's
+mean ends more than --max-drop points below `none`'s. The held-out set has 359 images: one image is 0.28 points, so one seed alone
 cannot tell 1 point from chance.
 """
 
@@ -58,6 +58,19 @@ def run_option(runs: Path, run_id: str, option: str, seed: int, ranks: int, extr
             "comm_share_rank0": round(sum(waits) / len(waits), 3) if waits else None}
 
 
+def source_version() -> dict:
+    """The commit the ranks ran, and whether src/ differed from it (None outside a git checkout)."""
+    def git(*a: str) -> str | None:
+        try:
+            p = subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        except OSError:
+            return None
+        return p.stdout.strip() if p.returncode == 0 else None
+
+    return {"commit": git("rev-parse", "HEAD"), "src_modified": None if git("rev-parse", "HEAD") is None
+            else bool(git("status", "--porcelain", "--", "src"))}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--np", type=int, default=3, help="ranks (default 3)")
@@ -89,7 +102,8 @@ def main() -> int:
     for option, rs in runs.items():
         accs = [r["accuracy"] for r in rs]
         results[option] = {"accuracy": round(sum(accs) / len(accs), 4), "accuracies": accs, "runs": rs,
-                           "images_per_s": round(sum(r["images_per_s"] for r in rs) / len(rs), 1)}
+                           "images_per_s": round(sum(r["images_per_s"] for r in rs) / len(rs), 1),
+                           "wall_s": round(sum(r["wall_s"] for r in rs) / len(rs), 1)}
     base = results["none"]["accuracy"]
     for r in results.values():
         r["points_vs_none"] = round(100 * (r["accuracy"] - base), 2)
@@ -98,7 +112,7 @@ def main() -> int:
     doc = {"bench": "compression_accuracy", "date": date, "card": "cpu", "link": "loopback",
            "device_name": "cpu", "cpu_count": os.cpu_count(), "torch": torch.__version__, "ranks": args.np,
            "config": "configs/digits.yaml", "overrides": extra + ["checkpoint.every_epochs=0"], "seeds": seeds,
-           "baseline": "none (same invocation)", "max_drop_points": args.max_drop, "results": results}
+           **source_version(), "baseline": "none (same invocation)", "max_drop_points": args.max_drop, "results": results}
     atomic_write_json(out, doc)
     print(f"wrote {out}")
     worst = min(r["points_vs_none"] for r in results.values())

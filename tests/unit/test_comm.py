@@ -72,6 +72,35 @@ def test_one_rank_waits_for_nobody_and_unhooked_ranks_are_not_guessed():
         assert rec["comm_s"] == expect and rec["compute_s"] == pytest.approx(0.3) and rec["other_s"] == 0.0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU path is above)")
+def test_split_marks_on_a_gpu_are_events_read_after_the_window_without_a_host_sync():
+    dev = torch.device("cuda")
+    model = torch.nn.Linear(512, 512).to(dev)
+    x = torch.randn(256, 512, device=dev)
+    split = StepSplit(dev, "measured")
+    torch.cuda.synchronize()
+    for window in range(2):  # the second window reuses the first one's events
+        marks = []
+        torch.cuda.set_sync_debug_mode("error")  # any synchronising call inside the steps fails here
+        try:
+            for _ in range(3):
+                split.start()
+                with split.data():
+                    xb = x * 1.0
+                model(xb).square().mean().backward()
+                split.bucket_handed()
+                split.bucket_handed()  # the last hand-off counts
+                torch.cuda._sleep(2_000_000)  # the device busy after the hand-off, as with a reduction
+                split.reductions_done()
+                marks.append(split.end())
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()  # the log window's read-back
+        records = [{} for _ in marks]
+        split.resolve(marks, records, window_s=10.0)
+        assert all(r["comm_s"] > 0 and r["compute_s"] > 0 and r["other_s"] > 0 for r in records), records
+
+
 # --- the hooks on 2 gloo ranks ---------------------------------------------------------------------
 
 def _ddp_worker(rank: int, world: int, port: int, tmp: str, out):
