@@ -9,9 +9,9 @@ Every option trains the digits preset (configs/digits.yaml: global batch 64, 30 
 in this invocation, so `none` is the baseline of the same machine, load and seeds. Writes
 bench/results/<date>-cpu-digits-compression.json: card "cpu", link "loopback", the date, and per
 option the held-out accuracy of each seed, their mean, the mean's difference from `none` in
-points, images/s and wall seconds (means over the seeds, and each run's). Exit 1 when an option's
-mean ends more than --max-drop points below `none`'s. The held-out set has 359 images: one image is 0.28 points, so one seed alone
-cannot tell 1 point from chance.
+points, images/s and wall seconds (means over the seeds, and each run's), and the commit the ranks
+ran. Exit 1 when an option's mean ends more than --max-drop points below `none`'s. The held-out set
+has 359 images: one image is 0.28 points, so one seed alone cannot tell 1 point from chance.
 """
 
 from __future__ import annotations
@@ -112,7 +112,8 @@ def main() -> int:
     doc = {"bench": "compression_accuracy", "date": date, "card": "cpu", "link": "loopback",
            "device_name": "cpu", "cpu_count": os.cpu_count(), "torch": torch.__version__, "ranks": args.np,
            "config": "configs/digits.yaml", "overrides": extra + ["checkpoint.every_epochs=0"], "seeds": seeds,
-           **source_version(), "baseline": "none (same invocation)", "max_drop_points": args.max_drop, "results": results}
+           **source_version(), "baseline": "none (same invocation)", "max_drop_points": args.max_drop,
+           "results": results}
     atomic_write_json(out, doc)
     print(f"wrote {out}")
     worst = min(r["points_vs_none"] for r in results.values())
