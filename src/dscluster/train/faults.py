@@ -8,9 +8,9 @@ The fault tests use it to prove that the guards and the timing say the truth:
     DSCLUSTER_FAULT="disk_full:rank=0,step=20"       rank 0's checkpoint save at step 20 hits ENOSPC
     DSCLUSTER_FAULT="slow_gpu:rank=1,ms=80"          rank 1's GPU spins 80 ms more every step, queued
                                                      without the host waiting (honest-timing tests)
-    DSCLUSTER_FAULT="slow_comm:rank=1,ms=200"        rank 1 holds every gradient bucket 200 ms after
-                                                     backward handed it over, before sending it: every
-                                                     rank waits for the network as on a slow link
+    DSCLUSTER_FAULT="slow_comm:rank=1,ms=200"        rank 1 holds each step's last gradient bucket 200 ms
+                                                     after backward handed it over, before sending it:
+                                                     every rank waits for the network as on a slow link
 
 Several faults: separate them with ';'. Nothing outside tests should set it.
 """
