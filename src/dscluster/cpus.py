@@ -10,9 +10,10 @@ bound against 816 freed, 849 against 3,224 with PowerSGD, and `check`'s all-redu
 against 1.19 GB/s.
 
 So every rank program of dscluster (`dscluster train`, the all-reduce benchmark) calls
-`free_launcher_binding()` before it starts threads of its own: each thread of the process gets
-every CPU of the node that its cgroup allows. DSCLUSTER_KEEP_BINDING=1 keeps the launcher's
-binding, for whoever bound ranks on purpose.
+`free_launcher_binding()` before it starts threads of its own: in a rank that OpenMPI's mpirun
+started, each thread gets every CPU of the node that its cgroup allows. Other launchers bind only
+when asked (DeepSpeed's --bind_cores_to_rank, srun --cpu-bind, taskset by hand), so their binding
+is left alone. DSCLUSTER_KEEP_BINDING=1 keeps mpirun's too, for whoever bound ranks on purpose.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from __future__ import annotations
 import os
 
 KEEP_ENV = "DSCLUSTER_KEEP_BINDING"
+MPIRUN_ENV = "OMPI_COMM_WORLD_SIZE"
+"""Set in every process OpenMPI's mpirun starts: the launcher that binds unasked."""
 
 
 def cpu_list(cpus) -> str:
@@ -48,12 +51,14 @@ def widen(tid: int = 0) -> None:
 
 
 def free_launcher_binding(env=None) -> str | None:
-    """Give every thread of this process the node's CPUs when a launcher bound it to fewer.
+    """Give every thread of this process the node's CPUs when OpenMPI's mpirun bound it to fewer.
 
     Returns one line for the run's notes when the binding changed (or was kept on request), None
-    when the process already had every CPU it may use. Never raises: a platform without CPU
-    affinity, or a cpuset that forbids the change, leaves the process as it was."""
+    when the process already had every CPU it may use or was not started by mpirun. Never raises: a
+    platform without CPU affinity, or a cpuset that forbids the change, leaves the process as it was."""
     env = os.environ if env is None else env
+    if MPIRUN_ENV not in env:
+        return None
     try:
         before = os.sched_getaffinity(0)
     except (AttributeError, OSError):
@@ -61,7 +66,7 @@ def free_launcher_binding(env=None) -> str | None:
     if len(before) >= (os.cpu_count() or 1):
         return None
     if env.get(KEEP_ENV) == "1":
-        return (f"cpus: kept the launcher's binding to CPU(s) {cpu_list(before)} of {os.cpu_count()} "
+        return (f"cpus: kept mpirun's binding to CPU(s) {cpu_list(before)} of {os.cpu_count()} "
                 f"({KEEP_ENV}=1)")
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
@@ -75,7 +80,7 @@ def free_launcher_binding(env=None) -> str | None:
     after = os.sched_getaffinity(0)
     if after == before:
         return None
-    return (f"cpus: the launcher bound this rank to CPU(s) {cpu_list(before)}; freed to {cpu_list(after)} "
+    return (f"cpus: mpirun bound this rank to CPU(s) {cpu_list(before)}; freed to {cpu_list(after)} "
             f"({len(after)} CPUs) so that NCCL's network threads and the loader do not queue on "
             f"{'one core' if len(before) == 1 else 'them'} (mpirun --bind-to none does the same; "
             f"{KEEP_ENV}=1 keeps a binding made on purpose)")

@@ -31,7 +31,7 @@ def test_ranks_that_mpirun_bound_to_a_core_train_on_every_cpu_and_the_run_says_s
     every = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
     for rank in (0, 1):
         snap = json.loads((tmp_path / "bound" / "env" / f"rank-{rank}.json").read_text())
-        assert snap["cpus_note"] and "the launcher bound this rank to CPU(s)" in snap["cpus_note"], snap["cpus_note"]
+        assert snap["cpus_note"] and "mpirun bound this rank to CPU(s)" in snap["cpus_note"], snap["cpus_note"]
         assert ",".join(str(c) for c in _expand(snap["cpus"])) == every
     assert "freed to" in out  # rank 0 tells the user
 

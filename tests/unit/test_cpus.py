@@ -36,10 +36,14 @@ print(json.dumps(out))
 """
 
 
-def run_child(bind: bool = True, **env) -> dict:
+def run_child(bind: bool = True, mpirun: bool = True, **env) -> dict:
+    """The child as a rank of OpenMPI's mpirun (its OMPI_COMM_WORLD_* variables) unless mpirun=False."""
     env["BIND_TO_0"] = "1" if bind else "0"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("OMPI_COMM_WORLD")}
+    if mpirun:
+        base.update(OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_RANK="0")
     res = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, **env})
+                         env={**base, **env})
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)
 
@@ -48,14 +52,20 @@ def test_a_rank_bound_to_one_core_is_freed_with_every_thread_and_says_so():
     allowed = sorted(os.sched_getaffinity(0))
     out = run_child()
     assert out["main"] == allowed and out["thread"] == allowed and out["later"] == allowed
-    assert "bound this rank to CPU(s) 0;" in out["note"] and f"({len(allowed)} CPUs)" in out["note"]
+    assert "mpirun bound this rank to CPU(s) 0;" in out["note"] and f"({len(allowed)} CPUs)" in out["note"]
     assert "DSCLUSTER_KEEP_BINDING=1" in out["note"]
 
 
 def test_keep_binding_leaves_a_deliberate_binding_alone_and_says_so():
     out = run_child(DSCLUSTER_KEEP_BINDING="1")
     assert out["main"] == [0] and out["thread"] == [0]
-    assert out["note"].startswith("cpus: kept the launcher's binding to CPU(s) 0 of")
+    assert out["note"].startswith("cpus: kept mpirun's binding to CPU(s) 0 of")
+
+
+def test_a_binding_without_mpirun_was_asked_for_and_is_left_alone():
+    # taskset by hand, DeepSpeed's --bind_cores_to_rank, srun --cpu-bind: no OMPI_COMM_WORLD_* here
+    out = run_child(mpirun=False)
+    assert out["note"] is None and out["main"] == [0] and out["thread"] == [0]
 
 
 def test_an_unbound_process_is_left_as_it_is_without_a_note():
