@@ -147,6 +147,8 @@ def test_measures_compute_on_this_machine():
     assert seconds > 0
     if not torch.cuda.is_available():
         assert device == "cpu" and "measured on CPU" in note and "--compute-s" in note
+        # digits is cheap: the real micro-batch is measured, not 4 samples scaled up
+        assert "steps of 8:" in note
 
 
 def test_out_of_memory_while_measuring_names_the_fix(monkeypatch):

@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""The Ethernet journey on one host: `dscluster plan` against the README command, run by run, on a
+simulated lab with shaped links (GPU nodes with --gpus, CPU nodes with --nodes).
+
+    sudo .venv/bin/python bench/gpu_lab.py --link 10gbit --gpus 1,1 \\
+        'b1:1:--config configs/vit_base.yaml precision=fp16 micro_batch=128 global_batch=256 max_steps=12' \\
+        'b2:2:--config configs/vit_base.yaml precision=fp16 micro_batch=128 global_batch=256 max_steps=12' \\
+        'b2rec:2:--config configs/vit_base.yaml precision=fp16 max_steps=12 @rec comm.powersgd_start_step=2'
+    sudo .venv/bin/python bench/gpu_lab.py --link 1gbit --nodes 2 \\
+        'd1:1:--config configs/digits.yaml max_steps=12' 'd2:2:--config configs/digits.yaml max_steps=12'
+
+It builds the lab (`dscluster sim up`), then runs `dscluster setup` and `dscluster check` from
+node1 as the lab user. Each RUN is NAME:NODES:OVERRIDES, and for each one, on the first NODES
+hosts, it runs `dscluster plan` with those overrides and then the README command as a user types
+it: `mpirun -np N --hostfile hostsN.txt entry_cn.sh OVERRIDES`, with no --bind-to.
+
+The runs go one after another, so the one-node and plain runs are the baseline of the same
+invocation. `@rec` stands for the overrides that plan recommended for the first multi-node run of
+the same --config; a run whose `@rec` has nothing to stand for is skipped and says so. The lab
+comes down at the end, whatever happened.
+
+Writes bench/results/<date>-<card>-lab-<link>.json (or --out):
+- card, link, date and check's all-reduce;
+- per run: images/s (summary.json: images ÷ wall-clock of the timed steps), plan's prediction,
+  the deviation, and the median step split of rank 0 after warm-up.
+
+A 12-step run times 7 steps. Keep an epoch boundary out of them: use a large enough
+data.synthetic_samples, and checkpoint.every_epochs=0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dscluster import paths
+from dscluster.fsutil import atomic_write_json, read_jsonl
+from dscluster.train.timing import WARMUP_STEPS
+
+ROOT = Path(__file__).resolve().parents[1]
+LAB = "benchlab"
+SPLIT_KEYS = ("compute_s", "comm_s", "data_s", "other_s")
+
+
+def parse_run(text: str) -> tuple[str, int, str]:
+    name, nodes, overrides = (text.split(":", 2) + ["", ""])[:3]
+    if not name.isidentifier() or not nodes.isdigit() or int(nodes) < 1 or "--config" not in overrides.split():
+        raise SystemExit(f"run {text!r}: expected NAME:NODES:--config FILE [KEY=VALUE ...], e.g. "
+                         "'b2:2:--config configs/vit_base.yaml max_steps=12'")
+    return name, int(nodes), overrides
+
+
+def config_of(overrides: str) -> str:
+    words = overrides.split()
+    return words[words.index("--config") + 1]
+
+
+class Lab:
+    def __init__(self, log, lab: str):
+        self.log, self.lab = log, lab
+
+    def sh(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+        print(f"$ {shlex.join(argv)}", file=self.log, flush=True)
+        try:
+            r = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+            r = subprocess.CompletedProcess(argv, 124, out + f"\n(timed out after {timeout:.0f} s)")
+        print(r.stdout[-8000:], f"-> rc={r.returncode}", file=self.log, sep="\n", flush=True)
+        return r
+
+    def dsc(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        return self.sh([sys.executable, "-m", "dscluster", *args], timeout)
+
+    def node1(self, cmd: str, timeout: float) -> subprocess.CompletedProcess:
+        return self.dsc("sim", "exec", "--lab", self.lab, "--timeout", str(int(timeout)), "node1", "--",
+                        "bash", "-c", cmd, timeout=timeout + 30)
+
+
+def median_split(run_dir: Path) -> dict | None:
+    try:
+        steps = [r for r in read_jsonl(run_dir / "metrics" / "rank-0.jsonl") if r.get("kind") == "step"]
+    except OSError:
+        return None
+    steps = steps[WARMUP_STEPS:]
+    out = {}
+    for k in SPLIT_KEYS:
+        vals = [r[k] for r in steps if isinstance(r.get(k), (int, float))]
+        out[k] = round(statistics.median(vals), 4) if vals else None
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="RUN: NAME:NODES:OVERRIDES (see the module docstring)")
+    p.add_argument("--link", required=True, help="1gbit, 10gbit, <n>mbit (sim up --link)")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--gpus", help="GPUs per node, e.g. 1,1 (sim up --gpus)")
+    where.add_argument("--nodes", type=int, help="CPU nodes (sim up --nodes)")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="sim up --env (repeatable)")
+    p.add_argument("--run-timeout", type=float, default=600, help="seconds per training run (default 600)")
+    p.add_argument("--out", type=Path, help="results file (default bench/results/<date>-<card>-lab-<link>.json)")
+    p.add_argument("--log", type=Path, help="every command and its output (default gpu_lab-<link>.log here)")
+    p.add_argument("--note", default="", help="what this invocation is for, kept in the results file")
+    p.add_argument("runs", nargs="+", metavar="RUN")
+    args = p.parse_args(argv)
+    runs = [parse_run(r) for r in args.runs]
+    if os.geteuid() != 0:
+        raise SystemExit("the simulated lab needs root (network namespaces): run it with sudo")
+    date = dt.date.today().isoformat()
+    log_path = args.log or Path(f"gpu_lab-{args.link}.log")
+    log = open(log_path, "w", encoding="utf-8")
+    lab = Lab(log, LAB)
+    doc = {"bench": "gpu_lab", "date": date, "link": args.link, "gpus": args.gpus, "nodes": args.nodes,
+           "command": "mpirun -np N --hostfile hostsN.txt entry_cn.sh OVERRIDES (as typed, no --bind-to)",
+           "images_per_s": "summary.json images_per_s: images / wall-clock of the timed steps",
+           "baseline": "the one-node and plain runs of this same invocation",
+           "note": args.note, "check_allreduce": None, "runs": []}
+    out = args.out
+    try:
+        up = ["sim", "up", "--lab", LAB, "--link", args.link]
+        up += ["--gpus", args.gpus] if args.gpus else ["--nodes", str(args.nodes)]
+        for e in args.env:
+            up += ["--env", e]
+        if lab.dsc(*up).returncode:
+            raise SystemExit(f"sim up failed: see {log_path}")
+        st = json.loads(lab.dsc("sim", "status", "--lab", LAB, "--json", "--show-password").stdout)
+        st = st if "shared" in st else st.get(LAB, st)
+        work = Path(st["shared"]) / "work"
+        work.mkdir(parents=True, exist_ok=True)
+        hosts = [h for h in Path(st["hostfile"]).read_text().splitlines() if h.strip() and not h.startswith("#")]
+        for k in range(1, len(hosts) + 1):
+            (work / f"hosts{k}.txt").write_text("\n".join(hosts[:k]) + "\n")
+        subprocess.run(["chown", "-R", str(st.get("uid", 2000)), str(work)], check=False)
+        cd = f"cd {shlex.quote(str(work))} && export PATH={shlex.quote(str(paths.venv_bin()))}:$PATH && "
+        pw = shlex.quote(st.get("password", ""))
+        lab.node1(cd + f"DSCLUSTER_SSH_PASSWORD={pw} dscluster setup --hostfile {st['hostfile']} "
+                  "--trust-new-hosts --fix-path", 600)
+        lab.node1(cd + f"dscluster check --hostfile {st['hostfile']} --json > check-out.json", 600)
+        try:
+            result = json.loads((work / "check-out.json").read_text())["active"]["allreduce"]["result"]
+            doc["check_allreduce"] = {"device": result.get("device"), "world_size": result.get("world_size"),
+                                      "rows": result.get("results")}
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        card = ((doc["check_allreduce"] or {}).get("device") or ("cpu" if args.nodes else "gpu"))
+        out = out or ROOT / "bench" / "results" / f"{date}-{card.lower().replace(' ', '-')}-lab-{args.link}.json"
+        rec: dict[str, str] = {}
+        for name, nodes, overrides in runs:
+            cfg = config_of(overrides)
+            if "@rec" in overrides:
+                if cfg not in rec:
+                    doc["runs"].append({"name": name, "nodes": nodes, "skipped": f"no recommendation for {cfg} yet"})
+                    continue
+                overrides = overrides.replace("@rec", rec[cfg])
+            plan_file = work / f"plan-{name}.json"
+            lab.node1(cd + f"dscluster plan --hostfile hosts{nodes}.txt --json {overrides} > {plan_file.name}", 600)
+            try:
+                plan = json.loads(plan_file.read_text())
+            except (OSError, ValueError):
+                plan = None
+            if plan and nodes > 1 and cfg not in rec and plan["recommendation"].get("overrides"):
+                rec[cfg] = " ".join(plan["recommendation"]["overrides"])
+            t0 = time.time()
+            r = lab.node1(cd + f"DSCLUSTER_RUN_ID={name} mpirun -np {nodes} --hostfile hosts{nodes}.txt "
+                          f"-x DSCLUSTER_RUN_ID {shlex.quote(str(paths.entry_script()))} {overrides} progress=false",
+                          args.run_timeout)
+            summary_path = work / "runs" / name / "summary.json"
+            summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+            pred = (plan or {}).get("prediction") or {}
+            doc["runs"].append({
+                "name": name, "nodes": nodes, "overrides": overrides, "rc": r.returncode,
+                "wall_s": round(time.time() - t0, 1), "images_per_s": summary.get("images_per_s"),
+                "global_batch": summary.get("global_batch"), "timed_steps": summary.get("timed_steps"),
+                "median_split_rank0": median_split(work / "runs" / name),
+                "plan": None if not pred else {
+                    "predicted_images_per_s": pred.get("images_per_s"), "predicted_step_s": pred.get("step_s"),
+                    "split": {k: pred.get(k) for k in ("compute_s", "hook_s", "comm_s", "hidden_s")},
+                    "compute_s_per_micro": plan["compute"]["seconds"], "powersgd_s": plan.get("powersgd_s"),
+                    "latency_s": plan.get("latency_s"), "busbw_GBps": plan.get("busbw_GBps"),
+                    "calibration": plan.get("calibration"),
+                    "recommended": plan["recommendation"].get("overrides")},
+                "deviation_percent": (summary.get("plan") or {}).get("deviation_percent")})
+            print(f"{name}: {nodes} node(s), rc {r.returncode}, {summary.get('images_per_s') or 0:,.1f} img/s, plan "
+                  f"{pred.get('images_per_s') or 0:,.1f}", flush=True)
+            atomic_write_json(out, doc)
+    finally:
+        lab.dsc("sim", "down", "--lab", LAB)
+        if out is not None:
+            atomic_write_json(out, doc)
+        log.close()
+    print(f"wrote {out}")
+    return 0 if all(r.get("rc", 0) == 0 for r in doc["runs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
