@@ -10,18 +10,74 @@ import time
 from dscluster.errors import UsageError
 
 CPU_PROBE_BATCH = 4
+"""On CPU the probe runs at most this many samples and scales linearly when the micro-batch is
+expensive: ViT-B/16 at 128 would take minutes, and a CPU figure is only a stand-in for the GPUs."""
 CPU_FULL_BATCH_S = 1.0
 """On CPU the probe measures the whole micro-batch when 4 samples say a step of it takes at most
 this long: 4 samples scaled up read the digits preset 3× slow (236 img/s predicted, 735 measured)."""
-"""On CPU the probe runs at most this many samples and scales linearly: ViT-B/16 at 128 would
-take minutes, and a CPU figure is only a stand-in for the GPUs anyway."""
+CPU_PROBE_BUDGET_S = 10.0
+"""After its first 3 timed steps the CPU probe takes more (up to 7) while this many seconds have not
+passed: a steadier median on a busy machine."""
 GPU_WARMUP_S, GPU_TIMED_S = 0.5, 1.0
 """On a GPU the probe warms up for at least this long (kernel choice, clocks leaving idle) and times
 at least 10 steps and this long: ViT-S's 10 steps alone take a third of a second, and read 20 %
 slow against training when timed that briefly."""
-CPU_PROBE_BUDGET_S = 10.0
-"""After its first 3 timed steps the CPU probe takes more (up to 7) while this many seconds have not
-passed: a steadier median on a busy machine."""
+
+
+class Probe:
+    """What both measurements share: the device, the precision training would use there, and a
+    batch of random inputs shaped like the config's data."""
+
+    def __init__(self, cfg, in_chans: int, num_classes: int, micro: int):
+        import torch
+
+        from dscluster.train.precision import decide_here
+
+        self.cfg, self.in_chans, self.num_classes = cfg, in_chans, num_classes
+        self.cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
+        self.precision = decide_here(cfg.precision).precision if self.cuda else "fp32"
+        self.inputs(micro if self.cuda else min(micro, CPU_PROBE_BATCH))
+
+    def inputs(self, batch: int) -> None:
+        """Random images and labels of `batch` samples (channels_last as training keeps them)."""
+        import torch
+
+        size = self.cfg.data.img_size
+        self.batch = batch
+        self.x = torch.randn(batch, self.in_chans, size, size, device=self.device)
+        if self.cfg.channels_last:
+            self.x = self.x.contiguous(memory_format=torch.channels_last)
+        self.y = torch.randint(0, self.num_classes, (batch,), device=self.device)
+
+    def model(self):
+        from dscluster.train.model import build_model
+
+        return build_model(self.cfg.model, in_chans=self.in_chans, num_classes=self.num_classes,
+                           img_size=self.cfg.data.img_size).to(self.device)
+
+    def step_of(self, model):
+        """One forward+backward of `model` in the training's precision; gradients dropped after."""
+        import torch
+        import torch.nn.functional as F
+
+        from dscluster.train.precision import torch_dtype
+
+        amp = self.cuda and self.precision != "fp32"
+
+        def step():
+            with torch.autocast(self.device.type, dtype=torch_dtype(self.precision), enabled=amp):
+                loss = F.cross_entropy(model(self.x), self.y)
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        return step
+
+    def sync(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize(self.device)
 
 
 def gpu_seconds_per_step(step, sync, min_steps: int = 10) -> float:
@@ -45,45 +101,19 @@ def measure_compute(cfg, in_chans: int, num_classes: int, micro: int) -> tuple[f
     """(seconds per micro-batch, device, note): forward+backward passes of the configured model on
     this machine's first GPU (synchronised before the clock is read), else a few on CPU."""
     import torch
-    import torch.nn.functional as F
 
-    from dscluster.train.model import build_model
-    from dscluster.train.precision import decide_here, torch_dtype
-
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    precision = decide_here(cfg.precision).precision if cuda else "fp32"
-    batch = micro if cuda else min(micro, CPU_PROBE_BATCH)
-    warmup, steps = (3, 10) if cuda else (2, 3)
-    amp = torch.autocast("cuda", dtype=torch_dtype(precision), enabled=cuda and precision != "fp32")
-
-    def step():
-        with amp:
-            loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize(device)
-
-    try:  # an OOM can come from the model, the batch or the first backward
-        model = build_model(cfg.model, in_chans=in_chans, num_classes=num_classes,
-                            img_size=cfg.data.img_size).to(device)
-        x = torch.randn(batch, in_chans, cfg.data.img_size, cfg.data.img_size, device=device)
-        if cfg.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        y = torch.randint(0, num_classes, (batch,), device=device)
-        if cuda:
-            per_batch = gpu_seconds_per_step(step, sync)
+    warmup, steps = 2, 3  # on CPU
+    try:  # an OOM can come from the batch, the model or the first backward
+        probe = Probe(cfg, in_chans, num_classes, micro)
+        step = probe.step_of(probe.model())
+        if probe.cuda:
+            per_batch = gpu_seconds_per_step(step, probe.sync)
         else:
             for _ in range(warmup):
                 t0 = time.perf_counter()
                 step()
-            if batch < micro and (time.perf_counter() - t0) * micro / batch <= CPU_FULL_BATCH_S:
-                batch = micro  # cheap enough: the real micro-batch, nothing scaled
-                x = torch.randn(batch, in_chans, cfg.data.img_size, cfg.data.img_size, device=device)
-                y = torch.randint(0, num_classes, (batch,), device=device)
+            if probe.batch < micro and (time.perf_counter() - t0) * micro / probe.batch <= CPU_FULL_BATCH_S:
+                probe.inputs(micro)  # cheap enough: the real micro-batch, nothing scaled
                 step()
             # a shared CPU is noisy (other processes): the median of single steps, within a time budget
             times, t_end = [], time.perf_counter() + CPU_PROBE_BUDGET_S
@@ -96,14 +126,14 @@ def measure_compute(cfg, in_chans: int, num_classes: int, micro: int) -> tuple[f
     except torch.OutOfMemoryError:
         raise UsageError(f"micro_batch {micro} does not fit this GPU for the measurement: pass --compute-s "
                          "(seconds per micro-batch on your nodes) or a smaller micro_batch=N") from None
-    if cuda:
-        name = torch.cuda.get_device_name(device)
-        return per_batch, f"cuda ({name})", (f"measured here on {name}, {precision}, eager (training compiles on "
-                                             "GPUs of capability 7.0+, which is faster)")
-    scaled = per_batch * micro / batch
+    if probe.cuda:
+        name = torch.cuda.get_device_name(probe.device)
+        return per_batch, f"cuda ({name})", (f"measured here on {name}, {probe.precision}, eager (training "
+                                             "compiles on GPUs of capability 7.0+, which is faster)")
+    batch = probe.batch
     how = f"{batch}" if batch == micro else f"{batch} scaled to {micro}"
-    return scaled, "cpu", (f"measured on CPU (no GPU here), median of {steps} steps of {how}: "
-                           "the plan is for CPU ranks; pass --compute-s from your GPU nodes")
+    return per_batch * micro / batch, "cpu", (f"measured on CPU (no GPU here), median of {steps} steps of {how}: "
+                                              "the plan is for CPU ranks; pass --compute-s from your GPU nodes")
 
 
 def measure_powersgd(cfg, in_chans: int, num_classes: int, micro: int) -> float | None:
@@ -115,42 +145,27 @@ def measure_powersgd(cfg, in_chans: int, num_classes: int, micro: int) -> float 
 
     import torch
     import torch.distributed as tdist
-    import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
     from dscluster.train import comm
-    from dscluster.train.model import build_model
-    from dscluster.train.precision import decide_here, torch_dtype
 
     if not tdist.is_available() or tdist.is_initialized():
         return None
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    precision = decide_here(cfg.precision).precision if cuda else "fp32"
-    batch = micro if cuda else min(micro, CPU_PROBE_BATCH)
     warmup, steps = 5, 3  # on CPU; PowerSGD starts at step 2, after DDP's first backward
+    cuda = torch.cuda.is_available()
     tdist.init_process_group("nccl" if cuda else "gloo", store=tdist.HashStore(), rank=0, world_size=1)
     seconds = {}
     try:
-        x = torch.randn(batch, in_chans, cfg.data.img_size, cfg.data.img_size, device=device)
-        y = torch.randint(0, num_classes, (batch,), device=device)
+        probe = Probe(cfg, in_chans, num_classes, micro)
         for compression in ("none", "powersgd"):
             trial = copy.deepcopy(cfg)
             trial.comm.compression, trial.comm.powersgd_start_step = compression, 2
-            model = build_model(cfg.model, in_chans=in_chans, num_classes=num_classes,
-                                img_size=cfg.data.img_size).to(device)
-            ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None,
+            ddp = DistributedDataParallel(probe.model(), device_ids=[probe.device.index] if probe.cuda else None,
                                           bucket_cap_mb=cfg.ddp_bucket_mb)
             comm.install(ddp, trial, split=None)
-
-            def step():
-                with torch.autocast(device.type, dtype=torch_dtype(precision), enabled=cuda and precision != "fp32"):
-                    loss = F.cross_entropy(ddp(x), y)
-                loss.backward()
-                ddp.zero_grad(set_to_none=True)
-
-            if cuda:
-                seconds[compression] = gpu_seconds_per_step(step, lambda: torch.cuda.synchronize(device))
+            step = probe.step_of(ddp)
+            if probe.cuda:
+                seconds[compression] = gpu_seconds_per_step(step, probe.sync)
             else:
                 for _ in range(warmup):
                     step()
@@ -158,7 +173,7 @@ def measure_powersgd(cfg, in_chans: int, num_classes: int, micro: int) -> float 
                 for _ in range(steps):
                     step()
                 seconds[compression] = (time.perf_counter() - t0) / steps
-            del ddp, model
+            del ddp, step
     except torch.OutOfMemoryError:
         return None
     finally:

@@ -103,6 +103,10 @@ def test_a_plain_runs_split_explains_its_steps_and_train_compares_the_plans_pred
     line = (f"plan predicted {predicted:,.0f} img/s, measured {summary['images_per_s']:,.0f} img/s "
             f"({plan['deviation_percent']:+.0f}%)")
     assert line in out
+    # kept as an outcome for the next plan's calibration: this run's step against the model's
+    outcome = json.loads((state / "plans.json").read_text())["outcomes"][-1]
+    assert outcome["run_id"] == "planned" and outcome["model_step_s"] == pytest.approx(plan["model_step_s"])
+    assert outcome["measured_step_s"] == pytest.approx(summary["global_batch"] / summary["images_per_s"])
     for rank in (0, 1):
         recs = steps(tmp_path / "planned", rank)
         for r in recs:

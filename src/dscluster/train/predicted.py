@@ -72,13 +72,12 @@ def save(entries: dict[str, dict], env=None) -> Path:
 
 def record(cmp: dict, *, model: str, precision: str, compression: str, ranks: int, global_batch: int,
            run_id: str, env=None) -> None:
-    """Keep a run's comparison as an outcome (atomically), when its plan entry has a model step."""
+    """Keep a run's comparison (`compare`) as an outcome, atomically."""
+    model_step = cmp.get("model_step_s")
+    if not isinstance(model_step, (int, float)) or model_step <= 0:
+        return
     p = path(env)
     plans, outcomes = _read_doc(p)
-    entry = plans.get(cmp["key"]) or {}
-    model_step = entry.get("model_step_s", entry.get("step_s"))
-    if not isinstance(model_step, (int, float)) or model_step <= 0 or not cmp.get("measured_images_per_s"):
-        return
     outcomes.append({"key": cmp["key"], "model": model, "precision": precision, "compression": compression,
                      "ranks": ranks, "model_step_s": float(model_step),
                      "measured_step_s": global_batch / float(cmp["measured_images_per_s"]), "run_id": run_id,
@@ -116,6 +115,8 @@ def compare(plan_key: str, measured_images_per_s: float | None, env=None) -> dic
     return {"key": plan_key, "predicted_images_per_s": predicted, "measured_images_per_s": measured_images_per_s,
             "deviation_percent": round(100.0 * (measured_images_per_s - predicted) / predicted, 1),
             "predicted_step_s": entry.get("step_s"), "planned_at": entry.get("created"),
+            # the advisor's step before calibration (plans older than calibration: their step_s)
+            "model_step_s": entry.get("model_step_s", entry.get("step_s")),
             "setting": entry.get("setting"), "file": str(path(env))}
 
 
