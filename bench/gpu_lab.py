@@ -14,13 +14,18 @@ node1 as the lab user. Each RUN is NAME:NODES:OVERRIDES, and for each one, on th
 hosts, it runs `dscluster plan` with those overrides and then the README command as a user types
 it: `mpirun -np N --hostfile hostsN.txt entry_cn.sh OVERRIDES`, with no --bind-to.
 
+NODES counts machines: with several GPUs per node (--gpus 2,2) mpirun's -np is the sum of the
+first NODES hosts' slots, as the hostfile says.
+
 The runs go one after another, so the one-node and plain runs are the baseline of the same
-invocation. `@rec` stands for the overrides that plan recommended for the first multi-node run of
-the same --config; a run whose `@rec` has nothing to stand for is skipped and says so. The lab
+invocation, and each run's outcome is in plan's calibration for the runs after it. `@rec` stands
+for the latest multi-node run of the same --config with plan's recommendation for it applied (its
+overrides, then the recommended ones over them); a run whose `@rec` has nothing to stand for is
+skipped and says so. The lab
 comes down at the end, whatever happened.
 
 Writes bench/results/<date>-<card>-lab-<link>.json (or --out):
-- card, link, date and check's all-reduce;
+- card (check's device), link, date and check's all-reduce;
 - per run: images/s (summary.json: images ÷ wall-clock of the timed steps), plan's prediction,
   the deviation, and the median step split of rank 0 after warm-up.
 
@@ -43,6 +48,7 @@ from pathlib import Path
 
 from dscluster import paths
 from dscluster.fsutil import atomic_write_json, read_jsonl
+from dscluster.hosts import parse_hostfile_text
 from dscluster.train.timing import WARMUP_STEPS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,6 +67,19 @@ def parse_run(text: str) -> tuple[str, int, str]:
 def config_of(overrides: str) -> str:
     words = overrides.split()
     return words[words.index("--config") + 1]
+
+
+def with_recommendation(overrides: str, recommended: list[str]) -> list[str]:
+    """The KEY=VALUE words of a run's overrides with plan's recommendation over them: plan states
+    what to change from the overrides it was given, so the run keeps the others (a compression the
+    run already had is not repeated in the recommendation)."""
+    words = overrides.split()
+    if "--config" in words:
+        i = words.index("--config")
+        del words[i:i + 2]
+    merged = {w.split("=", 1)[0]: w for w in words if "=" in w}
+    merged.update({w.split("=", 1)[0]: w for w in recommended})
+    return list(merged.values())
 
 
 class Lab:
@@ -138,8 +157,13 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(st["shared"]) / "work"
         work.mkdir(parents=True, exist_ok=True)
         hosts = [h for h in Path(st["hostfile"]).read_text().splitlines() if h.strip() and not h.startswith("#")]
+        ranks = {}
         for k in range(1, len(hosts) + 1):
-            (work / f"hosts{k}.txt").write_text("\n".join(hosts[:k]) + "\n")
+            text = "\n".join(hosts[:k]) + "\n"
+            (work / f"hosts{k}.txt").write_text(text)
+            ranks[k] = parse_hostfile_text(text, f"hosts{k}.txt").total_slots
+        if max(n for _, n, _ in runs) > len(hosts):
+            raise SystemExit(f"a run asks for more nodes than the lab's {len(hosts)} ({st['hostfile']})")
         subprocess.run(["chown", "-R", str(st.get("uid", 2000)), str(work)], check=False)
         cd = f"cd {shlex.quote(str(work))} && export PATH={shlex.quote(str(paths.venv_bin()))}:$PATH && "
         pw = shlex.quote(st.get("password", ""))
@@ -153,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError, KeyError, TypeError):
             pass
         card = ((doc["check_allreduce"] or {}).get("device") or ("cpu" if args.nodes else "gpu"))
+        doc["card"] = card
         out = out or ROOT / "bench" / "results" / f"{date}-{card.lower().replace(' ', '-')}-lab-{args.link}.json"
         rec: dict[str, str] = {}
         for name, nodes, overrides in runs:
@@ -168,17 +193,17 @@ def main(argv: list[str] | None = None) -> int:
                 plan = json.loads(plan_file.read_text())
             except (OSError, ValueError):
                 plan = None
-            if plan and nodes > 1 and cfg not in rec and plan["recommendation"].get("overrides"):
-                rec[cfg] = " ".join(plan["recommendation"]["overrides"])
+            if plan and nodes > 1 and plan["recommendation"].get("overrides"):
+                rec[cfg] = " ".join(with_recommendation(overrides, plan["recommendation"]["overrides"]))
             t0 = time.time()
-            r = lab.node1(cd + f"DSCLUSTER_RUN_ID={name} mpirun -np {nodes} --hostfile hosts{nodes}.txt "
+            r = lab.node1(cd + f"DSCLUSTER_RUN_ID={name} mpirun -np {ranks[nodes]} --hostfile hosts{nodes}.txt "
                           f"-x DSCLUSTER_RUN_ID {shlex.quote(str(paths.entry_script()))} {overrides} progress=false",
                           args.run_timeout)
             summary_path = work / "runs" / name / "summary.json"
             summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
             pred = (plan or {}).get("prediction") or {}
             doc["runs"].append({
-                "name": name, "nodes": nodes, "overrides": overrides, "rc": r.returncode,
+                "name": name, "nodes": nodes, "ranks": ranks[nodes], "overrides": overrides, "rc": r.returncode,
                 "wall_s": round(time.time() - t0, 1), "images_per_s": summary.get("images_per_s"),
                 "global_batch": summary.get("global_batch"), "timed_steps": summary.get("timed_steps"),
                 "median_split_rank0": median_split(work / "runs" / name),
@@ -190,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                     "calibration": plan.get("calibration"),
                     "recommended": plan["recommendation"].get("overrides")},
                 "deviation_percent": (summary.get("plan") or {}).get("deviation_percent")})
-            print(f"{name}: {nodes} node(s), rc {r.returncode}, {summary.get('images_per_s') or 0:,.1f} img/s, plan "
+            print(f"{name}: {nodes} node(s), {ranks[nodes]} rank(s), rc {r.returncode}, {summary.get('images_per_s') or 0:,.1f} img/s, plan "
                   f"{pred.get('images_per_s') or 0:,.1f}", flush=True)
             atomic_write_json(out, doc)
     finally:

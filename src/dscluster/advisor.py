@@ -26,11 +26,11 @@ buckets during the last micro-step's backward; the other accumulation micro-step
     backward = BACKWARD_SHARE × slowest compute_s the last micro-step's backward, the only one that
                                                   overlaps the all-reduce
     hidden   = min(overlap_fraction × backward, comm × (1 − last bucket's share))
-    step     = (compute + hook + comm − hidden) × calibration
+    step     = max(compute + hook + comm − hidden + calibration, compute)
 
-calibration is 1 unless runs of this model, precision and rank count measured their step against
+calibration is 0 s unless runs of this model, precision and rank count measured their step against
 this model before (`dscluster train` keeps each outcome, train/predicted.py): then it is the median
-of measured ÷ modelled step for the compression in question.
+of measured − modelled step for the compression in question, seconds per optimizer step.
 
 The last bucket is the one DDP can only reduce after backward has finished, so its time is never
 hidden. PowerSGD's products run on the compute stream between backward's kernels, so they are
@@ -89,12 +89,14 @@ def gradient_bytes(params: int, bytes_per_grad: int = 4) -> int:
 
 def startup_latency_s(rows: list[dict], ranks: int) -> float:
     """Start-up time of one all-reduce, from a measurement of several sizes (check's rows: bytes,
-    time_us, busbw_GBps): the smallest message's time less what its bytes take at the best bus
-    bandwidth measured. 0 with one rank or fewer than two sizes."""
+    time_us, busbw_GBps): the smallest message's time less what its bytes take at the largest
+    message's bus bandwidth, the link's steady rate. 0 with one rank or fewer than two sizes, and 0
+    where the small message came through faster than that rate (a shaper's token bucket lets a
+    burst pass: 64 KiB in 0.49 ms on a 1 Gbit tbf link, whose rate alone takes 0.83 ms)."""
     rows = sorted((r for r in rows if r.get("time_us", 0) > 0 and r.get("busbw_GBps", 0) > 0), key=lambda r: r["bytes"])
     if ranks <= 1 or len(rows) < 2:
         return 0.0
-    peak = max(r["busbw_GBps"] for r in rows)
+    peak = rows[-1]["busbw_GBps"]
     small = rows[0]
     return max(0.0, small["time_us"] / 1e6 - ring_allreduce_s(small["bytes"], ranks, peak))
 
@@ -152,7 +154,8 @@ class Scenario:
     """PowerSGD's own work per optimizer step on the slowest node (its products, orthogonalisation and
     error feedback; `plan` measures it with training's hook)."""
     calibration: tuple[tuple[str, float], ...] = ()
-    """(compression, measured ÷ modelled step) from earlier runs of the same model, precision and ranks."""
+    """(compression, measured − modelled step in seconds) from earlier runs of the same model, precision
+    and ranks."""
 
     def __post_init__(self):
         if not self.nodes:
@@ -166,7 +169,7 @@ class Scenario:
                   ("grad_bytes", self.grad_bytes > 0), ("busbw_GBps", self.busbw_GBps > 0),
                   ("overlap_fraction", 0 <= self.overlap_fraction <= 1), ("bucket_bytes", self.bucket_bytes > 0),
                   ("latency_s", self.latency_s >= 0), ("powersgd_s", self.powersgd_s >= 0),
-                  ("calibration", all(f > 0 for _, f in self.calibration))]
+                  ("calibration", all(math.isfinite(x) for _, x in self.calibration))]
         for name, good in checks:
             if not good:
                 raise UsageError(f"{name}={getattr(self, name)!r} is out of range")
@@ -222,11 +225,11 @@ class Prediction:
     exposed_s: float
     """Part of comm_s the step waits for: comm_s − hidden_s."""
     step_s: float
-    """model_step_s × calibration."""
+    """model_step_s + calibration_s, never below compute_s."""
     model_step_s: float
     """compute_s + hook_s + exposed_s: the model's step before any calibration."""
-    calibration: float
-    """Measured ÷ modelled step of earlier runs with this compression (1.0 without any)."""
+    calibration_s: float
+    """Measured − modelled step of earlier runs with this compression (0 without any)."""
     images_per_s: float
     global_batch: int
     node_images_per_s: dict[str, float]
@@ -251,8 +254,8 @@ def predict(s: Scenario) -> Prediction:
     last_share = min(1.0, s.bucket_bytes / s.grad_bytes)
     hidden = min(s.overlap_fraction * BACKWARD_SHARE * slowest, comm * (1 - last_share))
     model_step = compute + s.hook_s + comm - hidden
-    factor = dict(s.calibration).get(s.compression, 1.0)
-    step = model_step * factor
+    extra = dict(s.calibration).get(s.compression, 0.0)
+    step = max(model_step + extra, compute)
     rate = s.global_batch / step
     alone = {n.name: n.images_per_s(s.micro_batch) for n in s.nodes}
     fastest = max(alone, key=alone.get)
@@ -272,7 +275,7 @@ def predict(s: Scenario) -> Prediction:
         verdict = (f"faster than {fastest} alone ({speedup:.1f}×), but communication takes {comm_share:.0%} "
                    f"of each step: {efficiency:.0%} of the nodes' summed speed")
     return Prediction(compute_s=compute, hook_s=s.hook_s, comm_s=comm, hidden_s=hidden, exposed_s=comm - hidden,
-                      step_s=step, model_step_s=model_step, calibration=factor,
+                      step_s=step, model_step_s=model_step, calibration_s=extra,
                       images_per_s=rate, global_batch=s.global_batch, node_images_per_s=alone, fastest_node=fastest,
                       speedup=speedup, efficiency=efficiency, slower=slower, verdict=verdict)
 

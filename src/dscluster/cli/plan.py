@@ -275,7 +275,7 @@ def plan(args: argparse.Namespace) -> dict:
                                 powersgd_rank=cfg.comm.powersgd_rank, matrices=matrices, busbw_GBps=busbw,
                                 bucket_bytes=cfg.ddp_bucket_mb * 2**20, latency_s=latency,
                                 powersgd_s=powersgd_s or 0.0,
-                                calibration=tuple((c, v["factor"]) for c, v in calibration.items()))
+                                calibration=tuple((c, v["extra_s"]) for c, v in calibration.items()))
     prediction = advisor.predict(scenario)
     rec = advisor.recommend(scenario, max_global_batch=args.max_global_batch,
                             compressions=advisor.ladder(cfg.comm.compression, allowed=allowed.get))
@@ -287,9 +287,10 @@ def plan(args: argparse.Namespace) -> dict:
         notes.append(f"zero_stage {cfg.zero_stage}: reduce-scatter + all-gather move about what ZeRO-0's "
                      "all-reduce moves; the estimate is the same")
     for comp, c in calibration.items():
+        more = "more" if c["extra_s"] >= 0 else "less"
         notes.append(f"calibrated by {c['runs']} earlier run(s) of this model on {world} rank(s): {comp} steps took "
-                     f"{c['factor']:.2f}× what the model gives, so its predictions are scaled by that "
-                     "(--no-calibration ignores them)")
+                     f"{abs(c['extra_s']) * 1e3:.1f} ms {more} than the model gives, so its step times "
+                     f"{'add' if more == 'more' else 'take off'} that (--no-calibration ignores them)")
     if (cfg.comm.compression == "powersgd" or (rec.choice and rec.choice.compression == "powersgd")) and world > 1:
         notes.append((f"PowerSGD: its own work {powersgd_s * 1e3:.1f} ms a step"
                       + (" (--powersgd-s)" if args.powersgd_s is not None else ", measured here")
@@ -297,6 +298,11 @@ def plan(args: argparse.Namespace) -> dict:
                       "PowerSGD: its own work is not measured with --compute-s (pass --powersgd-s), so its step "
                       "time is a lower bound")
                      + "; it sends plain all-reduces for the first comm.powersgd_start_step steps")
+        if "powersgd" not in calibration:
+            notes.append(f"PowerSGD is not calibrated on {world} ranks yet: until one PowerSGD run here has been "
+                         "measured, expect up to about a quarter fewer img/s than predicted (its hook costs more "
+                         "across ranks than the one-rank probe shows; 20-23 % on 4-rank labs); `dscluster train` "
+                         "records the run and the next plan corrects for it")
     doc = {
         "schema": SCHEMA_VERSION, "config": args.config, "model": cfg.model.name, "params": params,
         "hostfile": hostfile.path, "world_size": world,

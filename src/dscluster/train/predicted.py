@@ -17,15 +17,20 @@ keeps both (`plan`). A later `plan` for the same key replaces the entry.
 
 Each such comparison is also kept as an outcome (the last MAX_OUTCOMES): the step time the run
 measured against the advisor's uncorrected model step (`model_step_s`). `calibration` turns the
-outcomes of the same model, precision and ranks into one factor per compression, the median of
-measured ÷ modelled, and `plan` multiplies its step times by it: a lab that ran PowerSGD 15 %
-slower than modelled gets its next recommendation from the corrected figure. Against the model's
-own step, never a corrected one, so corrections do not compound.
+outcomes of the same model, precision and ranks into one figure per compression, the median of
+measured − modelled seconds per optimizer step, and `plan` adds it to its step times: a lab whose
+PowerSGD steps took 20 ms more than modelled gets its next recommendation from the corrected
+figure. Seconds added, not a factor: what the model misses is paid once per optimizer step (the
+all-reduces' start-up, the hook's waiting), so it does not grow with gradient accumulation. On the
+4-node GPU lab a factor taken at grad_accum 1 (1.30×) put grad_accum 8 24 % too slow; the seconds
+put it within 1 %. Against the model's own step, never a corrected one, so corrections do not
+compound.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -86,19 +91,19 @@ def record(cmp: dict, *, model: str, precision: str, compression: str, ranks: in
 
 
 def calibration(*, model: str, precision: str, ranks: int, env=None) -> dict[str, dict]:
-    """{compression: {"factor": median measured ÷ modelled step, "runs": n}} from the outcomes of
+    """{compression: {"extra_s": median measured − modelled step, "runs": n}} from the outcomes of
     this model, precision and rank count."""
     by: dict[str, list[float]] = {}
     for o in _read_doc(path(env))[1]:
         if (o.get("model"), o.get("precision"), o.get("ranks")) != (model, precision, ranks):
             continue
         try:
-            ratio = float(o["measured_step_s"]) / float(o["model_step_s"])
-        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            measured, model_step = float(o["measured_step_s"]), float(o["model_step_s"])
+        except (KeyError, TypeError, ValueError):
             continue
-        if ratio > 0:
-            by.setdefault(str(o.get("compression")), []).append(ratio)
-    return {c: {"factor": statistics.median(r), "runs": len(r)} for c, r in sorted(by.items())}
+        if measured > 0 and model_step > 0 and math.isfinite(measured) and math.isfinite(model_step):
+            by.setdefault(str(o.get("compression")), []).append(measured - model_step)
+    return {c: {"extra_s": statistics.median(r), "runs": len(r)} for c, r in sorted(by.items())}
 
 
 def lookup(plan_key: str, env=None) -> dict | None:
