@@ -16,6 +16,13 @@ BIN = Path(sys.executable).parent
 MPIRUN, DSCLUSTER = BIN / "mpirun", BIN / "dscluster"
 
 
+# Not passed on from the test process: a fault or state of its own, and the rendezvous variables an
+# in-process one-rank group (dist.ensure_single_process_group) leaves behind. With RANK=0 inherited, every rank
+# would take rank 0 and the second would fail to listen on MASTER_PORT (EADDRINUSE).
+NOT_INHERITED = ("DSCLUSTER_FAULT", "DSCLUSTER_STATE", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                 "MASTER_ADDR", "MASTER_PORT")
+
+
 def require_mpirun() -> None:
     """Call at module level: skips the whole module when there is no mpirun next to this Python."""
     if not MPIRUN.exists():
@@ -32,7 +39,7 @@ def train_command(runs: Path, run_id: str, train_args: list[str], *, fault: str 
              "PYTHONUNBUFFERED": "1", **(env or {})}
     if fault:
         extra["DSCLUSTER_FAULT"] = fault
-    full = {k: v for k, v in os.environ.items() if k not in ("DSCLUSTER_FAULT", "DSCLUSTER_STATE")}
+    full = {k: v for k, v in os.environ.items() if k not in NOT_INHERITED}
     full.update(extra)
     cmd = [str(MPIRUN), "--allow-run-as-root", "--oversubscribe", "-np", "2"]
     for name in extra:
