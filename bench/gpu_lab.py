@@ -48,7 +48,7 @@ from pathlib import Path
 
 from dscluster import paths
 from dscluster.fsutil import atomic_write_json, read_jsonl
-from dscluster.hosts import parse_hostfile_text
+from dscluster.hosts import format_hostfile, parse_hostfile
 from dscluster.train.timing import WARMUP_STEPS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,12 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         st = st if "shared" in st else st.get(LAB, st)
         work = Path(st["shared"]) / "work"
         work.mkdir(parents=True, exist_ok=True)
-        hosts = [h for h in Path(st["hostfile"]).read_text().splitlines() if h.strip() and not h.startswith("#")]
+        hosts = parse_hostfile(st["hostfile"]).hosts
         ranks = {}
         for k in range(1, len(hosts) + 1):
-            text = "\n".join(hosts[:k]) + "\n"
-            (work / f"hosts{k}.txt").write_text(text)
-            ranks[k] = parse_hostfile_text(text, f"hosts{k}.txt").total_slots
+            (work / f"hosts{k}.txt").write_text(format_hostfile([(h.name, h.slots) for h in hosts[:k]]))
+            ranks[k] = sum(h.slots for h in hosts[:k])
         if max(n for _, n, _ in runs) > len(hosts):
             raise SystemExit(f"a run asks for more nodes than the lab's {len(hosts)} ({st['hostfile']})")
         subprocess.run(["chown", "-R", str(st.get("uid", 2000)), str(work)], check=False)

@@ -327,5 +327,3 @@ def test_calibration_from_the_lab_first_powersgd_run_predicts_its_recommended_ru
     rec = predict(four_node_lab(8, 0.04920, 0.01599, calibration=(("powersgd", extra),)))
     assert rec.images_per_s == pytest.approx(9436.1, rel=0.02)
     assert rec.efficiency >= 0.8
-
-

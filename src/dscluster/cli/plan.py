@@ -287,10 +287,10 @@ def plan(args: argparse.Namespace) -> dict:
         notes.append(f"zero_stage {cfg.zero_stage}: reduce-scatter + all-gather move about what ZeRO-0's "
                      "all-reduce moves; the estimate is the same")
     for comp, c in calibration.items():
-        more = "more" if c["extra_s"] >= 0 else "less"
+        more, act = ("more", "add") if c["extra_s"] >= 0 else ("less", "take off")
         notes.append(f"calibrated by {c['runs']} earlier run(s) of this model on {world} rank(s): {comp} steps took "
-                     f"{abs(c['extra_s']) * 1e3:.1f} ms {more} than the model gives, so its step times "
-                     f"{'add' if more == 'more' else 'take off'} that (--no-calibration ignores them)")
+                     f"{abs(c['extra_s']) * 1e3:.1f} ms {more} than the model gives, so its step times {act} that "
+                     "(--no-calibration ignores them)")
     if (cfg.comm.compression == "powersgd" or (rec.choice and rec.choice.compression == "powersgd")) and world > 1:
         notes.append((f"PowerSGD: its own work {powersgd_s * 1e3:.1f} ms a step"
                       + (" (--powersgd-s)" if args.powersgd_s is not None else ", measured here")
