@@ -26,8 +26,16 @@ comes down at the end, whatever happened.
 
 Writes bench/results/<date>-<card>-lab-<link>.json (or --out):
 - card (check's device), link, date and check's all-reduce;
-- per run: images/s (summary.json: images ÷ wall-clock of the timed steps), plan's prediction,
-  the deviation, and the median step split of rank 0 after warm-up.
+- per run: images/s (summary.json: images ÷ wall-clock of the timed steps), held-out accuracy
+  where the run evaluated, plan's prediction, the deviation, and the median step split of rank 0
+  after warm-up.
+
+--calibrate plans each multi-node run with `dscluster plan --calibrate`: where PowerSGD is in play
+and no run on those ranks has measured it, plan first runs 12 PowerSGD steps there; the results
+keep that run (`calibration_runs`: its img/s and what the model alone gave).
+
+--keep DIR copies each run directory (without checkpoints) there, for `analysis/plot.py` and for
+checking any figure against the per-rank metrics.
 
 A 12-step run times 7 steps. Keep an epoch boundary out of them: use a large enough
 data.synthetic_samples, and checkpoint.every_epochs=0.
@@ -40,6 +48,7 @@ import datetime as dt
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -130,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="results file (default bench/results/<date>-<card>-lab-<link>.json)")
     p.add_argument("--log", type=Path, help="every command and its output (default gpu_lab-<link>.log here)")
     p.add_argument("--note", default="", help="what this invocation is for, kept in the results file")
+    p.add_argument("--calibrate", action="store_true",
+                   help="plan every multi-node run with `dscluster plan --calibrate` (a short PowerSGD run first "
+                   "where PowerSGD is in play and not yet measured on those ranks)")
+    p.add_argument("--keep", type=Path, help="copy each run directory here (checkpoints left out) before the lab "
+                   "comes down: the per-rank metrics behind every figure")
     p.add_argument("runs", nargs="+", metavar="RUN")
     args = p.parse_args(argv)
     runs = [parse_run(r) for r in args.runs]
@@ -187,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 overrides = overrides.replace("@rec", rec[cfg])
             plan_file = work / f"plan-{name}.json"
-            lab.node1(cd + f"dscluster plan --hostfile hosts{nodes}.txt --json {overrides} > {plan_file.name}", 600)
+            calibrate = "--calibrate " if args.calibrate and nodes > 1 else ""
+            lab.node1(cd + f"dscluster plan --hostfile hosts{nodes}.txt --json {calibrate}{overrides} > {plan_file.name}",
+                      900)
             try:
                 plan = json.loads(plan_file.read_text())
             except (OSError, ValueError):
@@ -205,15 +221,19 @@ def main(argv: list[str] | None = None) -> int:
                 "name": name, "nodes": nodes, "ranks": ranks[nodes], "overrides": overrides, "rc": r.returncode,
                 "wall_s": round(time.time() - t0, 1), "images_per_s": summary.get("images_per_s"),
                 "global_batch": summary.get("global_batch"), "timed_steps": summary.get("timed_steps"),
+                "accuracy": summary.get("accuracy"),
                 "median_split_rank0": median_split(work / "runs" / name),
                 "plan": None if not pred else {
                     "predicted_images_per_s": pred.get("images_per_s"), "predicted_step_s": pred.get("step_s"),
                     "split": {k: pred.get(k) for k in ("compute_s", "hook_s", "comm_s", "hidden_s")},
                     "compute_s_per_micro": plan["compute"]["seconds"], "powersgd_s": plan.get("powersgd_s"),
                     "latency_s": plan.get("latency_s"), "busbw_GBps": plan.get("busbw_GBps"),
-                    "calibration": plan.get("calibration"),
+                    "calibration": plan.get("calibration"), "calibration_runs": plan.get("calibration_runs"),
                     "recommended": plan["recommendation"].get("overrides")},
                 "deviation_percent": (summary.get("plan") or {}).get("deviation_percent")})
+            if args.keep and (work / "runs" / name).is_dir():
+                shutil.copytree(work / "runs" / name, args.keep / name, dirs_exist_ok=True,
+                                ignore=shutil.ignore_patterns("checkpoints"))
             print(f"{name}: {nodes} node(s), {ranks[nodes]} rank(s), rc {r.returncode}, {summary.get('images_per_s') or 0:,.1f} img/s, plan "
                   f"{pred.get('images_per_s') or 0:,.1f}", flush=True)
             atomic_write_json(out, doc)

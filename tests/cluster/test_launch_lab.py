@@ -122,6 +122,36 @@ def test_deepspeed_launcher_trains_on_the_same_lab(cluster):
     assert sorted(p.name for p in (run / "metrics").glob("rank-*.jsonl")) == [f"rank-{r}.jsonl" for r in range(3)]
 
 
+def test_plan_calibrate_runs_powersgd_on_the_nodes_and_then_predicts_what_it_measured(cluster):
+    plan = (f"{DSCLUSTER} plan --hostfile {cluster.hostfile} --config {REPO}/configs/digits.yaml --json "
+            "comm.compression=powersgd global_batch=66")  # 22 a rank: plan's img/s is train's exactly
+    before = cluster.run_names()
+    res = cluster.sh(f"{plan} --calibrate", timeout=TRAIN_TIMEOUT_S)
+    assert res.returncode == 0, explain(res)
+    doc = json.loads(res.stdout)  # the run's own output went to stderr: stdout is the plan alone
+    [run] = doc["calibration_runs"]
+    assert cluster.run_names() - before == {run["run_id"]} and run["run_id"].startswith("calibrate-powersgd-")
+    summary = json.loads((cluster.runs / run["run_id"] / "summary.json").read_text())
+    assert summary["status"] == "complete" and summary["world_size"] == 3
+    assert summary["images_per_s"] == run["images_per_s"]
+    # train compared the run with the model step plan saved for it and kept the outcome
+    assert "compression=powersgd ranks=3" in summary["plan"]["key"] and summary["plan"]["setting"] == "calibration"
+    cal = doc["calibration"]["powersgd"]
+    assert cal["runs"] == 1
+    p = doc["prediction"]
+    assert p["calibration_s"] == cal["extra_s"] and p["global_batch"] == run["global_batch"]
+    # the plan for the setting it ran now predicts what the nodes measured, not what the model alone gave
+    assert p["images_per_s"] == pytest.approx(run["images_per_s"], rel=1e-6)
+    assert p["images_per_s"] != pytest.approx(run["model_images_per_s"], rel=1e-3)
+    assert any(n.startswith("--calibrate: PowerSGD measured") for n in doc["notes"])
+
+    again = cluster.sh(f"{plan} --calibrate", timeout=300)
+    assert again.returncode == 0, explain(again)
+    doc2 = json.loads(again.stdout)
+    assert doc2["calibration_runs"] == [] and cluster.run_names() - before == {run["run_id"]}
+    assert any("nothing to measure (PowerSGD is already calibrated" in n for n in doc2["notes"])
+
+
 def test_slurm_dry_run_script_parses_and_runs_the_same_training(cluster, tmp_path):
     args = f"-- --config {REPO}/configs/digits.yaml epochs=2"
     slurm = cluster.sh(f"{DSCLUSTER} launch --launcher slurm --dry-run {args}")

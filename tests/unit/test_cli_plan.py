@@ -284,3 +284,51 @@ def test_runs_measured_against_their_plan_correct_the_next_recommendation(lab, c
     entry = next(v for v in saved["plans"].values() if v["setting"] == "choice")
     assert entry["step_s"] == pytest.approx(entry["model_step_s"] + cal["extra_s"])
     assert plan_2_nodes(lab, capsys, "--no-calibration")["recommendation"]["choice"]["grad_accum"] == 2
+
+
+def test_calibrate_with_no_calibration_is_refused_before_anything_runs(lab, capsys):
+    assert run_plan(lab, "--busbw", "1.2", "--compute-s", "0.05", "--calibrate", "--no-calibration") == 2
+    err = capsys.readouterr().err
+    assert "--calibrate" in err and "--no-calibration" in err and "pass one of them" in err
+    assert not (lab / "state" / "plans.json").exists()
+
+
+def test_calibrate_without_powersgd_in_play_runs_nothing(lab, capsys, monkeypatch):
+    monkeypatch.setattr(cli_plan, "calibration_argv", lambda *a: pytest.fail("a calibration run was started"))
+    # 100 GB/s: plain data parallelism scales, nothing recommends PowerSGD
+    assert run_plan(lab, "--busbw", "100", "--compute-s", "0.05", "--json", "--calibrate", "precision=fp16") == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["calibration_runs"] == [] and doc["calibration"] == {}
+    assert any(n.startswith("--calibrate: nothing to measure (neither the config nor the recommendation")
+               for n in doc["notes"])
+
+
+def test_a_failed_calibration_run_exits_1_and_leaves_the_plan_uncalibrated(lab, capsys, monkeypatch):
+    # the run itself fails (a real process that exits 3, as launch does when a rank fails)
+    monkeypatch.setattr(cli_plan, "calibration_argv", lambda *a: [sys.executable, "-c", "import sys; sys.exit(3)"])
+    monkeypatch.chdir(lab)
+    assert run_plan(lab, "--busbw", "1.2", "--compute-s", "0.05", "--powersgd-s", "0.015", "--json", "--calibrate",
+                    "precision=fp16", "comm.compression=powersgd") == 1
+    doc = json.loads(capsys.readouterr().out)
+    [run] = doc["calibration_runs"]
+    assert run["exit_code"] == 3 and run["images_per_s"] is None and run["run_id"].startswith("calibrate-powersgd-")
+    assert doc["calibration"] == {} and doc["prediction"]["calibration_s"] == 0
+    assert any("exited 3: the plan above is not calibrated" in n for n in doc["notes"])
+    # its setting stays saved, so a run of it later is measured against the model all the same
+    saved = json.loads((lab / "state" / "plans.json").read_text())["plans"]
+    [entry] = [v for k, v in saved.items() if "global_batch=512 precision=fp16 compression=powersgd ranks=4" in k]
+    assert entry["setting"] == "calibration" and entry["model_step_s"] == doc["prediction"]["model_step_s"]
+
+
+def test_a_global_batch_the_ranks_cannot_split_evenly_is_saved_under_trains_key(lab, capsys):
+    from dscluster.train import predicted
+
+    (lab / "three.txt").write_text("node1 slots=1\nnode2 slots=1\nnode3 slots=1\n")
+    assert main(["plan", "--config", str(REPO / "configs/digits.yaml"), "--hostfile", str(lab / "three.txt"),
+                 "--busbw", "1", "--compute-s", "0.01", "--json", "global_batch=64"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["micro_batch"] == 22  # 22, 21, 21: train keeps 64, with 22 the largest micro-batch
+    # what train looks up at the end of that run (train/loop.py: max share, the config's global batch)
+    k = predicted.key(model=doc["model"], micro_batch=22, global_batch=64, precision=doc["precision"],
+                      compression="none", ranks=3)
+    assert predicted.lookup(k)["setting"] == "now"

@@ -6,8 +6,14 @@ compute time of one micro-batch (--compute-s, else a few forward+backward passes
 The model and its assumptions: dscluster.advisor and docs/advisor.md.
 
 The `--json` document (schema version `SCHEMA_VERSION`) is described in docs/schemas.md.
-Exit status: 0 the prediction was made (whatever it says), 2 bad input (config, hostfile, no
-bandwidth: run `dscluster check` or pass --busbw).
+--calibrate: PowerSGD's cost across ranks is more than the one-rank probe shows, so where it is in
+play and uncalibrated on these ranks, plan first runs a few PowerSGD steps of the config on the
+hostfile's nodes (`dscluster launch`, the README's entry_cn.sh), which `train` records like any run,
+and predicts again with that outcome (`calibrate`).
+
+Exit status: 0 the prediction was made (whatever it says), 1 a --calibrate run failed (the plan is
+printed uncalibrated), 2 bad input (config, hostfile, no bandwidth: run `dscluster check` or pass
+--busbw).
 """
 
 from __future__ import annotations
@@ -15,13 +21,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 
 from rich import box
 from rich.markup import escape
 from rich.table import Table
 
-from dscluster import advisor, console, state
+from dscluster import advisor, console, runinfo, state
 from dscluster.check import checkfile
 from dscluster.check.checkfile import CheckFileError
 from dscluster.errors import UsageError
@@ -30,6 +41,8 @@ from dscluster.plan_probe import measure_compute, measure_powersgd
 SCHEMA_VERSION = 1
 COMPRESSION_KEY = "comm.compression"
 """The training config key that compresses gradients on the wire (train/comm.py)."""
+CALIBRATION_STEPS = 12
+"""Steps of a --calibrate run: train's warm-up steps (train/timing.py), then the timed ones."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,11 +52,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Predict one optimizer step of data-parallel training (compute, all-reduce, overlap), the "
         "images/s, the speed-up over the fastest node alone and a verdict; recommend the smallest gradient "
         "accumulation and compression that reach 80% scaling efficiency. Needs the all-reduce bandwidth of "
-        "`dscluster check` (or --busbw). Exit 0 predicted, 2 bad input.",
+        "`dscluster check` (or --busbw). Exit 0 predicted, 1 a --calibrate run failed, 2 bad input.",
         epilog="examples:\n"
         "  dscluster plan --config configs/vit_base.yaml\n"
         "  dscluster plan --config configs/vit_base.yaml --busbw 0.119 --compute-s 0.043 micro_batch=128\n"
-        "  dscluster plan --config configs/vit_base.yaml --compute-s node1=0.2,node2=0.2,node3=0.45 --json",
+        "  dscluster plan --config configs/vit_base.yaml --compute-s node1=0.2,node2=0.2,node3=0.45 --json\n"
+        "  dscluster plan --config configs/vit_base.yaml --calibrate comm.compression=powersgd",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", metavar="YAML", required=True, help="training preset (configs/*.yaml)")
@@ -57,6 +71,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--powersgd-s", type=float, metavar="S",
                    help="PowerSGD's own work per optimizer step on one rank, seconds (default: measured here "
                    "when compute is)")
+    p.add_argument("--calibrate", action="store_true",
+                   help=f"where PowerSGD is in play and no run on these ranks has measured it, first run "
+                   f"{CALIBRATION_STEPS} PowerSGD steps of this config on the hostfile's nodes (dscluster launch, "
+                   "about a minute) and correct the plan by what they measure")
     p.add_argument("--no-calibration", action="store_true",
                    help="ignore what earlier runs measured against their plans (<state>/plans.json outcomes)")
     p.add_argument("--max-global-batch", type=int, default=advisor.MAX_GLOBAL_BATCH, metavar="N",
@@ -209,8 +227,6 @@ def overrides(cfg, current_global: int, option: advisor.Option | None, micro: in
 def saved_entries(doc: dict, cfg, rec: advisor.Recommendation, args) -> dict[str, dict]:
     """What `train` looks up at the end of a run (train/predicted.py): the config as given and each
     recommended setting, keyed by what decides its figure."""
-    from dscluster.train import predicted
-
     settings = [("now", doc["grad_accum"], cfg.comm.compression, doc["prediction"], [])]
     for name in ("choice", "without_compression"):
         o = getattr(rec, name)
@@ -219,8 +235,7 @@ def saved_entries(doc: dict, cfg, rec: advisor.Recommendation, args) -> dict[str
                              overrides(cfg, doc["global_batch"], o, doc["micro_batch"])))
     out = {}
     for name, _accum, comp, p, ovr in settings:
-        k = predicted.key(model=doc["model"], micro_batch=doc["micro_batch"], global_batch=p["global_batch"],
-                          precision=doc["precision"], compression=comp, ranks=doc["world_size"])
+        k = run_key(doc, cfg, p["global_batch"] if any(o.startswith("global_batch=") for o in ovr) else None, comp)
         out.setdefault(k, {"images_per_s": p["images_per_s"], "step_s": p["step_s"], "setting": name,
                            "config": args.config, "hostfile": doc["hostfile"], "busbw_GBps": doc["busbw_GBps"],
                            "compute_s": doc["compute"]["seconds"], "overrides": ovr,
@@ -228,7 +243,31 @@ def saved_entries(doc: dict, cfg, rec: advisor.Recommendation, args) -> dict[str
     return out
 
 
+def run_key(doc: dict, cfg, global_batch: int | None, compression: str) -> str:
+    """train's key (train/predicted.py) for a run of this plan: `global_batch` where the overrides
+    set it, else the config's own, which train keeps when the ranks cannot split it evenly (64 on 3
+    ranks: micro-batches 22, 21, 21)."""
+    from dscluster.train import predicted
+
+    return predicted.key(model=doc["model"], micro_batch=doc["micro_batch"],
+                         global_batch=global_batch or cfg.global_batch or doc["global_batch"],
+                         precision=doc["precision"], compression=compression, ranks=doc["world_size"])
+
+
 def plan(args: argparse.Namespace) -> dict:
+    if args.calibrate and args.no_calibration:
+        raise UsageError("--calibrate measures a run to correct the plan, --no-calibration ignores such runs: "
+                         "pass one of them")
+    inputs = measure_inputs(args)
+    doc, rec = build(args, inputs, calibration_of(args, inputs))
+    if args.calibrate:
+        doc, rec = calibrate(args, inputs, doc, rec)
+    return doc
+
+
+def measure_inputs(args: argparse.Namespace) -> dict:
+    """Everything the prediction is made from that costs a measurement or a model build, once: a
+    calibration run rebuilds the plan from the same inputs."""
     from dscluster.hosts import parse_hostfile
     from dscluster.train.config import load_config
 
@@ -264,22 +303,43 @@ def plan(args: argparse.Namespace) -> dict:
         raise UsageError(f"--powersgd-s {powersgd_s}: expected seconds >= 0, e.g. --powersgd-s 0.02")
     if powersgd_s is None and allowed.get("powersgd") and world > 1 and how["source"] == "measured":
         powersgd_s = measure_powersgd(cfg, in_chans, num_classes, micro)
+    return dict(cfg=cfg, hostfile=hostfile, compute=compute, how=how, source=source, busbw=busbw,
+                check_world=check_world, latency=latency, world=world, micro=micro, accum=accum,
+                batch_note=batch_note, params=params, matrices=matrices, precision=precision,
+                precision_note=precision_note, grad_format=grad_format, allowed=allowed, refused=refused,
+                powersgd_s=powersgd_s)
+
+
+def calibration_of(args: argparse.Namespace, inputs: dict) -> dict[str, dict]:
     from dscluster.train import predicted
 
-    calibration = {} if args.no_calibration else predicted.calibration(model=cfg.model.name, precision=precision,
-                                                                          ranks=world)
-    nodes = tuple(advisor.Node(name=h.name, ranks=h.slots, compute_s=compute[h.name]) for h in hostfile.hosts)
-    scenario = advisor.Scenario(nodes=nodes, micro_batch=micro, grad_accum=accum,
-                                grad_bytes=advisor.gradient_bytes(params, advisor.FORMAT_BYTES[grad_format]),
-                                grad_format=grad_format, compression=cfg.comm.compression,
-                                powersgd_rank=cfg.comm.powersgd_rank, matrices=matrices, busbw_GBps=busbw,
-                                bucket_bytes=cfg.ddp_bucket_mb * 2**20, latency_s=latency,
-                                powersgd_s=powersgd_s or 0.0,
-                                calibration=tuple((c, v["extra_s"]) for c, v in calibration.items()))
+    return {} if args.no_calibration else predicted.calibration(model=inputs["cfg"].model.name,
+                                                                 precision=inputs["precision"], ranks=inputs["world"])
+
+
+def scenario_of(inputs: dict, calibration: dict[str, dict]) -> advisor.Scenario:
+    cfg = inputs["cfg"]
+    nodes = tuple(advisor.Node(name=h.name, ranks=h.slots, compute_s=inputs["compute"][h.name])
+                  for h in inputs["hostfile"].hosts)
+    return advisor.Scenario(nodes=nodes, micro_batch=inputs["micro"], grad_accum=inputs["accum"],
+                            grad_bytes=advisor.gradient_bytes(inputs["params"], advisor.FORMAT_BYTES[inputs["grad_format"]]),
+                            grad_format=inputs["grad_format"], compression=cfg.comm.compression,
+                            powersgd_rank=cfg.comm.powersgd_rank, matrices=inputs["matrices"],
+                            busbw_GBps=inputs["busbw"], bucket_bytes=cfg.ddp_bucket_mb * 2**20,
+                            latency_s=inputs["latency"], powersgd_s=inputs["powersgd_s"] or 0.0,
+                            calibration=tuple((c, v["extra_s"]) for c, v in calibration.items()))
+
+
+def build(args: argparse.Namespace, inputs: dict, calibration: dict[str, dict],
+          runs: list[dict] | None = None) -> tuple[dict, advisor.Recommendation]:
+    """The plan document from measured inputs and the calibration, saved for `train` to compare with."""
+    cfg, hostfile, world, powersgd_s = inputs["cfg"], inputs["hostfile"], inputs["world"], inputs["powersgd_s"]
+    scenario = scenario_of(inputs, calibration)
     prediction = advisor.predict(scenario)
     rec = advisor.recommend(scenario, max_global_batch=args.max_global_batch,
-                            compressions=advisor.ladder(cfg.comm.compression, allowed=allowed.get))
-    notes = [n for n in (batch_note, how["note"], precision_note) if n]
+                            compressions=advisor.ladder(cfg.comm.compression, allowed=inputs["allowed"].get))
+    notes = [n for n in (inputs["batch_note"], inputs["how"]["note"], inputs["precision_note"]) if n]
+    check_world = inputs["check_world"]
     if check_world and check_world != world:
         notes.append(f"check measured the all-reduce over {check_world} ranks, this plan has {world}: if the "
                      f"hostfile changed, run `dscluster check --hostfile {args.hostfile}` again")
@@ -291,7 +351,7 @@ def plan(args: argparse.Namespace) -> dict:
         notes.append(f"calibrated by {c['runs']} earlier run(s) of this model on {world} rank(s): {comp} steps took "
                      f"{abs(c['extra_s']) * 1e3:.1f} ms {more} than the model gives, so its step times {act} that "
                      "(--no-calibration ignores them)")
-    if (cfg.comm.compression == "powersgd" or (rec.choice and rec.choice.compression == "powersgd")) and world > 1:
+    if uses_powersgd(cfg, rec, world):
         notes.append((f"PowerSGD: its own work {powersgd_s * 1e3:.1f} ms a step"
                       + (" (--powersgd-s)" if args.powersgd_s is not None else ", measured here")
                       if powersgd_s is not None else
@@ -299,33 +359,114 @@ def plan(args: argparse.Namespace) -> dict:
                       "time is a lower bound")
                      + "; it sends plain all-reduces for the first comm.powersgd_start_step steps")
         if "powersgd" not in calibration:
-            notes.append(f"PowerSGD is not calibrated on {world} ranks yet: until one PowerSGD run here has been "
-                         "measured, expect up to about a quarter fewer img/s than predicted (its hook costs more "
-                         "across ranks than the one-rank probe shows; 20-23 % on 4-rank labs); `dscluster train` "
-                         "records the run and the next plan corrects for it")
+            notes.append(f"PowerSGD is not calibrated on {world} ranks yet: its hook costs more across ranks than "
+                         "the one-rank probe shows (20-23 % fewer img/s than predicted on 4-rank labs). "
+                         f"`dscluster plan --calibrate` measures it first with a {CALIBRATION_STEPS}-step run on "
+                         "these nodes; any PowerSGD run here does the same for the next plan")
     doc = {
-        "schema": SCHEMA_VERSION, "config": args.config, "model": cfg.model.name, "params": params,
+        "schema": SCHEMA_VERSION, "config": args.config, "model": cfg.model.name, "params": inputs["params"],
         "hostfile": hostfile.path, "world_size": world,
         "nodes": [{"name": n.name, "ranks": n.ranks, "compute_s": n.compute_s,
-                   "images_per_s": n.images_per_s(micro)} for n in nodes],
-        "micro_batch": micro, "grad_accum": accum, "global_batch": scenario.global_batch,
-        "precision": precision, "compression": cfg.comm.compression, "grad_format": grad_format,
+                   "images_per_s": n.images_per_s(inputs["micro"])} for n in scenario.nodes],
+        "micro_batch": inputs["micro"], "grad_accum": inputs["accum"], "global_batch": scenario.global_batch,
+        "precision": inputs["precision"], "compression": cfg.comm.compression, "grad_format": inputs["grad_format"],
         "grad_bytes": int(scenario.grad_bytes), "wire_bytes": int(scenario.wire_bytes),
-        "busbw_GBps": busbw, "busbw_source": source, "compute": how, "latency_s": latency,
-        "powersgd_s": powersgd_s, "calibration": calibration,
+        "busbw_GBps": inputs["busbw"], "busbw_source": inputs["source"], "compute": inputs["how"],
+        "latency_s": inputs["latency"], "powersgd_s": powersgd_s, "calibration": calibration,
+        "calibration_runs": runs or [],
         "assumptions": {"backward_share": advisor.BACKWARD_SHARE, "overlap_fraction": scenario.overlap_fraction,
                         "bucket_bytes": int(scenario.bucket_bytes)},
         "prediction": prediction.to_dict(),
-        "recommendation": {**rec.to_dict(), "overrides": overrides(cfg, scenario.global_batch, rec.choice, micro),
-                           "pending": refused},
+        "recommendation": {**rec.to_dict(), "overrides": overrides(cfg, scenario.global_batch, rec.choice,
+                                                                   inputs["micro"]),
+                           "pending": inputs["refused"]},
         "saved_to": None,
         "notes": notes,
     }
+    save(doc, saved_entries(doc, cfg, rec, args))
+    return doc, rec
+
+
+def save(doc: dict, entries: dict[str, dict]) -> None:
+    from dscluster.train import predicted
+
     try:
-        doc["saved_to"] = str(predicted.save(saved_entries(doc, cfg, rec, args)))
+        doc["saved_to"] = str(predicted.save(entries))
     except OSError as e:  # a read-only state directory costs the comparison at the end of the run, not the plan
-        notes.append(f"could not save the prediction for `train` to compare with ({e})")
-    return doc
+        doc["notes"].append(f"could not save the prediction for `train` to compare with ({e})")
+
+
+def uses_powersgd(cfg, rec: advisor.Recommendation, world: int) -> bool:
+    """The config or the recommendation sends PowerSGD factors across several ranks."""
+    return world > 1 and (cfg.comm.compression == "powersgd"
+                          or (rec.choice is not None and rec.choice.compression == "powersgd"))
+
+
+def calibration_overrides() -> list[str]:
+    """What a calibration run adds to the user's overrides: PowerSGD from step 2 (its default start,
+    after the warm-up, would leave every timed step uncompressed), a short run, no checkpoint."""
+    return [f"{COMPRESSION_KEY}=powersgd", "comm.powersgd_start_step=2", f"max_steps={CALIBRATION_STEPS}",
+            "checkpoint.every_epochs=0", "progress=false"]
+
+
+def calibration_argv(args: argparse.Namespace, run_id: str) -> list[str]:
+    """`dscluster launch` of the README's entry_cn.sh on every hostfile slot, for this config."""
+    return [sys.executable, "-m", "dscluster", "launch", "--hostfile", args.hostfile, "--run-id", run_id, "--",
+            "--config", args.config, *args.overrides, *calibration_overrides()]
+
+
+def calibrate(args: argparse.Namespace, inputs: dict, doc: dict,
+              rec: advisor.Recommendation) -> tuple[dict, advisor.Recommendation]:
+    """--calibrate: where PowerSGD is in play on several ranks and no run here has measured it yet,
+    one short PowerSGD run of this config on the hostfile's nodes (through `dscluster launch`, the
+    README's entry_cn.sh on every rank); `train` records it against the model's step like any run,
+    and the plan is made again with that outcome. Its output goes to stderr."""
+    cfg, world = inputs["cfg"], inputs["world"]
+    if not uses_powersgd(cfg, rec, world) or "powersgd" in doc["calibration"]:
+        why = ("PowerSGD is already calibrated on these ranks" if "powersgd" in doc["calibration"] else
+               "neither the config nor the recommendation uses PowerSGD across several ranks")
+        doc["notes"].append(f"--calibrate: nothing to measure ({why}); the model alone is within about 7 % for "
+                            "the other settings")
+        return doc, rec
+    # the PowerSGD setting at the config's own batch, saved so that train finds its model step
+    scenario = replace(scenario_of(inputs, {}), compression="powersgd")
+    p = advisor.predict(scenario)
+    k = run_key(doc, cfg, None, "powersgd")
+    entry = {"images_per_s": p.images_per_s, "step_s": p.step_s, "model_step_s": p.model_step_s,
+             "setting": "calibration", "config": args.config, "hostfile": doc["hostfile"],
+             "busbw_GBps": doc["busbw_GBps"], "compute_s": doc["compute"]["seconds"],
+             "overrides": calibration_overrides()}
+    save(doc, {k: entry})
+    run_id = f"calibrate-powersgd-{time.strftime('%Y%m%d-%H%M%S')}"
+    argv = calibration_argv(args, run_id)
+    print(f"dscluster plan: measuring PowerSGD on {world} ranks with a {CALIBRATION_STEPS}-step run "
+          f"(runs/{run_id}): {shlex.join(argv[1:])}", file=sys.stderr, flush=True)
+    t0 = time.monotonic()
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace") as proc:
+        for line in proc.stdout:  # passed on as it comes: a minute of training should not look like a hang
+            sys.stderr.write(line)
+            sys.stderr.flush()
+    rc = proc.returncode
+    seconds = time.monotonic() - t0
+    run_dir = runinfo.runs_root() / run_id
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        summary = {}
+    measured = summary.get("images_per_s")
+    run = {"compression": "powersgd", "run_id": run_id, "run_dir": str(run_dir), "exit_code": rc,
+           "seconds": round(seconds, 1), "global_batch": p.global_batch, "images_per_s": measured,
+           "model_images_per_s": p.images_per_s}
+    calibration = calibration_of(args, inputs)
+    if rc != 0 or "powersgd" not in calibration:
+        doc["calibration_runs"] = [run]
+        doc["notes"].append(f"--calibrate: the PowerSGD run {run_dir} " + (f"exited {rc}" if rc else
+                            "recorded no outcome") + ": the plan above is not calibrated; its output is above")
+        return doc, rec
+    doc, rec = build(args, inputs, calibration, [run])
+    doc["notes"].append(f"--calibrate: PowerSGD measured {measured:,.0f} img/s at global batch {p.global_batch} "
+                        f"in {run_dir} ({seconds:.0f} s), where the model alone gave {p.images_per_s:,.0f}")
+    return doc, rec
 
 
 def _row(label: str, p: dict, style: str = "") -> list[str]:
@@ -388,4 +529,4 @@ def plan_command(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2, sort_keys=True))
     else:
         render(doc)
-    return 0
+    return 1 if any(r["exit_code"] for r in doc["calibration_runs"]) else 0
