@@ -8,7 +8,7 @@ The model and its assumptions: dscluster.advisor and docs/advisor.md.
 The `--json` document (schema version `SCHEMA_VERSION`) is described in docs/schemas.md.
 --calibrate: PowerSGD's cost across ranks is more than the one-rank probe shows, so where it is in
 play and uncalibrated on these ranks, plan first runs a few PowerSGD steps of the config on the
-hostfile's nodes (`dscluster launch`, the README's entry_cn.sh), which `train` records like any run,
+hostfile's nodes (the README's mpirun of entry_cn.sh), which `train` records like any run,
 and predicts again with that outcome (`calibrate`).
 
 Exit status: 0 the prediction was made (whatever it says), 1 a --calibrate run failed (the plan is
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shlex
 import subprocess
 import sys
@@ -32,7 +33,7 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
-from dscluster import advisor, console, runinfo, state
+from dscluster import advisor, console, paths, runinfo, state
 from dscluster.check import checkfile
 from dscluster.check.checkfile import CheckFileError
 from dscluster.errors import UsageError
@@ -73,8 +74,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "when compute is)")
     p.add_argument("--calibrate", action="store_true",
                    help=f"where PowerSGD is in play and no run on these ranks has measured it, first run "
-                   f"{CALIBRATION_STEPS} PowerSGD steps of this config on the hostfile's nodes (dscluster launch, "
-                   "about a minute) and correct the plan by what they measure")
+                   f"{CALIBRATION_STEPS} PowerSGD steps of this config on the hostfile's nodes (the README's mpirun "
+                   "of entry_cn.sh, about a minute) and correct the plan by what they measure")
     p.add_argument("--no-calibration", action="store_true",
                    help="ignore what earlier runs measured against their plans (<state>/plans.json outcomes)")
     p.add_argument("--max-global-batch", type=int, default=advisor.MAX_GLOBAL_BATCH, metavar="N",
@@ -409,17 +410,23 @@ def calibration_overrides() -> list[str]:
             "checkpoint.every_epochs=0", "progress=false"]
 
 
-def calibration_argv(args: argparse.Namespace, run_id: str) -> list[str]:
-    """`dscluster launch` of the README's entry_cn.sh on every hostfile slot, for this config."""
-    return [sys.executable, "-m", "dscluster", "launch", "--hostfile", args.hostfile, "--run-id", run_id, "--",
-            "--config", args.config, *args.overrides, *calibration_overrides()]
+def calibration_argv(args: argparse.Namespace, run_id: str, world: int) -> list[str]:
+    """The README's command for this config, PowerSGD on: `mpirun -np N --hostfile H entry_cn.sh
+    --config C OVERRIDES` (launch/mpirun.py builds it), the run named `run_id` on every rank. Not
+    `dscluster launch`: that insists on the hostfile check ran on, and a plan for the first two
+    nodes of a lab is a fair question."""
+    from dscluster.launch.mpirun import App, mpirun_argv, mpirun_path
+
+    program = [str(paths.entry_script()), "--config", args.config, *args.overrides, *calibration_overrides()]
+    return mpirun_argv(mpirun_path(), [App(world, program, {"DSCLUSTER_RUN_ID": run_id})],
+                       hostfile=args.hostfile, as_root=os.geteuid() == 0)
 
 
 def calibrate(args: argparse.Namespace, inputs: dict, doc: dict,
               rec: advisor.Recommendation) -> tuple[dict, advisor.Recommendation]:
     """--calibrate: where PowerSGD is in play on several ranks and no run here has measured it yet,
-    one short PowerSGD run of this config on the hostfile's nodes (through `dscluster launch`, the
-    README's entry_cn.sh on every rank); `train` records it against the model's step like any run,
+    one short PowerSGD run of this config on the hostfile's nodes (the README's mpirun of
+    entry_cn.sh); `train` records it against the model's step like any run,
     and the plan is made again with that outcome. Its output goes to stderr."""
     cfg, world = inputs["cfg"], inputs["world"]
     if not uses_powersgd(cfg, rec, world) or "powersgd" in doc["calibration"]:
@@ -438,9 +445,9 @@ def calibrate(args: argparse.Namespace, inputs: dict, doc: dict,
              "overrides": calibration_overrides()}
     save(doc, {k: entry})
     run_id = f"calibrate-powersgd-{time.strftime('%Y%m%d-%H%M%S')}"
-    argv = calibration_argv(args, run_id)
+    argv = calibration_argv(args, run_id, world)
     print(f"dscluster plan: measuring PowerSGD on {world} ranks with a {CALIBRATION_STEPS}-step run "
-          f"(runs/{run_id}): {shlex.join(argv[1:])}", file=sys.stderr, flush=True)
+          f"(runs/{run_id}): {shlex.join(argv)}", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace") as proc:
         for line in proc.stdout:  # passed on as it comes: a minute of training should not look like a hang
