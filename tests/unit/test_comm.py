@@ -101,6 +101,37 @@ def test_split_marks_on_a_gpu_are_events_read_after_the_window_without_a_host_sy
         assert all(r["comm_s"] > 0 and r["compute_s"] > 0 and r["other_s"] > 0 for r in records), records
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU path is above)")
+def test_on_a_gpu_data_is_only_the_time_the_device_waited_for_the_batch():
+    import time
+
+    dev = torch.device("cuda")
+    split = StepSplit(dev, "none")
+    torch.cuda._sleep(1_000)
+    torch.cuda.synchronize()
+    cycles = 100_000_000  # some 50 ms of device work, whatever the clock
+
+    def step(device_busy_first: bool) -> dict:
+        torch.cuda.synchronize()
+        split.start()
+        if device_busy_first:
+            torch.cuda._sleep(cycles)  # the device works on the last micro-batch ...
+        with split.data():
+            time.sleep(0.03)  # ... while the host gets the next one: 30 ms of host time
+        torch.cuda._sleep(cycles)
+        m = split.end()
+        torch.cuda.synchronize()
+        rec: dict = {}
+        split.resolve([m], [rec], window_s=10.0)
+        return rec
+
+    overlapped, starved = step(True), step(False)
+    # the host's 30 ms ran under the device's work: no wait for data, all of it compute
+    assert overlapped["data_s"] < 0.01 and overlapped["compute_s"] > 0.08, overlapped
+    # nothing to do on the device meanwhile: it waited the 30 ms
+    assert 0.025 < starved["data_s"] < 0.1 and starved["compute_s"] > 0.03, starved
+
+
 # --- the hooks on 2 gloo ranks ---------------------------------------------------------------------
 
 def _ddp_worker(rank: int, world: int, port: int, tmp: str, out):
