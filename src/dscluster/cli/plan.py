@@ -361,7 +361,8 @@ def build(args: argparse.Namespace, inputs: dict, calibration: dict[str, dict],
                      + "; it sends plain all-reduces for the first comm.powersgd_start_step steps")
         if "powersgd" not in calibration:
             notes.append(f"PowerSGD is not calibrated on {world} ranks yet: its hook costs more across ranks than "
-                         "the one-rank probe shows (20-23 % fewer img/s than predicted on 4-rank labs). "
+                         "the one-rank probe shows (first runs on GPU labs measured 23 % below to 6 % above this "
+                         "prediction). "
                          f"`dscluster plan --calibrate` measures it first with a {CALIBRATION_STEPS}-step run on "
                          "these nodes; any PowerSGD run here does the same for the next plan")
     doc = {

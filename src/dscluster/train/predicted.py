@@ -3,7 +3,7 @@
 <state>/plans.json (the state directory of state.py), written atomically, one entry per config:
 
     {"schema": 1,
-     "plans": {KEY: {"images_per_s": float, "step_s": float, "setting": "now"|"choice"|"without_compression",
+     "plans": {KEY: {"images_per_s": float, "step_s": float, "setting": "now"|"choice"|"without_compression"|"calibration",
                      "model_step_s": float, "created": unix time, "config": str, "hostfile": str,
                      "busbw_GBps": float, "compute_s": float, "overrides": [str]}},
      "outcomes": [{"key": KEY, "model": str, "precision": str, "compression": str, "ranks": int,
@@ -11,7 +11,8 @@
 
 KEY names what decides the figure (`key`): model, per-rank micro-batch, global batch, precision,
 gradient compression, ranks. `plan` saves its prediction for the config as given and for each
-setting it recommends, so a run with the pasted overrides finds its own. At the end of a run rank 0
+setting it recommends, so a run with the pasted overrides finds its own; `plan --calibrate` also
+saves the PowerSGD setting it is about to run ("calibration"). At the end of a run rank 0
 looks its config up and prints "plan predicted X img/s, measured Y img/s (±Z%)"; summary.json
 keeps both (`plan`). A later `plan` for the same key replaces the entry.
 
