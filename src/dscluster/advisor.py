@@ -156,6 +156,10 @@ class Scenario:
     calibration: tuple[tuple[str, float], ...] = ()
     """(compression, measured − modelled step in seconds) from earlier runs of the same model, precision
     and ranks."""
+    samples_per_step: int | None = None
+    """Images an optimizer step trains where that is not micro_batch × grad_accum × ranks: a global
+    batch the ranks split unevenly (64 on 3 ranks: 22, 21, 21), whose step lasts as long as the
+    largest share's. None: micro_batch × grad_accum × ranks."""
 
     def __post_init__(self):
         if not self.nodes:
@@ -169,7 +173,9 @@ class Scenario:
                   ("grad_bytes", self.grad_bytes > 0), ("busbw_GBps", self.busbw_GBps > 0),
                   ("overlap_fraction", 0 <= self.overlap_fraction <= 1), ("bucket_bytes", self.bucket_bytes > 0),
                   ("latency_s", self.latency_s >= 0), ("powersgd_s", self.powersgd_s >= 0),
-                  ("calibration", all(math.isfinite(x) for _, x in self.calibration))]
+                  ("calibration", all(math.isfinite(x) for _, x in self.calibration)),
+                  ("samples_per_step", self.samples_per_step is None or
+                   0 < self.samples_per_step <= self.micro_batch * self.grad_accum * self.world)]
         for name, good in checks:
             if not good:
                 raise UsageError(f"{name}={getattr(self, name)!r} is out of range")
@@ -186,7 +192,7 @@ class Scenario:
 
     @property
     def global_batch(self) -> int:
-        return self.micro_batch * self.grad_accum * self.world
+        return self.samples_per_step or self.micro_batch * self.grad_accum * self.world
 
     @property
     def allreduces(self) -> int:
@@ -324,7 +330,8 @@ def _options(s: Scenario, compressions: tuple[str, ...], accums, max_global_batc
     out = []
     for accum in accums:
         for comp in compressions:
-            trial = replace(s, grad_accum=accum, compression=comp)
+            # a recommended setting states its batch in full: micro × accum × ranks, split evenly
+            trial = replace(s, grad_accum=accum, compression=comp, samples_per_step=None)
             if max_global_batch is None or trial.global_batch <= max_global_batch:
                 out.append(Option(grad_accum=accum, compression=comp, prediction=predict(trial)))
     return out

@@ -211,6 +211,18 @@ def test_one_rank_has_no_communication():
     assert p.comm_s == 0 and p.speedup == pytest.approx(1) and not p.slower
 
 
+def test_an_uneven_global_batch_trains_its_own_images_at_the_largest_shares_pace():
+    # 500 images on 4 ranks of micro-batch 128 (shares 128, 124, 124, 124): the step of a 128 share
+    even, uneven = lab(1.194), lab(1.194, samples_per_step=500)
+    pe, pu = predict(even), predict(uneven)
+    assert pu.step_s == pe.step_s and pu.global_batch == 500
+    assert pu.images_per_s == pytest.approx(pe.images_per_s * 500 / 512)
+    # what it recommends is stated in full (micro × accum × ranks), so it splits evenly
+    options = [recommend(uneven).choice, recommend(uneven).without_compression]
+    assert all(o.prediction.global_batch == 128 * o.grad_accum * 4 for o in options if o is not None)
+    assert any(o is not None for o in options)
+
+
 def test_no_option_when_micro_batch_times_ranks_exceeds_the_limit():
     rec = recommend(lab(0.119), max_global_batch=256)
     assert rec.choice is None and "lower micro_batch" in rec.summary
@@ -219,7 +231,7 @@ def test_no_option_when_micro_batch_times_ranks_exceeds_the_limit():
 @pytest.mark.parametrize("change, word", [
     (dict(busbw=0), "busbw_GBps"), (dict(busbw=1, compute_s=0), "compute time"),
     (dict(busbw=1, compression="int8"), "compression"), (dict(busbw=1, overlap_fraction=1.5), "overlap_fraction"),
-    (dict(busbw=1, accum=0), "grad_accum"),
+    (dict(busbw=1, accum=0), "grad_accum"), (dict(busbw=1, samples_per_step=513), "samples_per_step"),
 ])
 def test_bad_inputs_say_which(change, word):
     with pytest.raises(UsageError, match=word):

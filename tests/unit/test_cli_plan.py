@@ -332,3 +332,7 @@ def test_a_global_batch_the_ranks_cannot_split_evenly_is_saved_under_trains_key(
     k = predicted.key(model=doc["model"], micro_batch=22, global_batch=64, precision=doc["precision"],
                       compression="none", ranks=3)
     assert predicted.lookup(k)["setting"] == "now"
+    # and its img/s counts the 64 images a step trains, at the pace of the largest share (22)
+    p = doc["prediction"]
+    assert doc["global_batch"] == p["global_batch"] == 64
+    assert p["images_per_s"] == pytest.approx(64 / p["step_s"]) and p["compute_s"] == pytest.approx(0.01)

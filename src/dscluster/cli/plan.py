@@ -320,6 +320,7 @@ def calibration_of(args: argparse.Namespace, inputs: dict) -> dict[str, dict]:
 
 def scenario_of(inputs: dict, calibration: dict[str, dict]) -> advisor.Scenario:
     cfg = inputs["cfg"]
+    even = inputs["micro"] * inputs["accum"] * inputs["world"]
     nodes = tuple(advisor.Node(name=h.name, ranks=h.slots, compute_s=inputs["compute"][h.name])
                   for h in inputs["hostfile"].hosts)
     return advisor.Scenario(nodes=nodes, micro_batch=inputs["micro"], grad_accum=inputs["accum"],
@@ -328,7 +329,8 @@ def scenario_of(inputs: dict, calibration: dict[str, dict]) -> advisor.Scenario:
                             powersgd_rank=cfg.comm.powersgd_rank, matrices=inputs["matrices"],
                             busbw_GBps=inputs["busbw"], bucket_bytes=cfg.ddp_bucket_mb * 2**20,
                             latency_s=inputs["latency"], powersgd_s=inputs["powersgd_s"] or 0.0,
-                            calibration=tuple((c, v["extra_s"]) for c, v in calibration.items()))
+                            calibration=tuple((c, v["extra_s"]) for c, v in calibration.items()),
+                            samples_per_step=cfg.global_batch if cfg.global_batch and cfg.global_batch < even else None)
 
 
 def build(args: argparse.Namespace, inputs: dict, calibration: dict[str, dict],
