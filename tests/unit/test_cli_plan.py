@@ -336,3 +336,13 @@ def test_a_global_batch_the_ranks_cannot_split_evenly_is_saved_under_trains_key(
     p = doc["prediction"]
     assert doc["global_batch"] == p["global_batch"] == 64
     assert p["images_per_s"] == pytest.approx(64 / p["step_s"]) and p["compute_s"] == pytest.approx(0.01)
+
+
+def test_calibrate_without_an_mpirun_to_start_says_so_and_exits_1(lab, capsys, monkeypatch):
+    monkeypatch.setattr(cli_plan, "calibration_argv", lambda *a: [str(lab / "no-such-mpirun"), "-np", "4"])
+    monkeypatch.chdir(lab)
+    assert run_plan(lab, "--busbw", "1.2", "--compute-s", "0.05", "--powersgd-s", "0.015", "--json", "--calibrate",
+                    "precision=fp16", "comm.compression=powersgd") == 1
+    out = capsys.readouterr()
+    assert "could not start" in out.err and "no-such-mpirun" in out.err
+    assert json.loads(out.out)["calibration_runs"][0]["exit_code"] == 127

@@ -452,11 +452,16 @@ def calibrate(args: argparse.Namespace, inputs: dict, doc: dict,
     print(f"dscluster plan: measuring PowerSGD on {world} ranks with a {CALIBRATION_STEPS}-step run "
           f"(runs/{run_id}): {shlex.join(argv)}", file=sys.stderr, flush=True)
     t0 = time.monotonic()
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace") as proc:
-        for line in proc.stdout:  # passed on as it comes: a minute of training should not look like a hang
-            sys.stderr.write(line)
-            sys.stderr.flush()
-    rc = proc.returncode
+    try:
+        with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              errors="replace") as proc:
+            for line in proc.stdout:  # passed on as it comes: a minute of training should not look like a hang
+                sys.stderr.write(line)
+                sys.stderr.flush()
+        rc = proc.returncode
+    except OSError as e:  # no mpirun to start
+        print(f"dscluster plan: could not start {argv[0]}: {e}", file=sys.stderr)
+        rc = 127
     seconds = time.monotonic() - t0
     run_dir = runinfo.runs_root() / run_id
     try:
