@@ -90,7 +90,7 @@ def test_rerun_is_idempotent_restores_modes_and_mesh_is_complete(lab):
         assert cfg.count(bf.BEGIN) == 1
     # A third run changes nothing at all.
     doc = _json(setup(lab, "--fix-path", "--json"))
-    assert all(n["changes"] == [] for n in doc["nodes"])
+    assert all(n["changes"] == [] for n in doc["nodes"]), [(n.get("name"), n["changes"]) for n in doc["nodes"]]
 
 
 def test_plain_mpirun_works_afterwards(lab):

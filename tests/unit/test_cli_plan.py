@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dscluster import plan_probe
+from dscluster import plan_calibrate, plan_probe
 from dscluster.cli import plan as cli_plan
 from dscluster.cli import main
 from dscluster.errors import UsageError
@@ -294,7 +294,7 @@ def test_calibrate_with_no_calibration_is_refused_before_anything_runs(lab, caps
 
 
 def test_calibrate_without_powersgd_in_play_runs_nothing(lab, capsys, monkeypatch):
-    monkeypatch.setattr(cli_plan, "calibration_argv", lambda *a: pytest.fail("a calibration run was started"))
+    monkeypatch.setattr(plan_calibrate, "argv", lambda *a: pytest.fail("a calibration run was started"))
     # 100 GB/s: plain data parallelism scales, nothing recommends PowerSGD
     assert run_plan(lab, "--busbw", "100", "--compute-s", "0.05", "--json", "--calibrate", "precision=fp16") == 0
     doc = json.loads(capsys.readouterr().out)
@@ -305,7 +305,7 @@ def test_calibrate_without_powersgd_in_play_runs_nothing(lab, capsys, monkeypatc
 
 def test_a_failed_calibration_run_exits_1_and_leaves_the_plan_uncalibrated(lab, capsys, monkeypatch):
     # the run itself fails (a real process that exits 3, as launch does when a rank fails)
-    monkeypatch.setattr(cli_plan, "calibration_argv", lambda *a: [sys.executable, "-c", "import sys; sys.exit(3)"])
+    monkeypatch.setattr(plan_calibrate, "argv", lambda *a: [sys.executable, "-c", "import sys; sys.exit(3)"])
     monkeypatch.chdir(lab)
     assert run_plan(lab, "--busbw", "1.2", "--compute-s", "0.05", "--powersgd-s", "0.015", "--json", "--calibrate",
                     "precision=fp16", "comm.compression=powersgd") == 1
@@ -339,7 +339,7 @@ def test_a_global_batch_the_ranks_cannot_split_evenly_is_saved_under_trains_key(
 
 
 def test_calibrate_without_an_mpirun_to_start_says_so_and_exits_1(lab, capsys, monkeypatch):
-    monkeypatch.setattr(cli_plan, "calibration_argv", lambda *a: [str(lab / "no-such-mpirun"), "-np", "4"])
+    monkeypatch.setattr(plan_calibrate, "argv", lambda *a: [str(lab / "no-such-mpirun"), "-np", "4"])
     monkeypatch.chdir(lab)
     assert run_plan(lab, "--busbw", "1.2", "--compute-s", "0.05", "--powersgd-s", "0.015", "--json", "--calibrate",
                     "precision=fp16", "comm.compression=powersgd") == 1

@@ -22,18 +22,10 @@ import argparse
 import json
 import math
 import os
-import shlex
-import subprocess
-import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
-from rich import box
-from rich.markup import escape
-from rich.table import Table
-
-from dscluster import advisor, console, paths, runinfo, state
+from dscluster import advisor, plan_calibrate, state
 from dscluster.check import checkfile
 from dscluster.check.checkfile import CheckFileError
 from dscluster.errors import UsageError
@@ -42,8 +34,6 @@ from dscluster.plan_probe import measure_compute, measure_powersgd
 SCHEMA_VERSION = 1
 COMPRESSION_KEY = "comm.compression"
 """The training config key that compresses gradients on the wire (train/comm.py)."""
-CALIBRATION_STEPS = 12
-"""Steps of a --calibrate run: train's warm-up steps (train/timing.py), then the timed ones."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -74,7 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "when compute is)")
     p.add_argument("--calibrate", action="store_true",
                    help=f"where PowerSGD is in play and no run on these ranks has measured it, first run "
-                   f"{CALIBRATION_STEPS} PowerSGD steps of this config on the hostfile's nodes (the README's mpirun "
+                   f"{plan_calibrate.STEPS} PowerSGD steps of this config on the hostfile's nodes (the README's mpirun "
                    "of entry_cn.sh, about a minute) and correct the plan by what they measure")
     p.add_argument("--no-calibration", action="store_true",
                    help="ignore what earlier runs measured against their plans (<state>/plans.json outcomes)")
@@ -365,7 +355,7 @@ def build(args: argparse.Namespace, inputs: dict, calibration: dict[str, dict],
             notes.append(f"PowerSGD is not calibrated on {world} ranks yet: its hook costs more across ranks than "
                          "the one-rank probe shows (first runs on GPU labs measured 23 % below to 6 % above this "
                          "prediction). "
-                         f"`dscluster plan --calibrate` measures it first with a {CALIBRATION_STEPS}-step run on "
+                         f"`dscluster plan --calibrate` measures it first with a {plan_calibrate.STEPS}-step run on "
                          "these nodes; any PowerSGD run here does the same for the next plan")
     doc = {
         "schema": SCHEMA_VERSION, "config": args.config, "model": cfg.model.name, "params": inputs["params"],
@@ -406,25 +396,6 @@ def uses_powersgd(cfg, rec: advisor.Recommendation, world: int) -> bool:
                           or (rec.choice is not None and rec.choice.compression == "powersgd"))
 
 
-def calibration_overrides() -> list[str]:
-    """What a calibration run adds to the user's overrides: PowerSGD from step 2 (its default start,
-    after the warm-up, would leave every timed step uncompressed), a short run, no checkpoint."""
-    return [f"{COMPRESSION_KEY}=powersgd", "comm.powersgd_start_step=2", f"max_steps={CALIBRATION_STEPS}",
-            "checkpoint.every_epochs=0", "progress=false"]
-
-
-def calibration_argv(args: argparse.Namespace, run_id: str, world: int) -> list[str]:
-    """The README's command for this config, PowerSGD on: `mpirun -np N --hostfile H entry_cn.sh
-    --config C OVERRIDES` (launch/mpirun.py builds it), the run named `run_id` on every rank. Not
-    `dscluster launch`: that insists on the hostfile check ran on, and a plan for the first two
-    nodes of a lab is a fair question."""
-    from dscluster.launch.mpirun import App, mpirun_argv, mpirun_path
-
-    program = [str(paths.entry_script()), "--config", args.config, *args.overrides, *calibration_overrides()]
-    return mpirun_argv(mpirun_path(), [App(world, program, {"DSCLUSTER_RUN_ID": run_id})],
-                       hostfile=args.hostfile, as_root=os.geteuid() == 0)
-
-
 def calibrate(args: argparse.Namespace, inputs: dict, doc: dict,
               rec: advisor.Recommendation) -> tuple[dict, advisor.Recommendation]:
     """--calibrate: where PowerSGD is in play on several ranks and no run here has measured it yet,
@@ -445,97 +416,22 @@ def calibrate(args: argparse.Namespace, inputs: dict, doc: dict,
     entry = {"images_per_s": p.images_per_s, "step_s": p.step_s, "model_step_s": p.model_step_s,
              "setting": "calibration", "config": args.config, "hostfile": doc["hostfile"],
              "busbw_GBps": doc["busbw_GBps"], "compute_s": doc["compute"]["seconds"],
-             "overrides": calibration_overrides()}
+             "overrides": plan_calibrate.overrides()}
     save(doc, {k: entry})
-    run_id = f"calibrate-powersgd-{time.strftime('%Y%m%d-%H%M%S')}"
-    argv = calibration_argv(args, run_id, world)
-    print(f"dscluster plan: measuring PowerSGD on {world} ranks with a {CALIBRATION_STEPS}-step run "
-          f"(runs/{run_id}): {shlex.join(argv)}", file=sys.stderr, flush=True)
-    t0 = time.monotonic()
-    try:
-        with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              errors="replace") as proc:
-            for line in proc.stdout:  # passed on as it comes: a minute of training should not look like a hang
-                sys.stderr.write(line)
-                sys.stderr.flush()
-        rc = proc.returncode
-    except OSError as e:  # no mpirun to start
-        print(f"dscluster plan: could not start {argv[0]}: {e}", file=sys.stderr)
-        rc = 127
-    seconds = time.monotonic() - t0
-    run_dir = runinfo.runs_root() / run_id
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        summary = {}
-    measured = summary.get("images_per_s")
-    run = {"compression": "powersgd", "run_id": run_id, "run_dir": str(run_dir), "exit_code": rc,
-           "seconds": round(seconds, 1), "global_batch": p.global_batch, "images_per_s": measured,
-           "model_images_per_s": p.images_per_s}
+    run = plan_calibrate.run(args.hostfile, args.config, args.overrides, world)
+    run.update(global_batch=p.global_batch, model_images_per_s=p.images_per_s)
     calibration = calibration_of(args, inputs)
+    rc, run_dir = run["exit_code"], run["run_dir"]
     if rc != 0 or "powersgd" not in calibration:
         doc["calibration_runs"] = [run]
         doc["notes"].append(f"--calibrate: the PowerSGD run {run_dir} " + (f"exited {rc}" if rc else
                             "recorded no outcome") + ": the plan above is not calibrated; its output is above")
         return doc, rec
     doc, rec = build(args, inputs, calibration, [run])
-    doc["notes"].append(f"--calibrate: PowerSGD measured {measured:,.0f} img/s at global batch {p.global_batch} "
-                        f"in {run_dir} ({seconds:.0f} s), where the model alone gave {p.images_per_s:,.0f}")
+    doc["notes"].append(f"--calibrate: PowerSGD measured {run['images_per_s']:,.0f} img/s at global batch "
+                        f"{p.global_batch} in {run_dir} ({run['seconds']:.0f} s), where the model alone gave "
+                        f"{p.images_per_s:,.0f}")
     return doc, rec
-
-
-def _row(label: str, p: dict, style: str = "") -> list[str]:
-    cells = [label, f"{p['global_batch']:,}", f"{p['compute_s']:.3f}", f"{p['comm_s']:.3f}", f"{p['hidden_s']:.3f}",
-             f"{p['step_s']:.3f}", f"{p['images_per_s']:,.0f}", f"{p['speedup']:.2f}×", f"{p['efficiency']:.0%}"]
-    return [f"[{style}]{c}[/]" if style else c for c in cells]
-
-
-def render(doc: dict) -> None:
-    out = console.out
-    p, rec = doc["prediction"], doc["recommendation"]
-    wire = (f", {doc['wire_bytes'] / 1e6:.1f} MB on the wire with {doc['compression']}"
-            if doc["compression"] != "none" else "")
-    out.print(escape(f"dscluster plan: {doc['model']} ({doc['params'] / 1e6:.1f} M parameters, "
-                     f"{doc['grad_bytes'] / 1e6:.0f} MB of {doc['grad_format']} gradients a step{wire}) on "
-                     f"{len(doc['nodes'])} node(s), {doc['world_size']} rank(s) from {doc['hostfile']}, {doc['precision']}"))
-    c = doc["compute"]
-    out.print(escape(f"inputs: all-reduce busbw {doc['busbw_GBps']:.3f} GB/s, {doc['latency_s'] * 1e3:.2f} ms "
-                     f"start-up ({doc['busbw_source']}); "
-                     f"{c['seconds']:.4f} s per micro-batch of {doc['micro_batch']} "
-                     f"({c['source']}{', ' + c['device'] if c['device'] else ''})"), style="dim")
-    table = Table(title="one optimizer step, predicted (s; speed-up over the fastest node alone)",
-                  box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    # short headers: the table fits an 80-column terminal
-    for col in ("setting", "batch", "compute", "comm", "hidden", "step", "img/s", "speed-up", "eff"):
-        table.add_column(col, justify="left" if col == "setting" else "right", no_wrap=True)
-    table.add_row(*_row(f"now: accum {doc['grad_accum']}", p))
-    for key, label in (("choice", "best"), ("without_compression", "best fp32")):
-        o = rec[key]
-        if o and (o["grad_accum"], o["compression"]) != (doc["grad_accum"], "none"):
-            comp = f"+{o['compression']}" if o["compression"] != "none" else ""
-            table.add_row(*_row(f"{label}: accum {o['grad_accum']}{comp}", o["prediction"], "green"))
-    out.print(table)
-    alone = ", ".join(f"{k} {v:,.0f}" for k, v in p["node_images_per_s"].items())
-    out.print(escape(f"each node alone, img/s: {alone}"), style="dim")
-    colour = "red" if p["slower"] else ("green" if p["efficiency"] >= rec["target_efficiency"] else "yellow")
-    out.print(f"[{colour}]verdict[/]: {escape(p['verdict'])}")
-    out.print(f"recommendation: {escape(rec['summary'])}")
-    if rec["overrides"]:
-        prefix = "if you keep every node, " if rec["train_alone"] else ""
-        out.print(f"{prefix}paste after ./entry_cn.sh (or dscluster train):")
-        out.print("    " + " ".join(rec["overrides"]), markup=False)
-    elif rec["reached"]:
-        out.print("nothing to change: the config as it is reaches the target")
-    for line in rec["pending"] + doc["notes"]:
-        out.print(escape(f"note: {line}"), style="dim")
-    if doc["saved_to"]:
-        out.print(escape(f"saved for `dscluster train` to compare with what it measures: {doc['saved_to']}"),
-                  style="dim")
-    a = doc["assumptions"]
-    out.print(escape(f"model: all-reduce = bytes × 2(N−1)/N ÷ busbw + start-up per bucket (3 with PowerSGD), "
-                     f"once per optimizer step; up to "
-                     f"{a['overlap_fraction']:.0%} of the last backward (≈{a['backward_share']:.2f} of compute) hides "
-                     f"it, never the last {a['bucket_bytes'] >> 20} MiB bucket. See docs/advisor.md."), style="dim")
 
 
 def plan_command(args: argparse.Namespace) -> int:
@@ -543,5 +439,7 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(doc, indent=2, sort_keys=True))
     else:
+        from dscluster.cli.plan_render import render
+
         render(doc)
     return 1 if any(r["exit_code"] for r in doc["calibration_runs"]) else 0

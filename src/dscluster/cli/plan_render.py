@@ -1,0 +1,63 @@
+"""`dscluster plan`'s table and notes for a terminal (the document itself: cli/plan.py, docs/schemas.md)."""
+
+from __future__ import annotations
+
+from rich import box
+from rich.markup import escape
+from rich.table import Table
+
+from dscluster import console
+
+
+def _row(label: str, p: dict, style: str = "") -> list[str]:
+    cells = [label, f"{p['global_batch']:,}", f"{p['compute_s']:.3f}", f"{p['comm_s']:.3f}", f"{p['hidden_s']:.3f}",
+             f"{p['step_s']:.3f}", f"{p['images_per_s']:,.0f}", f"{p['speedup']:.2f}×", f"{p['efficiency']:.0%}"]
+    return [f"[{style}]{c}[/]" if style else c for c in cells]
+
+
+def render(doc: dict) -> None:
+    out = console.out
+    p, rec = doc["prediction"], doc["recommendation"]
+    wire = (f", {doc['wire_bytes'] / 1e6:.1f} MB on the wire with {doc['compression']}"
+            if doc["compression"] != "none" else "")
+    out.print(escape(f"dscluster plan: {doc['model']} ({doc['params'] / 1e6:.1f} M parameters, "
+                     f"{doc['grad_bytes'] / 1e6:.0f} MB of {doc['grad_format']} gradients a step{wire}) on "
+                     f"{len(doc['nodes'])} node(s), {doc['world_size']} rank(s) from {doc['hostfile']}, {doc['precision']}"))
+    c = doc["compute"]
+    out.print(escape(f"inputs: all-reduce busbw {doc['busbw_GBps']:.3f} GB/s, {doc['latency_s'] * 1e3:.2f} ms "
+                     f"start-up ({doc['busbw_source']}); "
+                     f"{c['seconds']:.4f} s per micro-batch of {doc['micro_batch']} "
+                     f"({c['source']}{', ' + c['device'] if c['device'] else ''})"), style="dim")
+    table = Table(title="one optimizer step, predicted (s; speed-up over the fastest node alone)",
+                  box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    # short headers: the table fits an 80-column terminal
+    for col in ("setting", "batch", "compute", "comm", "hidden", "step", "img/s", "speed-up", "eff"):
+        table.add_column(col, justify="left" if col == "setting" else "right", no_wrap=True)
+    table.add_row(*_row(f"now: accum {doc['grad_accum']}", p))
+    for key, label in (("choice", "best"), ("without_compression", "best fp32")):
+        o = rec[key]
+        if o and (o["grad_accum"], o["compression"]) != (doc["grad_accum"], "none"):
+            comp = f"+{o['compression']}" if o["compression"] != "none" else ""
+            table.add_row(*_row(f"{label}: accum {o['grad_accum']}{comp}", o["prediction"], "green"))
+    out.print(table)
+    alone = ", ".join(f"{k} {v:,.0f}" for k, v in p["node_images_per_s"].items())
+    out.print(escape(f"each node alone, img/s: {alone}"), style="dim")
+    colour = "red" if p["slower"] else ("green" if p["efficiency"] >= rec["target_efficiency"] else "yellow")
+    out.print(f"[{colour}]verdict[/]: {escape(p['verdict'])}")
+    out.print(f"recommendation: {escape(rec['summary'])}")
+    if rec["overrides"]:
+        prefix = "if you keep every node, " if rec["train_alone"] else ""
+        out.print(f"{prefix}paste after ./entry_cn.sh (or dscluster train):")
+        out.print("    " + " ".join(rec["overrides"]), markup=False)
+    elif rec["reached"]:
+        out.print("nothing to change: the config as it is reaches the target")
+    for line in rec["pending"] + doc["notes"]:
+        out.print(escape(f"note: {line}"), style="dim")
+    if doc["saved_to"]:
+        out.print(escape(f"saved for `dscluster train` to compare with what it measures: {doc['saved_to']}"),
+                  style="dim")
+    a = doc["assumptions"]
+    out.print(escape(f"model: all-reduce = bytes × 2(N−1)/N ÷ busbw + start-up per bucket (3 with PowerSGD), "
+                     f"once per optimizer step; up to "
+                     f"{a['overlap_fraction']:.0%} of the last backward (≈{a['backward_share']:.2f} of compute) hides "
+                     f"it, never the last {a['bucket_bytes'] >> 20} MiB bucket. See docs/advisor.md."), style="dim")
