@@ -26,6 +26,8 @@ comes down at the end, whatever happened.
 
 Writes bench/results/<date>-<card>-lab-<link>.json (or --out):
 - card (check's device), link, date and check's all-reduce;
+- accuracy_by_compression: where runs evaluated, the held-out accuracy per comm.compression
+  (each run's, the mean, points against none);
 - per run: images/s (summary.json: images ÷ wall-clock of the timed steps), held-out accuracy
   where the run evaluated, plan's prediction, the deviation, and the median step split of rank 0
   after warm-up.
@@ -33,6 +35,8 @@ Writes bench/results/<date>-<card>-lab-<link>.json (or --out):
 --calibrate plans each multi-node run with `dscluster plan --calibrate`: where PowerSGD is in play
 and no run on those ranks has measured it, plan first runs 12 PowerSGD steps there; the results
 keep that run (`calibration_runs`: its img/s and what the model alone gave).
+
+--no-plan runs the README command alone: for runs that measure accuracy, not the prediction.
 
 --keep DIR copies each run directory (without checkpoints) there, for `analysis/plot.py` and for
 checking any figure against the per-rank metrics.
@@ -126,6 +130,21 @@ def median_split(run_dir: Path) -> dict | None:
     return out
 
 
+def accuracy_by_compression(runs: list[dict]) -> dict:
+    """Held-out accuracy per comm.compression (the run's override; "none" without one): each run's,
+    their mean, and the mean's difference from none's in points."""
+    groups: dict[str, list[float]] = {}
+    for r in runs:
+        if isinstance(r.get("accuracy"), (int, float)):
+            words = dict(w.split("=", 1) for w in r["overrides"].split() if "=" in w)
+            groups.setdefault(words.get("comm.compression", "none"), []).append(r["accuracy"])
+    out = {k: {"accuracies": v, "accuracy": round(statistics.mean(v), 4)} for k, v in groups.items()}
+    for v in out.values():
+        if "none" in out:
+            v["points_vs_none"] = round(100 * (v["accuracy"] - out["none"]["accuracy"]), 2)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -142,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calibrate", action="store_true",
                    help="plan every multi-node run with `dscluster plan --calibrate` (a short PowerSGD run first "
                    "where PowerSGD is in play and not yet measured on those ranks)")
+    p.add_argument("--no-plan", action="store_true",
+                   help="run the README command only, without `dscluster plan` before it (accuracy runs: "
+                   "the prediction is not what they measure)")
     p.add_argument("--keep", type=Path, help="copy each run directory here (checkpoints left out) before the lab "
                    "comes down: the per-rank metrics behind every figure")
     p.add_argument("runs", nargs="+", metavar="RUN")
@@ -202,12 +224,14 @@ def main(argv: list[str] | None = None) -> int:
                 overrides = overrides.replace("@rec", rec[cfg])
             plan_file = work / f"plan-{name}.json"
             calibrate = "--calibrate " if args.calibrate and nodes > 1 else ""
-            lab.node1(cd + f"dscluster plan --hostfile hosts{nodes}.txt --json {calibrate}{overrides} > {plan_file.name}",
-                      900)
-            try:
-                plan = json.loads(plan_file.read_text())
-            except (OSError, ValueError):
-                plan = None
+            plan = None
+            if not args.no_plan:
+                lab.node1(cd + f"dscluster plan --hostfile hosts{nodes}.txt --json {calibrate}{overrides} > {plan_file.name}",
+                          900)
+                try:
+                    plan = json.loads(plan_file.read_text())
+                except (OSError, ValueError):
+                    plan = None
             if plan and nodes > 1 and plan["recommendation"].get("overrides"):
                 rec[cfg] = " ".join(with_recommendation(overrides, plan["recommendation"]["overrides"]))
             t0 = time.time()
@@ -236,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                                 ignore=shutil.ignore_patterns("checkpoints"))
             print(f"{name}: {nodes} node(s), {ranks[nodes]} rank(s), rc {r.returncode}, {summary.get('images_per_s') or 0:,.1f} img/s, plan "
                   f"{pred.get('images_per_s') or 0:,.1f}", flush=True)
+            doc["accuracy_by_compression"] = accuracy_by_compression(doc["runs"])
             atomic_write_json(out, doc)
     finally:
         lab.dsc("sim", "down", "--lab", LAB)

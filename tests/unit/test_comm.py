@@ -176,6 +176,20 @@ def _ddp_worker(rank: int, world: int, port: int, tmp: str, out):
                 other = CommHook("powersgd", None, powersgd_rank=2, powersgd_start_step=2)
                 results["other_world"] = other.restore(tmp, rank, world + 1, "cpu", lambda v: _gather(v, world))
                 results["other_world_iter"] = other.state.iter
+        # an overflowed step (an fp16 gradient that reached inf) in the middle of PowerSGD
+        model = torch.nn.Sequential(*[torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)])
+        model.load_state_dict(template.state_dict())
+        ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+        hook = CommHook("powersgd", None, powersgd_rank=2, powersgd_start_step=2)
+        ddp.register_comm_hook(None, hook.hook)
+        finite = []
+        for step in range(7):
+            ddp.zero_grad()
+            loss = ddp(x).square().mean()
+            (loss * float("inf") if step == 3 else loss).backward()
+            finite.append(all(bool(torch.isfinite(p.grad).all()) for p in ddp.parameters()))
+        results["overflow_finite"] = finite
+        results["overflow_grads"] = torch.cat([p.grad.flatten() for p in ddp.parameters()]).tolist()
         out.put((rank, results))
     finally:
         tdist.destroy_process_group()
@@ -224,6 +238,15 @@ def test_every_option_averages_the_ranks_gradients_and_marks_the_hand_off(two_ra
     p0, p1 = (torch.tensor(results[r]["powersgd"]["grads"]) for r in (0, 1))
     assert torch.allclose(p0[0], ref, rtol=1e-5, atol=1e-7)
     assert torch.allclose(p0[3], p1[3]) and not torch.allclose(p0[3], torch.tensor(results[0]["none"]["grads"][3]))
+
+
+def test_powersgd_recovers_from_an_overflowed_step_instead_of_overflowing_ever_after(two_ranks):
+    # an fp16 step whose gradients overflow is skipped by the loss scaler; the steps after it must
+    # be finite again (the error feedback of the overflowed step would otherwise poison them all)
+    results, _ = two_ranks
+    for rank in (0, 1):
+        assert results[rank]["overflow_finite"] == [True, True, True, False, True, True, True]
+    assert results[0]["overflow_grads"] == results[1]["overflow_grads"]  # the ranks still agree
 
 
 def test_powersgd_state_survives_a_checkpoint_per_rank_and_starts_fresh_on_another_rank_count(two_ranks):

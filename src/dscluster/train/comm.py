@@ -62,6 +62,8 @@ class CommHook:
         self.delay_s = delay_s
         self.settled = False  # the first synchronised backward of this process is over
         self.state = None
+        self.seed = seed
+        self._fresh_q: dict[int, torch.Tensor] = {}  # per bucket: Q's restart after an overflow
         if compression == "powersgd":
             self.state = psgd.PowerSGDState(
                 process_group=None, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=powersgd_start_step,
@@ -89,7 +91,29 @@ class CommHook:
                 self.settled = True
             self.state.maybe_increase_iter(bucket)  # as powerSGD_hook does for its plain all-reduce steps
             return default_hooks.allreduce_hook(None, bucket)
+        self._drop_non_finite(bucket.index())
         return psgd.powerSGD_hook(self.state, bucket)
+
+    def _drop_non_finite(self, index: int) -> None:
+        """Clear what an overflowed step left in this bucket's state, on the device, without a sync.
+
+        An fp16 step whose gradients overflow reaches the hook with inf in them: the error feedback
+        and the warm-start factors Q it leaves are inf/NaN. The loss scaler skips that step, but
+        torch's hook would add the NaN error to every later step's gradients, so every later step
+        overflows too (seen on 4 GPUs: 26 of 50 steps, the scale halved down to 0.0005, the run
+        stopped). Here a non-finite error is dropped (that step was skipped anyway) and a
+        non-finite Q restarts from a fixed random one, the same on every rank (Q is all-reduced).
+        One pass over the error per step, done for every precision so the cost is always counted.
+        """
+        err = self.state.error_dict.get(index)
+        if err is not None:
+            torch.nan_to_num_(err, nan=0.0, posinf=0.0, neginf=0.0)
+        q = self.state.q_memory_dict.get(index)
+        if q is not None:
+            if index not in self._fresh_q:
+                g = torch.Generator(device=q.device).manual_seed(self.seed * 1000003 + index)
+                self._fresh_q[index] = torch.randn(q.shape, generator=g, device=q.device, dtype=q.dtype)
+            q.copy_(torch.where(torch.isfinite(q), q, self._fresh_q[index]))
 
     # --- PowerSGD state in checkpoints -------------------------------------------------------------
 
