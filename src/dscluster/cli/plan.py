@@ -227,11 +227,15 @@ def saved_entries(doc: dict, cfg, rec: advisor.Recommendation, args) -> dict[str
     out = {}
     for name, _accum, comp, p, ovr in settings:
         k = run_key(doc, cfg, p["global_batch"] if any(o.startswith("global_batch=") for o in ovr) else None, comp)
-        out.setdefault(k, {"images_per_s": p["images_per_s"], "step_s": p["step_s"], "setting": name,
-                           "config": args.config, "hostfile": doc["hostfile"], "busbw_GBps": doc["busbw_GBps"],
-                           "compute_s": doc["compute"]["seconds"], "overrides": ovr,
-                           "model_step_s": p["model_step_s"]})
+        out.setdefault(k, saved_entry(doc, args, name, p, ovr))
     return out
+
+
+def saved_entry(doc: dict, args, setting: str, p: dict, ovr: list[str]) -> dict:
+    """One plans.json entry (train/predicted.py): a setting's predicted figures and what they came from."""
+    return {"images_per_s": p["images_per_s"], "step_s": p["step_s"], "model_step_s": p["model_step_s"],
+            "setting": setting, "config": args.config, "hostfile": doc["hostfile"], "busbw_GBps": doc["busbw_GBps"],
+            "compute_s": doc["compute"]["seconds"], "overrides": ovr}
 
 
 def run_key(doc: dict, cfg, global_batch: int | None, compression: str) -> str:
@@ -412,12 +416,8 @@ def calibrate(args: argparse.Namespace, inputs: dict, doc: dict,
     # the PowerSGD setting at the config's own batch, saved so that train finds its model step
     scenario = replace(scenario_of(inputs, {}), compression="powersgd")
     p = advisor.predict(scenario)
-    k = run_key(doc, cfg, None, "powersgd")
-    entry = {"images_per_s": p.images_per_s, "step_s": p.step_s, "model_step_s": p.model_step_s,
-             "setting": "calibration", "config": args.config, "hostfile": doc["hostfile"],
-             "busbw_GBps": doc["busbw_GBps"], "compute_s": doc["compute"]["seconds"],
-             "overrides": plan_calibrate.overrides()}
-    save(doc, {k: entry})
+    save(doc, {run_key(doc, cfg, None, "powersgd"):
+               saved_entry(doc, args, "calibration", p.to_dict(), plan_calibrate.overrides())})
     run = plan_calibrate.run(args.hostfile, args.config, args.overrides, world)
     run.update(global_batch=p.global_batch, model_images_per_s=p.images_per_s)
     calibration = calibration_of(args, inputs)

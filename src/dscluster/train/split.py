@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 FIELDS = ("compute_s", "comm_s", "data_s", "other_s")
 """What a step record gains (docs/run-directory.md)."""
@@ -50,7 +50,7 @@ class Marks:
     end: object = None
     data_s: float = 0.0
     """Host seconds getting batches (CPU)."""
-    data_events: list = None
+    data_events: list = field(default_factory=list)
     """(before, after) CUDA events around each batch (GPU)."""
 
 
@@ -93,7 +93,7 @@ class StepSplit:
             if m is not None:
                 m.data_s += self.clock() - t0
                 if before is not None:
-                    m.data_events = (m.data_events or []) + [(before, self._mark())]
+                    m.data_events.append((before, self._mark()))
 
     def bucket_handed(self) -> None:
         """A gradient bucket goes to communication (called by the DDP hook; the last call counts)."""
@@ -141,7 +141,7 @@ class StepSplit:
             spans.append(rec["data_s"] + rec["compute_s"] + (comm or 0.0))
             if self.cuda:
                 self._free += [e for e in (m.start, m.handed, m.reduced, m.end) if e is not None]
-                self._free += [e for pair in m.data_events or () for e in pair]
+                self._free += [e for pair in m.data_events for e in pair]
         other = max(0.0, window_s - sum(spans)) / len(records) if records else 0.0
         for rec in records:
             rec["other_s"] = other
