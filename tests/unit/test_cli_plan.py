@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dscluster import plan_calibrate, plan_probe
-from dscluster.cli import plan as cli_plan
+from dscluster.plan import calibrate as plan_calibrate, inputs as plan_inputs, probe as plan_probe
 from dscluster.cli import main
 from dscluster.errors import UsageError
 
@@ -124,16 +123,16 @@ def test_batch_shape_follows_the_trainer():
     from dscluster.train.config import load_config
 
     cfg = load_config(REPO / "configs/vit_base.yaml")
-    assert cli_plan.batch_shape(cfg, 4)[:2] == (128, 1)  # auto: global batch 512 ÷ 4 ranks
+    assert plan_inputs.batch_shape(cfg, 4)[:2] == (128, 1)  # auto: global batch 512 ÷ 4 ranks
     cfg = load_config(REPO / "configs/vit_base.yaml", ["micro_batch=32"])
-    assert cli_plan.batch_shape(cfg, 4) == (32, 4, None)  # accumulation keeps global batch 512
+    assert plan_inputs.batch_shape(cfg, 4) == (32, 4, None)  # accumulation keeps global batch 512
 
 
 def test_busbw_from_a_broken_check_json(tmp_path):
     path = tmp_path / "check.json"
     path.write_text("{not json")
     with pytest.raises(UsageError, match="run `dscluster check`"):
-        cli_plan.busbw_from_check(path)
+        plan_inputs.busbw_from_check(path)
 
 
 def test_measures_compute_on_this_machine():
@@ -175,7 +174,7 @@ def test_check_on_another_rank_count_is_noted(lab, capsys):
 
 def test_recommendation_pastes_as_overrides_and_its_prediction_is_saved_for_train(lab, capsys, monkeypatch):
     from dscluster.cli.train import check_batch_arithmetic
-    from dscluster.train import predicted
+    from dscluster.plan import predicted
     from dscluster.train.config import load_config
 
     monkeypatch.setenv("DSCLUSTER_PRECISION", "bf16")  # what `dscluster check` decided for the cluster
@@ -207,7 +206,7 @@ def test_half_gradients_are_not_offered_half_precision_compression(lab, capsys):
 
 
 def test_saved_prediction_against_the_measured_figure(tmp_path):
-    from dscluster.train import predicted
+    from dscluster.plan import predicted
 
     env = {"DSCLUSTER_STATE": str(tmp_path / "state")}
     k = predicted.key(model="m", micro_batch=32, global_batch=64, precision="fp32", compression="powersgd", ranks=2)
@@ -238,7 +237,7 @@ def test_powersgd_work_is_measured_with_trainings_hook_and_latency_comes_from_ch
 
 
 # What the 2-node GPU lab (one H100 per node, 10 Gbit) measured on 2026-11-26: ViT-B/16 fp16,
-# micro-batch 128, PowerSGD at global 256 and at 512 (grad_accum 2): the advisor's model step and
+# micro-batch 128, PowerSGD at global 256 and at 512 (grad_accum 2): the model's step and
 # the measured one (bench/results/2026-11-26-2node-gpu-lab-binding-advisor.json).
 LAB_10GBIT = dict(busbw="1.194", compute="0.053", powersgd="0.0163")
 LAB_OUTCOMES = [(256, 0.0808, 256 / 2839.5), (512, 0.1231, 512 / 3615.0)]
@@ -254,7 +253,7 @@ def plan_2_nodes(lab, capsys, *extra):
 
 
 def test_runs_measured_against_their_plan_correct_the_next_recommendation(lab, capsys):
-    from dscluster.train import predicted
+    from dscluster.plan import predicted
 
     first = plan_2_nodes(lab, capsys)
     choice = first["recommendation"]["choice"]
@@ -321,7 +320,7 @@ def test_a_failed_calibration_run_exits_1_and_leaves_the_plan_uncalibrated(lab, 
 
 
 def test_a_global_batch_the_ranks_cannot_split_evenly_is_saved_under_trains_key(lab, capsys):
-    from dscluster.train import predicted
+    from dscluster.plan import predicted
 
     (lab / "three.txt").write_text("node1 slots=1\nnode2 slots=1\nnode3 slots=1\n")
     assert main(["plan", "--config", str(REPO / "configs/digits.yaml"), "--hostfile", str(lab / "three.txt"),

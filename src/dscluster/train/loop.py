@@ -4,8 +4,8 @@ Order of events: rank detection and env → what the config cannot apply here (c
 for this rank's precision: exit 2 before anything is written) → run directory (env snapshot) →
 process group (gloo on CPU, nccl on GPU, bounded timeout) → data/model/engine (setup_engine) →
 resume → per epoch: equal-step check, steps (step.py; records per log window, logwindow.py),
-held-out eval on rank 0 between barriers (evaluation.py), checkpoint → summary, and the advisor's
-saved prediction beside the measured images/s (predicted.py). Any exception still writes the
+held-out eval on rank 0 between barriers (evaluation.py), checkpoint → summary, and plan's
+saved prediction beside the measured images/s (plan/predicted.py). Any exception still writes the
 `end` record and, where this rank knows the story, a failed summary.json; the process group is
 destroyed in `finally`. Every rank keeps RUN_DIR/traces/rank-R.txt open for Python stack dumps
 (traces.py); a failing rank also dumps torch's flight recorder to RUN_DIR/nccl_trace/ before the
@@ -25,7 +25,8 @@ import torch
 from dscluster import console, cpus, liveness, runinfo
 from dscluster.errors import DsclusterError, UsageError
 from dscluster.fsutil import atomic_write_json, atomic_write_text
-from dscluster.train import checkpoint, dist, evaluation, faults, guards, predicted
+from dscluster.plan import predicted
+from dscluster.train import checkpoint, dist, evaluation, faults, guards
 from dscluster.train.config import TrainConfig, to_yaml
 from dscluster.train.config_checks import ConfigValueError, compression_conflict
 from dscluster.train.logwindow import LogWindow

@@ -1,6 +1,6 @@
 """What `dscluster plan` measures on this machine: the compute time of one micro-batch of the
-config's model, and PowerSGD's own work per optimizer step with training's hook. The advisor
-(dscluster.advisor) turns them into a prediction; docs/advisor.md says how they are taken."""
+config's model, and PowerSGD's own work per optimizer step with training's hook. The model
+(plan/model.py) turns them into a prediction; docs/plan.md says how they are taken."""
 
 from __future__ import annotations
 

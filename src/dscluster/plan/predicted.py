@@ -1,4 +1,4 @@
-"""The advisor's saved predictions: `dscluster plan` writes them, `dscluster train` measures against them.
+"""plan's saved predictions: `dscluster plan` writes them, `dscluster train` measures against them.
 
 <state>/plans.json (the state directory of state.py), written atomically, one entry per config:
 
@@ -17,7 +17,7 @@ looks its config up and prints "plan predicted X img/s, measured Y img/s (±Z%)"
 keeps both (`plan`). A later `plan` for the same key replaces the entry.
 
 Each such comparison is also kept as an outcome (the last MAX_OUTCOMES): the step time the run
-measured against the advisor's uncorrected model step (`model_step_s`). `calibration` turns the
+measured against plan's uncorrected model step (`model_step_s`). `calibration` turns the
 outcomes of the same model, precision and ranks into one figure per compression, the median of
 measured − modelled seconds per optimizer step, and `plan` adds it to its step times: a lab whose
 PowerSGD steps took 20 ms more than modelled gets its next recommendation from the corrected
@@ -121,7 +121,7 @@ def compare(plan_key: str, measured_images_per_s: float | None, env=None) -> dic
     return {"key": plan_key, "predicted_images_per_s": predicted, "measured_images_per_s": measured_images_per_s,
             "deviation_percent": round(100.0 * (measured_images_per_s - predicted) / predicted, 1),
             "predicted_step_s": entry.get("step_s"), "planned_at": entry.get("created"),
-            # the advisor's step before calibration (plans older than calibration: their step_s)
+            # the model's step before calibration (plans older than calibration: their step_s)
             "model_step_s": entry.get("model_step_s", entry.get("step_s")),
             "setting": entry.get("setting"), "file": str(path(env))}
 

@@ -1,4 +1,4 @@
-"""`dscluster plan`'s table and notes for a terminal (the document itself: cli/plan.py, docs/schemas.md)."""
+"""`dscluster plan`'s table and notes for a terminal (the document itself: plan/document.py, docs/schemas.md)."""
 
 from __future__ import annotations
 
@@ -60,4 +60,4 @@ def render(doc: dict) -> None:
     out.print(escape(f"model: all-reduce = bytes × 2(N−1)/N ÷ busbw + start-up per bucket (3 with PowerSGD), "
                      f"once per optimizer step; up to "
                      f"{a['overlap_fraction']:.0%} of the last backward (≈{a['backward_share']:.2f} of compute) hides "
-                     f"it, never the last {a['bucket_bytes'] >> 20} MiB bucket. See docs/advisor.md."), style="dim")
+                     f"it, never the last {a['bucket_bytes'] >> 20} MiB bucket. See docs/plan.md."), style="dim")
