@@ -7,7 +7,7 @@ The `--json` document (schema version `SCHEMA_VERSION`) is described in docs/sch
 from __future__ import annotations
 
 from dscluster.plan import calibrate as calibration_run, model, predicted
-from dscluster.plan.inputs import COMPRESSION_KEY, PlanInputs, PlanOptions
+from dscluster.plan.inputs import COMPRESSION_KEY, PlanInputs, PlanOptions, figure_of
 
 SCHEMA_VERSION = 1
 
@@ -46,7 +46,7 @@ def saved_entry(doc: dict, opts: PlanOptions, setting: str, p: dict, ovr: list[s
     """One plans.json entry (plan/predicted.py): a setting's predicted figures and what they came from."""
     return {"images_per_s": p["images_per_s"], "step_s": p["step_s"], "model_step_s": p["model_step_s"],
             "setting": setting, "config": opts.config, "hostfile": doc["hostfile"], "busbw_GBps": doc["busbw_GBps"],
-            "compute_s": doc["compute"]["seconds"], "overrides": ovr}
+            "compute_s": doc["compute"]["seconds"], "overrides": ovr, "compute": figure_of(doc["compute"])}
 
 
 def run_key(doc: dict, cfg, global_batch: int | None, compression: str) -> str:
@@ -79,11 +79,11 @@ def uses_powersgd(cfg, rec: model.Recommendation, world: int) -> bool:
                           or (rec.choice is not None and rec.choice.compression == "powersgd"))
 
 
-def notes_of(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
-             rec: model.Recommendation) -> list[str]:
+def notes_of(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict], rec: model.Recommendation,
+             p: model.Prediction) -> list[str]:
     """What the reader should know about the inputs and the model's reach, one line each."""
     cfg, world, powersgd_s = inputs.cfg, inputs.world, inputs.powersgd_s
-    notes = [n for n in (inputs.batch_note, inputs.how["note"], inputs.precision_note) if n]
+    notes = [n for n in (inputs.batch_note, inputs.how["note"], inputs.precision_note) if n] + inputs.notes
     if inputs.check_world and inputs.check_world != world:
         notes.append(f"check measured the all-reduce over {inputs.check_world} ranks, this plan has {world}: if the "
                      f"hostfile changed, run `dscluster check --hostfile {opts.hostfile}` again")
@@ -95,6 +95,11 @@ def notes_of(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict]
         notes.append(f"calibrated by {c['runs']} earlier run(s) of this model on {world} rank(s): {comp} steps took "
                      f"{abs(c['extra_s']) * 1e3:.1f} ms {more} than the model gives, so its step times {act} that "
                      "(--no-calibration ignores them)")
+    if p.model_step_s + p.calibration_s < p.compute_s:
+        notes.append(f"the calibration puts the step at {(p.model_step_s + p.calibration_s) * 1e3:.1f} ms, less than the "
+                     f"{p.compute_s * 1e3:.1f} ms of compute the compute figure gives alone: that figure is too slow "
+                     "(a disturbed probe, or eager against compiled training), and the step shown is the compute; "
+                     "pass --compute-s from a training run, or plan with --no-calibration when the machine is idle")
     if uses_powersgd(cfg, rec, world):
         notes.append((f"PowerSGD: its own work {powersgd_s * 1e3:.1f} ms a step"
                       + (" (--powersgd-s)" if opts.powersgd_s is not None else ", measured here")
@@ -137,7 +142,7 @@ def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
                                                                    inputs.micro),
                            "pending": inputs.refused},
         "saved_to": None,
-        "notes": notes_of(opts, inputs, calibration, rec),
+        "notes": notes_of(opts, inputs, calibration, rec, prediction),
     }
     save(doc, saved_entries(doc, cfg, rec, opts))
     return doc, rec

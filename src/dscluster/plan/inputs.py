@@ -15,7 +15,7 @@ from dscluster.check import checkfile
 from dscluster.check.checkfile import CheckFileError
 from dscluster.errors import UsageError
 from dscluster.hosts import Hostfile
-from dscluster.plan import model
+from dscluster.plan import model, predicted
 
 COMPRESSION_KEY = "comm.compression"
 """The training config key that compresses gradients on the wire (train/comm.py)."""
@@ -100,6 +100,11 @@ class PlanInputs:
     """Why training refuses the others (one line per cause)."""
     powersgd_s: float | None = None
     """PowerSGD's own work per optimizer step; None: not measured."""
+    calibration: dict[str, dict] = field(default_factory=dict)
+    """What earlier runs measured against their plans, per compression (`predicted.calibration`), those
+    made with this plan's compute figure (or with none measured here) only."""
+    notes: list[str] = field(default_factory=list)
+    """What the reader should know about the compute figure: reused, disturbed, calibrations set aside."""
 
     def __post_init__(self):
         if set(self.compute) != set(self.hostfile.names):
@@ -246,7 +251,7 @@ def measure(opts: PlanOptions) -> PlanInputs:
     """Everything the prediction is made from that costs a measurement or a model build, once: a
     calibration run rebuilds the plan from the same inputs."""
     from dscluster.hosts import parse_hostfile
-    from dscluster.plan.probe import measure_compute, measure_powersgd
+    from dscluster.plan.probe import measure_powersgd
     from dscluster.train.config import load_config
     from dscluster.train.precision import gradient_format
 
@@ -264,17 +269,85 @@ def measure(opts: PlanOptions) -> PlanInputs:
     params, matrices = gradient_shapes(cfg, in_chans, num_classes)
     precision, precision_note = planned_precision(cfg)
     allowed, refused = allowed_compressions(cfg, precision)
+    calibration = {} if opts.no_calibration else predicted.calibration(model=cfg.model.name, precision=precision,
+                                                                       ranks=world)
+    notes: list[str] = []
     if compute is None:
-        seconds, device, note = measure_compute(cfg, in_chans, num_classes, micro)
-        compute, how = dict.fromkeys(names, seconds), {"seconds": seconds, "source": "measured", "device": device,
-                                                       "note": note}
+        how = compute_figure(cfg, in_chans, num_classes, micro, precision, calibration, notes)
+        compute = dict.fromkeys(names, how["seconds"])
     else:
-        how = {"seconds": max(compute.values()), "source": "--compute-s", "device": None, "note": None}
-    powersgd_s = opts.powersgd_s
+        how = {"seconds": max(compute.values()), "source": "--compute-s", "device": None, "note": None,
+               **dict.fromkeys(FIGURE_KEYS[1:])}
+    calibration = calibrations_with(calibration, how, notes)
+    powersgd_s = opts.powersgd_s if opts.powersgd_s is not None else how["powersgd_s"]
     if powersgd_s is None and allowed.get("powersgd") and world > 1 and how["source"] == "measured":
-        powersgd_s = measure_powersgd(cfg, in_chans, num_classes, micro)
+        powersgd_s = how["powersgd_s"] = measure_powersgd(cfg, in_chans, num_classes, micro)
     return PlanInputs(cfg=cfg, hostfile=hostfile, compute=compute, how=how, source=source, busbw=busbw,
                       check_world=check_world, latency=latency, world=world, micro=micro, accum=accum,
                       batch_note=batch_note, params=params, matrices=matrices, precision=precision,
                       precision_note=precision_note, grad_format=gradient_format(cfg, precision), allowed=allowed,
-                      refused=refused, powersgd_s=powersgd_s)
+                      refused=refused, powersgd_s=powersgd_s, calibration=calibration, notes=notes)
+
+
+def compute_figure(cfg, in_chans: int, num_classes: int, micro: int, precision: str, calibration: dict[str, dict],
+                   notes: list[str]) -> dict:
+    """The compute figure of a plan without --compute-s (the document's `compute`): the one kept with a
+    calibration made on this host, device and config (`probe_key`), else measured now. A calibration
+    is measured − modelled step with the figure its plan had; a figure measured now, under another
+    load, would move the prediction by the difference (a busy head node made one 26x too slow)."""
+    import time
+
+    from dscluster.plan.probe import host_load, measure_steady_compute, probe_key
+
+    key = probe_key(cfg, micro, precision)
+    kept = [c["compute"] for c in calibration.values() if (c.get("compute") or {}).get("probe") == key]
+    if kept:
+        figure = max(kept, key=lambda f: f["measured_at"])
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(figure["measured_at"]))
+        how = {**figure, "source": "calibration",
+               "note": f"compute figure {figure['seconds']:.4f} s per micro-batch ({figure['device']}), measured at "
+                       f"{when} for the plan the calibration's runs were measured against: used again, not measured "
+                       "now (plan measures again when the host, GPU or config change, or with --no-calibration)"}
+    else:
+        f = measure_steady_compute(cfg, in_chans, num_classes, micro)
+        how = {"seconds": f.seconds, "source": "measured", "device": f.device, "note": f.note, "probe": key,
+               "measured_at": time.time(), "spread": round(f.spread, 4), "samples": f.samples,
+               "disturbed": f.disturbed, "powersgd_s": None}
+        if f.disturbed:
+            notes.append(f"the compute probe was disturbed: its {f.samples} samples spread {f.spread:.0%} around "
+                         f"their median{' twice' if f.tries > 1 else ''} ({host_load()}); its figure "
+                         f"{f.seconds:.4f} s is uncertain: plan again when the machine is idle, or pass --compute-s")
+    if how.get("disturbed") and how["source"] == "calibration":
+        notes.append(f"that compute figure was disturbed when measured (samples spread {how['spread']:.0%}): "
+                     "--no-calibration measures it again")
+    return how
+
+
+FIGURE_KEYS = ("seconds", "device", "probe", "measured_at", "spread", "samples", "disturbed", "powersgd_s")
+"""A compute figure as plans.json keeps it with each saved setting (`figure_of`)."""
+
+
+def figure_of(how: dict) -> dict:
+    """The compute figure a plan's settings are saved with; a run's outcome keeps it (plan/predicted.py)."""
+    return {k: how.get(k) for k in FIGURE_KEYS}
+
+
+def calibrations_with(calibration: dict[str, dict], how: dict, notes: list[str]) -> dict[str, dict]:
+    """The calibrations this plan applies: those whose runs were measured against a plan with this
+    compute figure, or with one not measured here (--compute-s, plans older than this rule), or
+    measured for another host, GPU or config (their correction applies, with a note). Those measured
+    here for the same config against another figure are set aside: their correction belongs to it."""
+    figure, out = figure_of(how), {}
+    for comp, c in calibration.items():
+        theirs = c.get("compute") or {}
+        if theirs.get("probe") is None or how["source"] == "--compute-s" or theirs == figure:
+            out[comp] = c
+        elif theirs.get("probe") != figure["probe"]:
+            out[comp] = c
+            notes.append(f"{comp}: the {c['runs']} earlier run(s) calibrating it were planned with a compute figure "
+                         f"taken for another host, GPU or config ({theirs['probe']}): their correction is applied "
+                         "to this one's")
+        else:
+            notes.append(f"{comp}: {c['runs']} earlier run(s) were measured against another compute figure of this "
+                         f"config ({theirs.get('seconds')} s, measured at {theirs.get('measured_at')}): not used")
+    return out

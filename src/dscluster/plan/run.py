@@ -9,21 +9,24 @@ from dataclasses import replace
 
 from dscluster.plan import calibrate as calibration_run, model, predicted
 from dscluster.plan.document import build, run_key, save, saved_entry, scenario_of, uses_powersgd
-from dscluster.plan.inputs import PlanInputs, PlanOptions, measure
+from dscluster.plan.inputs import PlanInputs, PlanOptions, calibrations_with, measure
 
 
 def run(opts: PlanOptions) -> dict:
     """The plan document (docs/schemas.md); `calibration_runs` holds any --calibrate run and its exit code."""
     inputs = measure(opts)
-    doc, rec = build(opts, inputs, calibration_of(opts, inputs))
+    doc, rec = build(opts, inputs, inputs.calibration)
     if opts.calibrate:
         doc, rec = calibrate(opts, inputs, doc, rec)
     return doc
 
 
 def calibration_of(opts: PlanOptions, inputs: PlanInputs) -> dict[str, dict]:
-    return {} if opts.no_calibration else predicted.calibration(model=inputs.cfg.model.name,
-                                                                precision=inputs.precision, ranks=inputs.world)
+    """The calibration as it stands now, for this plan's compute figure (`inputs.calibrations_with`)."""
+    if opts.no_calibration:
+        return {}
+    found = predicted.calibration(model=inputs.cfg.model.name, precision=inputs.precision, ranks=inputs.world)
+    return calibrations_with(found, inputs.how, [])
 
 
 def calibrate(opts: PlanOptions, inputs: PlanInputs, doc: dict,
