@@ -125,9 +125,11 @@ def test_batch_shape_follows_the_trainer():
     from dscluster.train.config import load_config
 
     cfg = load_config(REPO / "configs/vit_base.yaml")
-    assert plan_inputs.batch_shape(cfg, 4)[:2] == (128, 1)  # auto: global batch 512 ÷ 4 ranks
+    shape, note = plan_inputs.batch_shape(cfg, 4)
+    assert (shape.micro_batch, shape.grad_accum) == (128, 1) and "auto" in note  # global batch 512 ÷ 4 ranks
     cfg = load_config(REPO / "configs/vit_base.yaml", ["micro_batch=32"])
-    assert plan_inputs.batch_shape(cfg, 4) == (32, 4, None)  # accumulation keeps global batch 512
+    shape, note = plan_inputs.batch_shape(cfg, 4)
+    assert (shape.micro_batch, shape.grad_accum, note) == (32, 4, None)  # accumulation keeps global batch 512
 
 
 def test_busbw_from_a_broken_check_json(tmp_path):

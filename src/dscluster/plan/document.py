@@ -60,7 +60,7 @@ def run_key(doc: dict, cfg, global_batch: int | None, compression: str) -> str:
 
 def scenario_of(inputs: PlanInputs, calibration: dict[str, dict]) -> model.Scenario:
     cfg = inputs.cfg
-    even = inputs.micro * inputs.accum * inputs.world
+    full = inputs.micro * inputs.accum * inputs.world
     nodes = tuple(model.Node(name=h.name, ranks=h.slots, compute_s=inputs.compute[h.name])
                   for h in inputs.hostfile.hosts)
     return model.Scenario(nodes=nodes, micro_batch=inputs.micro, grad_accum=inputs.accum,
@@ -70,7 +70,7 @@ def scenario_of(inputs: PlanInputs, calibration: dict[str, dict]) -> model.Scena
                           busbw_GBps=inputs.busbw, bucket_bytes=cfg.ddp_bucket_mb * 2**20,
                           latency_s=inputs.latency, powersgd_s=inputs.powersgd_s or 0.0,
                           calibration=tuple((c, v["extra_s"]) for c, v in calibration.items()),
-                          samples_per_step=cfg.global_batch if cfg.global_batch and cfg.global_batch < even else None)
+                          samples_per_step=inputs.global_batch if inputs.global_batch < full else None)
 
 
 def uses_powersgd(cfg, rec: model.Recommendation, world: int) -> bool:

@@ -16,6 +16,7 @@ from dscluster.check.checkfile import CheckFileError
 from dscluster.errors import UsageError
 from dscluster.hosts import Hostfile
 from dscluster.plan import model, predicted
+from dscluster.train.shape import RunShape
 
 COMPRESSION_KEY = "comm.compression"
 """The training config key that compresses gradients on the wire (train/comm.py)."""
@@ -82,6 +83,9 @@ class PlanInputs:
     """Per-rank micro-batch."""
     accum: int
     """Gradient accumulation steps."""
+    global_batch: int
+    """Samples an optimizer step trains: micro × accum × world, or less where the ranks' shares differ
+    (64 on 3 ranks: 22, 21, 21)."""
     batch_note: str | None = None
     """Why the batch shape is a guess, where it is."""
     params: int
@@ -111,7 +115,8 @@ class PlanInputs:
             raise UsageError(f"compute times for {sorted(self.compute)}, but the hostfile has {self.hostfile.names}")
         if not all(s > 0 and math.isfinite(s) for s in self.compute.values()):
             raise UsageError(f"compute times must be seconds > 0, got {self.compute}")
-        if self.world != self.hostfile.total_slots or self.micro < 1 or self.accum < 1:
+        if (self.world != self.hostfile.total_slots or self.micro < 1 or self.accum < 1
+                or not 0 < self.global_batch <= self.micro * self.accum * self.world):
             raise UsageError(f"run shape out of range: world {self.world}, micro_batch {self.micro}, "
                              f"grad_accum {self.accum}")
         if not (self.busbw > 0 and self.latency >= 0 and self.params > 0):
@@ -163,32 +168,22 @@ def parse_compute(text: str, names: list[str]) -> dict[str, float]:
     return out
 
 
-def data_shape(cfg) -> tuple[int, int]:
-    """(in_chans, num_classes) as train/data.py builds each data set, without loading it."""
-    d = cfg.data
-    if d.dataset == "digits":
-        return 1, 10
-    if d.dataset == "cifar10":
-        return 3, 10
-    if d.dataset == "imagefolder" and d.path:
-        root = Path(d.path) / "train" if (Path(d.path) / "train").is_dir() else Path(d.path)
-        classes = [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
-        if classes:
-            return 3, len(classes)
-    return 3, d.num_classes
+def batch_shape(cfg, world: int, precision: str = "fp32") -> tuple[RunShape, str | None]:
+    """The run's shape on `world` ranks by training's own resolver (train/shape.py), with what a plan
+    cannot know left out (no GPU memory fit, no measured balanced shares), and a note where that
+    makes it a guess. Bad batch arithmetic is refused as `dscluster train` refuses it."""
+    from dscluster.train.balanced import resolve_batching
+    from dscluster.train.shape import DeviceFacts, resolve
 
-
-def batch_shape(cfg, world: int) -> tuple[int, int, str | None]:
-    """(micro_batch, grad_accum, note) the training would use on `world` ranks."""
-    g, accum = cfg.global_batch, cfg.grad_accum
-    if cfg.micro_batch != "auto":
-        micro = int(cfg.micro_batch)
-        return micro, accum or (max(1, g // (micro * world)) if g else 1), None
-    if g is None:
-        return 32, accum or 1, "micro_batch auto without global_batch: assumed 32 (pass micro_batch=N)"
-    micro = max(1, math.ceil(g / (world * (accum or 1))))
-    return micro, accum or 1, (f"micro_batch auto: assumed global_batch {g} ÷ {world} ranks = {micro} (auto-fit "
-                               "may take less on small GPUs and accumulate: pass micro_batch=N)")
+    cfg.batching = resolve_batching(cfg.batching)  # as `dscluster train` does first
+    shape = resolve(cfg, world, DeviceFacts(precision=precision))
+    note = None
+    if cfg.micro_batch == "auto" and cfg.global_batch is None:
+        note = f"micro_batch auto without global_batch: assumed {shape.micro_batch} (pass micro_batch=N)"
+    elif cfg.micro_batch == "auto":
+        note = (f"micro_batch auto: assumed global_batch {cfg.global_batch} ÷ {world} ranks = {shape.micro_batch} "
+                "(auto-fit may take less on small GPUs and accumulate: pass micro_batch=N)")
+    return shape, note
 
 
 def gradient_shapes(cfg, in_chans: int, num_classes: int) -> tuple[int, tuple[tuple[int, int], ...]]:
@@ -264,10 +259,10 @@ def measure(opts: PlanOptions) -> PlanInputs:
     busbw, check_world, latency = ((opts.busbw, None, 0.0) if opts.busbw is not None
                                    else busbw_from_check(state.check_json_path()))
     world = hostfile.total_slots
-    micro, accum, batch_note = batch_shape(cfg, world)
-    in_chans, num_classes = data_shape(cfg)
-    params, matrices = gradient_shapes(cfg, in_chans, num_classes)
     precision, precision_note = planned_precision(cfg)
+    shape, batch_note = batch_shape(cfg, world, precision)
+    micro, accum, in_chans, num_classes = shape.micro_batch, shape.grad_accum, shape.in_chans, shape.num_classes
+    params, matrices = gradient_shapes(cfg, in_chans, num_classes)
     allowed, refused = allowed_compressions(cfg, precision)
     calibration = {} if opts.no_calibration else predicted.calibration(model=cfg.model.name, precision=precision,
                                                                        ranks=world)
@@ -284,9 +279,9 @@ def measure(opts: PlanOptions) -> PlanInputs:
         powersgd_s = how["powersgd_s"] = measure_powersgd(cfg, in_chans, num_classes, micro)
     return PlanInputs(cfg=cfg, hostfile=hostfile, compute=compute, how=how, source=source, busbw=busbw,
                       check_world=check_world, latency=latency, world=world, micro=micro, accum=accum,
-                      batch_note=batch_note, params=params, matrices=matrices, precision=precision,
+                      global_batch=shape.global_batch, batch_note=batch_note, params=params, matrices=matrices, precision=precision,
                       precision_note=precision_note, grad_format=gradient_format(cfg, precision), allowed=allowed,
-                      refused=refused, powersgd_s=powersgd_s, calibration=calibration, notes=notes)
+                      refused=refused, powersgd_s=powersgd_s, calibration=calibration, notes=list(shape.notes) + notes)
 
 
 def compute_figure(cfg, in_chans: int, num_classes: int, micro: int, precision: str, calibration: dict[str, dict],

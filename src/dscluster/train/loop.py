@@ -31,7 +31,7 @@ from dscluster.train.config import TrainConfig, to_yaml
 from dscluster.train.config_checks import ConfigValueError, compression_conflict
 from dscluster.train.logwindow import LogWindow
 from dscluster.train.optstep import StepBoundary
-from dscluster.train.precision import decide_here
+from dscluster.train.precision import PrecisionDecision, decide_here
 from dscluster.train.progress import ProgressBar
 from dscluster.train.runlog import RunLog, summary_record
 from dscluster.train.step import TrainStep
@@ -58,7 +58,8 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
     info = dist.detect_ranks()
     cpu_note = cpus.free_launcher_binding()  # before CUDA, NCCL and the loader start their threads
     has_cuda = dist.prepare_accelerator()
-    check_comm_here(cfg, calibrate)  # bad input: exit 2 before anything is written
+    decision = decide_precision(cfg, info, has_cuda)
+    check_comm_here(cfg, calibrate, decision)  # bad input: exit 2 before anything is written
     run_id = runinfo.resolve_run_id()
     rdir = runinfo.run_dir()
     traces = StackTraces(rdir, info.rank)
@@ -97,7 +98,9 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
                     console.err.print(f"[yellow]warning:[/yellow] ranks {', '.join(map(str, ranks))} share one GPU "
                                       f"on {hosts[ranks[0]]}: start at most one rank per GPU (slots= in the hostfile, "
                                       "or CUDA_VISIBLE_DEVICES listing as many GPUs as the node has ranks)")
-        precision = decide_here(cfg.precision).precision
+        if isinstance(decision, UsageError):
+            raise decision  # recorded in the run, where it always was
+        precision = decision.precision
         if calibrate:
             if precision != "fp16" and not has_cuda:
                 raise UsageError("loss-scale calibration needs fp16, which needs a GPU; this rank has none")
@@ -157,15 +160,21 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
         traces.close()
 
 
-def check_comm_here(cfg: TrainConfig, calibrate: bool) -> None:
+def decide_precision(cfg: TrainConfig, info, has_cuda: bool) -> PrecisionDecision | UsageError:
+    """`decide_here`, once per training start, on this rank's own GPU; a refusal is kept and raised
+    inside the run, where it is recorded."""
+    try:
+        return decide_here(cfg.precision, dist.device_for(info.local_rank, torch.cuda.device_count())
+                           if has_cuda else None)
+    except UsageError as e:
+        return e
+
+
+def check_comm_here(cfg: TrainConfig, calibrate: bool, decision: PrecisionDecision | UsageError) -> None:
     """comm.compression against the precision this rank trains in: load_config could only check an
     explicit precision, `auto` is decided here (the same on every rank of a job that `check` set up)."""
-    if cfg.comm.compression == "none":
-        return
-    try:
-        decision = decide_here(cfg.precision)
-    except UsageError:
-        return  # reported inside the run, where it always was
+    if cfg.comm.compression == "none" or isinstance(decision, UsageError):
+        return  # a refused precision is reported inside the run, where it always was
     precision = "fp16" if calibrate else decision.precision
     try:
         compression_conflict(cfg, precision)
