@@ -86,3 +86,34 @@ def test_plan_and_train_agree_on_the_run_shape(state, capsys, preset):
                                 global_batch=sum(shape.shares) * shape.grad_accum, precision=doc["precision"],
                                 compression=cfg.comm.compression, ranks=world)
             assert predicted.lookup(key)["setting"] == "now", where
+
+
+@pytest.mark.slow
+def test_a_training_start_decides_its_precision_once(tmp_path):
+    """precision.decide_here once per start: the compression check before anything is written and the
+    run itself use the same decision (made on the rank's own GPU), not two that could differ."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "RANK", "DSCLUSTER_"))}
+    env.update(DSCLUSTER_RUNS=str(tmp_path), DSCLUSTER_RUN_ID="once")
+    code = f"""
+import sys
+from dscluster.train import loop, precision
+calls = []
+def counted(*args, **kwargs):
+    calls.append(args)
+    return precision.decide_here(*args, **kwargs)
+loop.decide_here = counted
+from dscluster.cli import main
+rc = main(["train", "--config", {str(REPO / "configs/digits.yaml")!r}, "max_steps=1", "epochs=1",
+           "checkpoint.every_epochs=0", "progress=false", "comm.compression=fp16"])
+print("decide_here calls:", len(calls))
+sys.exit(rc)
+"""
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "decide_here calls: 1" in res.stdout
+    assert json.loads((tmp_path / "once" / "summary.json").read_text())["precision"] == "fp32"
