@@ -7,7 +7,8 @@ import torch
 
 from dscluster.errors import UsageError
 from dscluster.train.config import load_config, to_yaml
-from dscluster.train.ds_config import build_ds_config, plan_batch
+from dscluster.train.ds_config import build_ds_config
+from dscluster.train.shape import plan_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 

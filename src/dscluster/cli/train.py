@@ -41,10 +41,10 @@ def check_batch_arithmetic(cfg, world_size: int) -> None:
     launcher's variables alone, so a mismatch stops every rank before a run directory is
     written or the process group waits for peers. (auto micro-batches and balanced shares are
     only known on the devices; setup_engine checks those.)"""
-    from dscluster.train.ds_config import plan_batch
+    from dscluster.train.shape import resolve
 
     if cfg.batching == "uniform" and isinstance(cfg.micro_batch, int):
-        plan_batch(cfg.micro_batch, cfg.grad_accum, cfg.global_batch, world_size)
+        resolve(cfg, world_size)
 
 
 def train_command(args: argparse.Namespace) -> int:

@@ -2,52 +2,18 @@
 
 DeepSpeed insists that train_batch_size = micro × accumulation × world; a mismatch would
 otherwise surface as an assertion deep inside deepspeed.initialize on every rank, so the
-arithmetic is checked here first and explained.
+arithmetic is checked first and explained (train/shape.py, which plan calls too).
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
 from dscluster.errors import UsageError
 from dscluster.train.config import TrainConfig
 from dscluster.train.optstep import dscluster_clips
 from dscluster.train.precision import amp_dtype
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """How the global batch is made: micro_batch per rank per micro-step, grad_accum micro-steps."""
-
-    micro_batch: int
-    grad_accum: int
-    world: int
-    global_batch: int
-
-
-def plan_batch(micro: int, grad_accum: int | None, global_batch: int | None, world: int) -> BatchPlan:
-    """Fill in the missing one of (grad_accum, global_batch) and check the product."""
-    if micro < 1 or world < 1:
-        raise UsageError(f"micro_batch ({micro}) and world size ({world}) must be at least 1")
-    if global_batch is None:
-        ga = grad_accum or 1
-        return BatchPlan(micro, ga, world, micro * ga * world)
-    per_step = micro * world
-    if grad_accum is None:
-        if global_batch % per_step:
-            raise UsageError(
-                f"global_batch={global_batch} is not a multiple of micro_batch × world = {micro} × {world} = "
-                f"{per_step}: gradient accumulation needs a whole number of micro-steps "
-                f"(e.g. global_batch={max(1, global_batch // per_step) * per_step} or another micro_batch)"
-            )
-        return BatchPlan(micro, global_batch // per_step, world, global_batch)
-    if micro * grad_accum * world != global_batch:
-        raise UsageError(
-            f"global_batch={global_batch} but micro_batch × grad_accum × world = {micro} × {grad_accum} × {world} = "
-            f"{micro * grad_accum * world}; DeepSpeed needs them equal (drop global_batch or grad_accum to derive it)"
-        )
-    return BatchPlan(micro, grad_accum, world, global_batch)
+from dscluster.train.shape import BatchPlan
 
 
 def build_ds_config(cfg: TrainConfig, plan: BatchPlan, precision: str, *, on_gpu: bool,

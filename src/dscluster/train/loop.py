@@ -4,8 +4,8 @@ Order of events: rank detection and env → what the config cannot apply here (c
 for this rank's precision: exit 2 before anything is written) → run directory (env snapshot) →
 process group (gloo on CPU, nccl on GPU, bounded timeout) → data/model/engine (setup_engine) →
 resume → per epoch: equal-step check, steps (step.py; records per log window, logwindow.py),
-held-out eval on rank 0 between barriers (evaluation.py), checkpoint → summary, and the advisor's
-saved prediction beside the measured images/s (predicted.py). Any exception still writes the
+held-out eval on rank 0 between barriers (evaluation.py), checkpoint → summary, and plan's
+saved prediction beside the measured images/s (plan/predicted.py). Any exception still writes the
 `end` record and, where this rank knows the story, a failed summary.json; the process group is
 destroyed in `finally`. Every rank keeps RUN_DIR/traces/rank-R.txt open for Python stack dumps
 (traces.py); a failing rank also dumps torch's flight recorder to RUN_DIR/nccl_trace/ before the
@@ -25,12 +25,13 @@ import torch
 from dscluster import console, cpus, liveness, runinfo
 from dscluster.errors import DsclusterError, UsageError
 from dscluster.fsutil import atomic_write_json, atomic_write_text
-from dscluster.train import checkpoint, dist, evaluation, faults, guards, predicted
+from dscluster.plan import predicted
+from dscluster.train import checkpoint, dist, evaluation, faults, guards
 from dscluster.train.config import TrainConfig, to_yaml
 from dscluster.train.config_checks import ConfigValueError, compression_conflict
 from dscluster.train.logwindow import LogWindow
 from dscluster.train.optstep import StepBoundary
-from dscluster.train.precision import decide_here
+from dscluster.train.precision import PrecisionDecision, decide_here
 from dscluster.train.progress import ProgressBar
 from dscluster.train.runlog import RunLog, summary_record
 from dscluster.train.step import TrainStep
@@ -57,7 +58,8 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
     info = dist.detect_ranks()
     cpu_note = cpus.free_launcher_binding()  # before CUDA, NCCL and the loader start their threads
     has_cuda = dist.prepare_accelerator()
-    check_comm_here(cfg, calibrate)  # bad input: exit 2 before anything is written
+    decision = decide_precision(cfg, info, has_cuda)
+    check_comm_here(cfg, calibrate, decision)  # bad input: exit 2 before anything is written
     run_id = runinfo.resolve_run_id()
     rdir = runinfo.run_dir()
     traces = StackTraces(rdir, info.rank)
@@ -96,7 +98,9 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
                     console.err.print(f"[yellow]warning:[/yellow] ranks {', '.join(map(str, ranks))} share one GPU "
                                       f"on {hosts[ranks[0]]}: start at most one rank per GPU (slots= in the hostfile, "
                                       "or CUDA_VISIBLE_DEVICES listing as many GPUs as the node has ranks)")
-        precision = decide_here(cfg.precision).precision
+        if isinstance(decision, UsageError):
+            raise decision  # recorded in the run, where it always was
+        precision = decision.precision
         if calibrate:
             if precision != "fp16" and not has_cuda:
                 raise UsageError("loss-scale calibration needs fp16, which needs a GPU; this rank has none")
@@ -156,15 +160,21 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
         traces.close()
 
 
-def check_comm_here(cfg: TrainConfig, calibrate: bool) -> None:
+def decide_precision(cfg: TrainConfig, info, has_cuda: bool) -> PrecisionDecision | UsageError:
+    """`decide_here`, once per training start, on this rank's own GPU; a refusal is kept and raised
+    inside the run, where it is recorded."""
+    try:
+        return decide_here(cfg.precision, dist.device_for(info.local_rank, torch.cuda.device_count())
+                           if has_cuda else None)
+    except UsageError as e:
+        return e
+
+
+def check_comm_here(cfg: TrainConfig, calibrate: bool, decision: PrecisionDecision | UsageError) -> None:
     """comm.compression against the precision this rank trains in: load_config could only check an
     explicit precision, `auto` is decided here (the same on every rank of a job that `check` set up)."""
-    if cfg.comm.compression == "none":
-        return
-    try:
-        decision = decide_here(cfg.precision)
-    except UsageError:
-        return  # reported inside the run, where it always was
+    if cfg.comm.compression == "none" or isinstance(decision, UsageError):
+        return  # a refused precision is reported inside the run, where it always was
     precision = "fp16" if calibrate else decision.precision
     try:
         compression_conflict(cfg, precision)

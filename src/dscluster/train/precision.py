@@ -55,12 +55,12 @@ def decide(requested: str, *, cluster: str | None, cuda: bool,
     return PrecisionDecision("fp32", f"GPU compute capability {cap[0]}.{cap[1]}: no fast half precision")
 
 
-def decide_here(requested: str) -> PrecisionDecision:
-    """`decide` with this process's environment and device."""
+def decide_here(requested: str, device: int | None = None) -> PrecisionDecision:
+    """`decide` with this process's environment and device (`device`: a CUDA index, else the current one)."""
     import torch
 
     cuda = torch.cuda.is_available()
-    cap = torch.cuda.get_device_capability() if cuda else None
+    cap = torch.cuda.get_device_capability(device) if cuda else None
     return decide(requested, cluster=os.environ.get("DSCLUSTER_PRECISION"), cuda=cuda, capability=cap)
 
 

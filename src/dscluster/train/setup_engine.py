@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from dscluster.errors import UsageError
 from dscluster.train import autofit, data as data_mod, dist
 from dscluster.train.config import TrainConfig
-from dscluster.train.ds_config import BatchPlan, build_ds_config, plan_batch
+from dscluster.train.ds_config import build_ds_config
 from dscluster.train.model import build_model, count_params
 from dscluster.train.precision import amp_dtype, torch_dtype
 from dscluster.train.sampler import BalancedStepSampler, StepSampler
+from dscluster.train.shape import BatchPlan, DeviceFacts, resolve
 from dscluster.train.split import StepSplit
 
 
@@ -141,25 +142,6 @@ def compiles(setting: str, device: torch.device) -> bool:
     return setting == "true"
 
 
-def even_split(cfg: TrainConfig, smallest_fit: int | None, world: int) -> list[int] | None:
-    """Per-rank shares of a fixed global batch, one micro-step per step, as even as can be.
-
-    micro_batch=auto with a global_batch keeps the global batch, and so the number of steps and the
-    learning rate, the same for any number of ranks: a demo on 5 ranks learns as one on 2 does. 64
-    over 5 ranks is 13+13+13+13+12; uneven shares are weighted like balanced batching's. Used where
-    no memory limit applies (CPU ranks) or where the largest share fits every GPU and the global
-    batch does not divide by the ranks (otherwise the GPU path keeps equal micro-batches)."""
-    if cfg.micro_batch != "auto" or cfg.global_batch is None or cfg.batching == "balanced" or cfg.grad_accum:
-        return None
-    g = cfg.global_batch
-    if smallest_fit is not None and (g % world == 0 or -(-g // world) > smallest_fit):
-        return None
-    if g < world:
-        raise UsageError(f"global_batch={g} gives fewer than one sample per rank per step ({world} ranks): "
-                         f"raise global_batch to at least {world}")
-    return [g // world + (1 if r < g % world else 0) for r in range(world)]
-
-
 def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision: str) -> Built:
     import deepspeed
 
@@ -177,41 +159,23 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
     fit: int | None = None
     if needs_memory_fit(cfg, device.type):
         fit = _auto_micro(cfg, model, splits, device, compute, notes)
-    smallest_fit, micro = None, 32
-    if cfg.micro_batch == "auto":
-        if fit is not None:
-            smallest_fit = min(f[0] for f in dist.all_gather_ints([fit], device))
-        if fit is not None and even_split(cfg, smallest_fit, info.world_size) is None:
-            # uniform batching: every rank takes the smallest fit; global batch kept by accumulation
-            micro, accum = autofit.choose_micro_batch(smallest_fit, info.world_size, cfg.global_batch)
-            if cfg.global_batch is not None and cfg.grad_accum is None:
-                notes.append(f"auto-fit: micro_batch {micro} × grad_accum {accum} × world {info.world_size} "
-                             f"= global_batch {cfg.global_batch}")
-    else:
-        micro = int(cfg.micro_batch)
-
-    share_plan = None
-    even = even_split(cfg, smallest_fit, info.world_size)
-    if even is not None:
-        notes.append(f"global_batch {cfg.global_batch} split over {info.world_size} ranks: {even}")
-    if cfg.batching == "balanced" or even is not None:
-        shares = even
-        if shares is None:
-            shares, share_plan = _balanced_shares(cfg, info, micro, fit, model, splits, device, compute)
-        global_micro = sum(shares)
-        accum = cfg.grad_accum or (cfg.global_batch // global_micro if cfg.global_batch else 1)
-        if cfg.global_batch is not None and global_micro * accum != cfg.global_batch:
-            raise UsageError(f"balanced shares {shares} (sum {global_micro}) × grad_accum {accum} != global_batch "
-                             f"{cfg.global_batch}")
-        nominal = max(1, global_micro // info.world_size)  # DeepSpeed's bookkeeping wants one number per rank
-        plan = BatchPlan(nominal, accum, info.world_size, nominal * accum * info.world_size)
+    smallest_fit = None
+    if cfg.micro_batch == "auto" and fit is not None:
+        smallest_fit = min(f[0] for f in dist.all_gather_ints([fit], device))
+    facts = DeviceFacts(precision=precision, smallest_fit=smallest_fit)
+    shape, share_plan = resolve(cfg, info.world_size, facts), None
+    if cfg.batching == "balanced":  # the config's shares, or measured: every rank times itself
+        shares, share_plan = _balanced_shares(cfg, info, shape.batch.micro_batch, fit, model, splits, device, compute)
+        shape = resolve(cfg, info.world_size, replace(facts, shares=tuple(shares)))
+    notes.extend(shape.notes)
+    plan, shares = shape.batch, list(shape.shares)
+    if shape.per_rank:
         from dscluster.train.balanced import loss_weight
 
-        weight = loss_weight(shares[info.rank], info.world_size, global_micro)
-        sampler = BalancedStepSampler(len(splits.train), shares, accum, info.rank, cfg.seed)
+        weight = loss_weight(shares[info.rank], info.world_size, sum(shares))
+        sampler = BalancedStepSampler(len(splits.train), shares, plan.grad_accum, info.rank, cfg.seed)
     else:
-        plan = plan_batch(micro, cfg.grad_accum, cfg.global_batch, info.world_size)
-        shares, weight = [plan.micro_batch] * info.world_size, 1.0
+        weight = 1.0
         sampler = StepSampler(len(splits.train), shares, plan.grad_accum, info.rank, cfg.seed)
     sampler = data_mod.with_loader(sampler, splits, cfg.data, device, info.local_world_size, notes)
 

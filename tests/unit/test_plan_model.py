@@ -1,4 +1,4 @@
-"""The scaling advisor's model against what the GPU lab measured (docs/gpu-lab.md, docs/advisor.md).
+"""plan's model against what the GPU lab measured (docs/gpu-lab.md, docs/plan.md).
 
 ViT-B/16 as the lab trained it: 85.8 M parameters (10 classes), fp32 gradients (343 MB a step),
 micro-batch 128, 4 ranks on 3 nodes (1+1+2 GPUs), one GPU alone ~3,000 img/s (0.0427 s per
@@ -13,8 +13,8 @@ from dataclasses import replace
 
 import pytest
 
-from dscluster import advisor
-from dscluster.advisor import Node, Scenario, predict, recommend
+from dscluster.plan import model
+from dscluster.plan.model import Node, Scenario, predict, recommend
 from dscluster.errors import UsageError
 
 VIT_B_PARAMS = 85_806_346
@@ -40,16 +40,16 @@ def lab(busbw, compute_s=H200_COMPUTE_S, micro=128, accum=1, **kw):
     """The GPU lab's layout: node1 and node2 one GPU each, node3 two."""
     nodes = (Node(name="node1", compute_s=compute_s), Node(name="node2", compute_s=compute_s),
              Node(name="node3", ranks=2, compute_s=compute_s))
-    kw.setdefault("grad_bytes", advisor.gradient_bytes(VIT_B_PARAMS))
+    kw.setdefault("grad_bytes", model.gradient_bytes(VIT_B_PARAMS))
     return Scenario(nodes=nodes, micro_batch=micro, grad_accum=accum, matrices=vit_b_matrices(), busbw_GBps=busbw,
                     **kw)
 
 
 def test_ring_allreduce_time_follows_nccl_tests_definition():
     # 344 MB × 2·3/4 ÷ 0.119 GB/s: the 4.3 s docs/gpu-lab.md derives for the 1 Gbit lab
-    assert advisor.ring_allreduce_s(344e6, 4, 0.119) == pytest.approx(4.336, abs=0.001)
-    assert advisor.ring_allreduce_s(344e6, 1, 0.119) == 0.0
-    assert advisor.gradient_bytes(VIT_B_PARAMS) == 343_225_384
+    assert model.ring_allreduce_s(344e6, 4, 0.119) == pytest.approx(4.336, abs=0.001)
+    assert model.ring_allreduce_s(344e6, 1, 0.119) == 0.0
+    assert model.gradient_bytes(VIT_B_PARAMS) == 343_225_384
 
 
 def test_1gbit_lab_step_time_and_throughput_match_the_measurement():
@@ -112,7 +112,7 @@ def test_smallest_global_batch_wins_then_no_compression():
 
 
 def test_10gbit_lab_is_optimistic_but_the_verdict_holds():
-    """docs/advisor.md: with check's 1.19 GB/s the model gives 0.45 s against the 0.776 s measured
+    """docs/plan.md: with check's 1.19 GB/s the model gives 0.45 s against the 0.776 s measured
     (no overlap assumption closes that: with none at all it is 0.48 s); the all-reduce in that run
     reached about 0.68 GB/s. The verdict (slower than one node) is what the run showed."""
     p = predict(lab(1.19))
@@ -120,20 +120,20 @@ def test_10gbit_lab_is_optimistic_but_the_verdict_holds():
     assert predict(lab(1.19, overlap_fraction=0.0)).step_s == pytest.approx(0.476, abs=0.01)
     assert p.step_s < 0.776 * 0.85
     assert p.slower  # measured 408 img/s against ~3,000 for one GPU
-    assert advisor.implied_busbw_GBps(lab(1.19), 0.776) == pytest.approx(0.68, abs=0.01)
+    assert model.implied_busbw_GBps(lab(1.19), 0.776) == pytest.approx(0.68, abs=0.01)
 
 
 def test_implied_busbw_at_1gbit_matches_what_check_measured():
     # 4.4–4.6 s per step means the training all-reduce ran at 0.112–0.118 GB/s: check's 0.119, within 6%
     for step in (4.4, 4.6):
-        assert advisor.implied_busbw_GBps(lab(0.119), step) == pytest.approx(0.119, rel=0.06)
-    assert advisor.implied_busbw_GBps(lab(0.119), 0.01) is None  # compute alone explains it
+        assert model.implied_busbw_GBps(lab(0.119), step) == pytest.approx(0.119, rel=0.06)
+    assert model.implied_busbw_GBps(lab(0.119), 0.01) is None  # compute alone explains it
 
 
 def test_nvlink_host_scales_and_is_not_called_slower():
     # 4x H100, one host: check-like busbw ~338 GB/s, measured 12,066 img/s for the README command
     s = Scenario(nodes=(Node(name="localhost", ranks=4, compute_s=128 / 3050),), micro_batch=128,
-                 grad_bytes=advisor.gradient_bytes(VIT_B_PARAMS), busbw_GBps=338)
+                 grad_bytes=model.gradient_bytes(VIT_B_PARAMS), busbw_GBps=338)
     p = predict(s)
     assert p.images_per_s == pytest.approx(12066, rel=0.05)
     assert not p.slower and p.verdict.startswith("one node")
@@ -144,10 +144,10 @@ def test_nvlink_host_scales_and_is_not_called_slower():
 def test_overlap_hides_at_most_the_last_backward_and_never_the_last_bucket():
     fast = lab(338)
     p = predict(fast)
-    last_bucket = p.comm_s * advisor.DDP_BUCKET_BYTES / fast.grad_bytes
+    last_bucket = p.comm_s * model.DDP_BUCKET_BYTES / fast.grad_bytes
     assert p.exposed_s == pytest.approx(last_bucket)  # comm shorter than backward: only the last bucket shows
     slow = predict(lab(0.119))
-    assert slow.hidden_s == pytest.approx(advisor.BACKWARD_SHARE * H200_COMPUTE_S)
+    assert slow.hidden_s == pytest.approx(model.BACKWARD_SHARE * H200_COMPUTE_S)
     none = predict(lab(0.119, overlap_fraction=0.0))
     assert none.hidden_s == 0 and none.step_s == pytest.approx(none.compute_s + none.comm_s)
     # only the last micro-step's backward overlaps: accumulation adds compute, not hiding
@@ -161,7 +161,7 @@ def test_compression_halves_the_communication():
 
 def test_fp16_and_bf16_halve_fp32_gradients_only():
     assert predict(lab(0.119, compression="bf16")).comm_s == pytest.approx(predict(lab(0.119)).comm_s / 2)
-    half = lab(0.119, grad_bytes=advisor.gradient_bytes(VIT_B_PARAMS, 2), grad_format="fp16")
+    half = lab(0.119, grad_bytes=model.gradient_bytes(VIT_B_PARAMS, 2), grad_format="fp16")
     assert predict(replace(half, compression="fp16")).comm_s == pytest.approx(predict(half).comm_s)
 
 
@@ -169,12 +169,12 @@ def test_powersgd_sends_r_times_n_plus_m_per_matrix_and_small_tensors_whole():
     assert sum(n * m for n, m in vit_b_matrices()) == VIT_B_PARAMS
     # a 2304×768 qkv weight at rank 4: 4·(2304+768) numbers; a bias or the 1×151,296 position
     # embedding cannot be made smaller by a rank-1 factor pair: sent whole
-    assert advisor.powersgd_elements([(2304, 768)], 4) == 4 * (2304 + 768)
-    assert advisor.powersgd_elements([(768, 1), (1, 197 * 768)], 4) == 768 + 197 * 768
-    assert advisor.powersgd_elements(vit_b_matrices(), 4) == 873_266  # 1.0% of the gradients
+    assert model.powersgd_elements([(2304, 768)], 4) == 4 * (2304 + 768)
+    assert model.powersgd_elements([(768, 1), (1, 197 * 768)], 4) == 768 + 197 * 768
+    assert model.powersgd_elements(vit_b_matrices(), 4) == 873_266  # 1.0% of the gradients
     p = predict(lab(0.119, compression="powersgd"))
-    assert p.comm_s == pytest.approx(advisor.ring_allreduce_s(873_266 * 4, 4, 0.119))
-    half = lab(0.119, compression="powersgd", grad_format="bf16", grad_bytes=advisor.gradient_bytes(VIT_B_PARAMS, 2))
+    assert p.comm_s == pytest.approx(model.ring_allreduce_s(873_266 * 4, 4, 0.119))
+    half = lab(0.119, compression="powersgd", grad_format="bf16", grad_bytes=model.gradient_bytes(VIT_B_PARAMS, 2))
     assert predict(half).comm_s == pytest.approx(p.comm_s / 2)  # factors in the gradients' own format
     with pytest.raises(UsageError, match="powersgd needs the gradient matrices"):
         replace(lab(0.119), compression="powersgd", matrices=())
@@ -191,11 +191,11 @@ def test_1gbit_lab_powersgd_reaches_80_percent_where_fp16_cannot():
 
 
 def test_ladder_starts_at_the_configs_compression_and_keeps_only_what_training_allows():
-    assert advisor.ladder("none") == ("none", "fp16", "powersgd")
-    assert advisor.ladder("bf16") == ("bf16", "powersgd")
-    assert advisor.ladder("powersgd") == ("powersgd",)
-    assert advisor.ladder("none", allowed=lambda c: c != "fp16") == ("none", "powersgd")
-    assert advisor.ladder("none", allowed=lambda c: False) == ("none",)
+    assert model.ladder("none") == ("none", "fp16", "powersgd")
+    assert model.ladder("bf16") == ("bf16", "powersgd")
+    assert model.ladder("powersgd") == ("powersgd",)
+    assert model.ladder("none", allowed=lambda c: c != "fp16") == ("none", "powersgd")
+    assert model.ladder("none", allowed=lambda c: False) == ("none",)
 
 
 def test_slowest_node_sets_the_pace():
@@ -253,8 +253,8 @@ def test_to_dict_is_json_ready():
     assert doc["r"]["choice"]["global_batch"] == 4096 and doc["p"]["slower"] is True
 
 
-def test_advisor_does_not_import_torch():
-    code = "import sys, dscluster.advisor; print('torch' in sys.modules)"
+def test_the_model_does_not_import_torch():
+    code = "import sys, dscluster.plan.model; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
@@ -268,11 +268,11 @@ CHECK_10GBIT_4_NODES = [{"bytes": 1048576, "time_us": 1734.7, "busbw_GBps": 0.90
 
 def test_startup_latency_is_what_the_smallest_message_took_beyond_its_bytes():
     # 1 MiB over 4 ranks at 1.194 GB/s is 1.317 ms of bytes: 1.735 ms measured leaves 0.42 ms
-    assert advisor.startup_latency_s(CHECK_10GBIT_4_NODES, 4) == pytest.approx(0.000417, abs=2e-6)
-    assert advisor.startup_latency_s(CHECK_10GBIT_4_NODES, 1) == 0.0
-    assert advisor.startup_latency_s(CHECK_10GBIT_4_NODES[-1:], 4) == 0.0  # one size: nothing to separate
+    assert model.startup_latency_s(CHECK_10GBIT_4_NODES, 4) == pytest.approx(0.000417, abs=2e-6)
+    assert model.startup_latency_s(CHECK_10GBIT_4_NODES, 1) == 0.0
+    assert model.startup_latency_s(CHECK_10GBIT_4_NODES[-1:], 4) == 0.0  # one size: nothing to separate
     fast_small = [dict(CHECK_10GBIT_4_NODES[0], time_us=1000.0)] + CHECK_10GBIT_4_NODES[1:]
-    assert advisor.startup_latency_s(fast_small, 4) == 0.0  # never negative
+    assert model.startup_latency_s(fast_small, 4) == 0.0  # never negative
 
 
 # check on the 4-node lab (H200s) at 10 and 1 Gbit with its 64 KiB message, 2026-11-26
@@ -287,9 +287,9 @@ CHECK_64K = {"10gbit": [{"bytes": 65536, "time_us": 373.0, "busbw_GBps": 0.264},
 def test_startup_latency_takes_the_link_rate_from_the_largest_message_not_a_burst():
     # 1 MiB burst through the shaper above the 10 Gbit rate (1.281 GB/s): the rate is the 256 MiB
     # message's; 64 KiB of bytes at 1.194 GB/s over 4 ranks is 82 us of the 373 us
-    assert advisor.startup_latency_s(CHECK_64K["10gbit"], 4) == pytest.approx(373.0e-6 - 82.3e-6, abs=1e-6)
+    assert model.startup_latency_s(CHECK_64K["10gbit"], 4) == pytest.approx(373.0e-6 - 82.3e-6, abs=1e-6)
     # at 1 Gbit the 64 KiB message passed faster than the rate allows: no start-up time to separate
-    assert advisor.startup_latency_s(CHECK_64K["1gbit"], 4) == 0.0
+    assert model.startup_latency_s(CHECK_64K["1gbit"], 4) == 0.0
 
 
 def test_every_bucket_pays_the_startup_latency_and_powersgd_three_times_plus_its_own_work():
@@ -325,7 +325,7 @@ def four_node_lab(accum: int, compute_s: float, powersgd_s: float, **kw) -> Scen
     check's busbw 1.194 GB/s and start-up latency 0.29 ms (from its 1 MiB message)."""
     nodes = tuple(Node(name=f"node{i}", compute_s=compute_s) for i in range(1, 5))
     return Scenario(nodes=nodes, micro_batch=128, grad_accum=accum, matrices=vit_b_matrices(), busbw_GBps=1.194,
-                    grad_bytes=advisor.gradient_bytes(VIT_B_PARAMS), compression="powersgd", powersgd_s=powersgd_s,
+                    grad_bytes=model.gradient_bytes(VIT_B_PARAMS), compression="powersgd", powersgd_s=powersgd_s,
                     latency_s=0.000286, **kw)
 
 

@@ -1,11 +1,13 @@
 """What `dscluster plan` measures on this machine: the compute time of one micro-batch of the
-config's model, and PowerSGD's own work per optimizer step with training's hook. The advisor
-(dscluster.advisor) turns them into a prediction; docs/advisor.md says how they are taken."""
+config's model, and PowerSGD's own work per optimizer step with training's hook. The model
+(plan/model.py) turns them into a prediction; docs/plan.md says how they are taken."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
+from dataclasses import dataclass, replace
 
 from dscluster.errors import UsageError
 
@@ -22,6 +24,23 @@ GPU_WARMUP_S, GPU_TIMED_S = 0.5, 1.0
 """On a GPU the probe warms up for at least this long (kernel choice, clocks leaving idle) and times
 at least 10 steps and this long: ViT-S's 10 steps alone take a third of a second, and read 20 %
 slow against training when timed that briefly."""
+DISTURBED_SPREAD = 0.5
+"""A probe whose slowest sample is more than this share of the median above its fastest was disturbed
+(another process took the machine): taken again once, and reported if it still is. Single CPU steps
+of the digits ViT spread 77 % on a 2-core machine at load average 7.7."""
+
+
+def probe_key(cfg, micro: int, precision: str) -> str:
+    """What a compute figure measured here depends on: this host, its device, and the config's model,
+    micro-batch, precision and input. A figure kept with a calibration is used again while this holds."""
+    import socket
+
+    import torch
+
+    device = f"cuda ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else "cpu"
+    return (f"host={socket.gethostname()} device={device} model={cfg.model.name} micro_batch={micro} "
+            f"precision={precision} dataset={cfg.data.dataset} img_size={cfg.data.img_size} "
+            f"channels_last={cfg.channels_last}")
 
 
 class Probe:
@@ -80,9 +99,11 @@ class Probe:
             torch.cuda.synchronize(self.device)
 
 
-def gpu_seconds_per_step(step, sync, min_steps: int = 10) -> float:
+def gpu_seconds_per_step(step, sync, min_steps: int = 10, samples: list[float] | None = None) -> float:
     """Mean seconds of `step` once warm: GPU_WARMUP_S of warm-up (3 steps at least), then at least
-    `min_steps` steps and GPU_TIMED_S, the clock read after `sync` (the GPU finished, not queued)."""
+    `min_steps` steps and GPU_TIMED_S, the clock read after `sync` (the GPU finished, not queued).
+    `samples`, where given, receives the mean of each group of `min_steps` (their spread shows a
+    disturbed measurement)."""
     t_end, n = time.perf_counter() + GPU_WARMUP_S, 0
     while n < 3 or time.perf_counter() < t_end:
         step()
@@ -90,24 +111,77 @@ def gpu_seconds_per_step(step, sync, min_steps: int = 10) -> float:
         n += 1
     t0, n = time.perf_counter(), 0
     while n < min_steps or time.perf_counter() - t0 < GPU_TIMED_S:
+        t_group = time.perf_counter()
         for _ in range(min_steps):
             step()
             n += 1
         sync()
+        if samples is not None:
+            samples.append((time.perf_counter() - t_group) / min_steps)
     return (time.perf_counter() - t0) / n
 
 
-def measure_compute(cfg, in_chans: int, num_classes: int, micro: int) -> tuple[float, str, str]:
-    """(seconds per micro-batch, device, note): forward+backward passes of the configured model on
-    this machine's first GPU (synchronised before the clock is read), else a few on CPU."""
+def spread(samples: list[float]) -> float:
+    """(slowest − fastest) ÷ median of a probe's samples: 0 for a steady machine."""
+    return (max(samples) - min(samples)) / statistics.median(samples) if len(samples) > 1 else 0.0
+
+
+def host_load() -> str:
+    """The 1-minute load average against this machine's cores, in words, for a note."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return "load unknown"
+    return f"load average {load:.1f} on {os.cpu_count() or 1} core(s)"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ComputeFigure:
+    """The compute time of one micro-batch as measured here, and how trustworthy the measurement was."""
+
+    seconds: float
+    """Seconds of one forward+backward of one micro-batch on one rank."""
+    device: str
+    """What it was measured on: `cpu` or `cuda (<GPU name>)`."""
+    note: str
+    """How it was measured, in words."""
+    spread: float
+    """(slowest − fastest) ÷ median of its samples (`spread`)."""
+    samples: int
+    """How many samples it was taken from."""
+    tries: int = 1
+    """Measurements taken: a disturbed one is taken again once (`measure_steady_compute`)."""
+
+    @property
+    def disturbed(self) -> bool:
+        return self.spread > DISTURBED_SPREAD
+
+
+def measure_steady_compute(cfg, in_chans: int, num_classes: int, micro: int, measure=None) -> ComputeFigure:
+    """`measure_compute`, taken again once where its samples spread more than DISTURBED_SPREAD (another
+    process took the machine for a while); the steadier of the two. A figure still disturbed says so
+    (`ComputeFigure.disturbed`), and plan reports it: never silently used."""
+    measure = measure or measure_compute
+    first = measure(cfg, in_chans, num_classes, micro)
+    if not first.disturbed:
+        return first
+    second = measure(cfg, in_chans, num_classes, micro)
+    return replace(min(first, second, key=lambda f: f.spread), tries=2)
+
+
+def measure_compute(cfg, in_chans: int, num_classes: int, micro: int) -> ComputeFigure:
+    """Seconds per micro-batch, with its device, a note and its samples' spread: forward+backward
+    passes of the configured model on this machine's first GPU (synchronised before the clock is
+    read), else a few on CPU."""
     import torch
 
     warmup, steps = 2, 3  # on CPU
+    times: list[float] = []
     try:  # an OOM can come from the batch, the model or the first backward
         probe = Probe(cfg, in_chans, num_classes, micro)
         step = probe.step_of(probe.model())
         if probe.cuda:
-            per_batch = gpu_seconds_per_step(step, probe.sync)
+            per_batch = gpu_seconds_per_step(step, probe.sync, samples=times)
         else:
             for _ in range(warmup):
                 t0 = time.perf_counter()
@@ -116,7 +190,7 @@ def measure_compute(cfg, in_chans: int, num_classes: int, micro: int) -> tuple[f
                 probe.inputs(micro)  # cheap enough: the real micro-batch, nothing scaled
                 step()
             # a shared CPU is noisy (other processes): the median of single steps, within a time budget
-            times, t_end = [], time.perf_counter() + CPU_PROBE_BUDGET_S
+            t_end = time.perf_counter() + CPU_PROBE_BUDGET_S
             while len(times) < steps or (time.perf_counter() < t_end and len(times) < 2 * steps + 1):
                 t0 = time.perf_counter()
                 step()
@@ -128,12 +202,14 @@ def measure_compute(cfg, in_chans: int, num_classes: int, micro: int) -> tuple[f
                          "(seconds per micro-batch on your nodes) or a smaller micro_batch=N") from None
     if probe.cuda:
         name = torch.cuda.get_device_name(probe.device)
-        return per_batch, f"cuda ({name})", (f"measured here on {name}, {probe.precision}, eager (training "
-                                             "compiles on GPUs of capability 7.0+, which is faster)")
+        return ComputeFigure(seconds=per_batch, device=f"cuda ({name})", spread=spread(times), samples=len(times),
+                             note=f"measured here on {name}, {probe.precision}, eager (training compiles on GPUs "
+                             "of capability 7.0+, which is faster)")
     batch = probe.batch
     how = f"{batch}" if batch == micro else f"{batch} scaled to {micro}"
-    return per_batch * micro / batch, "cpu", (f"measured on CPU (no GPU here), median of {steps} steps of {how}: "
-                                              "the plan is for CPU ranks; pass --compute-s from your GPU nodes")
+    return ComputeFigure(seconds=per_batch * micro / batch, device="cpu", spread=spread(times), samples=len(times),
+                         note=f"measured on CPU (no GPU here), median of {steps} steps of {how}: the plan is for "
+                         "CPU ranks; pass --compute-s from your GPU nodes")
 
 
 def measure_powersgd(cfg, in_chans: int, num_classes: int, micro: int) -> float | None:

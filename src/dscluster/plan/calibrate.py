@@ -2,8 +2,8 @@
 nodes, with the README's command, before the plan is made again from what they measured.
 
 Why: PowerSGD costs more across ranks than plan's one-rank probe shows, by an amount that moves with
-the machine (docs/advisor.md), so plan measures it. `train` records the run against the model step
-plan saved for it (train/predicted.py), like any run; cli/plan.py decides when to run it and what
+the machine (docs/plan.md), so plan measures it. `train` records the run against the model step
+plan saved for it (plan/predicted.py), like any run; plan/run.py decides when to run it and what
 to save first.
 """
 

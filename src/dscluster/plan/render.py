@@ -1,6 +1,8 @@
-"""`dscluster plan`'s table and notes for a terminal (the document itself: cli/plan.py, docs/schemas.md)."""
+"""`dscluster plan`'s table and notes for a terminal (the document itself: plan/document.py, docs/schemas.md)."""
 
 from __future__ import annotations
+
+import time
 
 from rich import box
 from rich.markup import escape
@@ -24,10 +26,12 @@ def render(doc: dict) -> None:
                      f"{doc['grad_bytes'] / 1e6:.0f} MB of {doc['grad_format']} gradients a step{wire}) on "
                      f"{len(doc['nodes'])} node(s), {doc['world_size']} rank(s) from {doc['hostfile']}, {doc['precision']}"))
     c = doc["compute"]
+    when = (f", {time.strftime('%Y-%m-%d %H:%M', time.localtime(c['measured_at']))}"
+            if c.get("measured_at") else "")
     out.print(escape(f"inputs: all-reduce busbw {doc['busbw_GBps']:.3f} GB/s, {doc['latency_s'] * 1e3:.2f} ms "
                      f"start-up ({doc['busbw_source']}); "
                      f"{c['seconds']:.4f} s per micro-batch of {doc['micro_batch']} "
-                     f"({c['source']}{', ' + c['device'] if c['device'] else ''})"), style="dim")
+                     f"({c['source']}{', ' + c['device'] if c['device'] else ''}{when})"), style="dim")
     table = Table(title="one optimizer step, predicted (s; speed-up over the fastest node alone)",
                   box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     # short headers: the table fits an 80-column terminal
@@ -60,4 +64,4 @@ def render(doc: dict) -> None:
     out.print(escape(f"model: all-reduce = bytes × 2(N−1)/N ÷ busbw + start-up per bucket (3 with PowerSGD), "
                      f"once per optimizer step; up to "
                      f"{a['overlap_fraction']:.0%} of the last backward (≈{a['backward_share']:.2f} of compute) hides "
-                     f"it, never the last {a['bucket_bytes'] >> 20} MiB bucket. See docs/advisor.md."), style="dim")
+                     f"it, never the last {a['bucket_bytes'] >> 20} MiB bucket. See docs/plan.md."), style="dim")

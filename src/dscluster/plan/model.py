@@ -1,8 +1,8 @@
-"""Scaling advisor: predict a data-parallel step before the run, and what would make it scale.
+"""plan's model: predict a data-parallel step before the run, and what would make it scale.
 
-Pure arithmetic, no torch: `dscluster plan` (cli_plan) measures the inputs, this module turns
+Pure arithmetic, no torch: `dscluster plan` measures the inputs (plan/inputs.py), this module turns
 them into a step-time split, images/s, the speed-up over the fastest node alone, a verdict in
-plain words and the smallest change that scales. docs/advisor.md is the reference.
+plain words and the smallest change that scales. docs/plan.md is the reference.
 
 Why a model at all: ViT-B/16 on four GPUs over 1 GbE trained at 109 img/s, while one of those
 GPUs alone trains at about 3,000. Each step waited 4.3 s for 344 MB of fp32 gradients to cross
@@ -29,7 +29,7 @@ buckets during the last micro-step's backward; the other accumulation micro-step
     step     = max(compute + hook + comm − hidden + calibration, compute)
 
 calibration is 0 s unless runs of this model, precision and rank count measured their step against
-this model before (`dscluster train` keeps each outcome, train/predicted.py): then it is the median
+this model before (`dscluster train` keeps each outcome, plan/predicted.py): then it is the median
 of measured − modelled step for the compression in question, seconds per optimizer step.
 
 The last bucket is the one DDP can only reduce after backward has finished, so its time is never

@@ -1,13 +1,19 @@
-"""The advisor's saved predictions: `dscluster plan` writes them, `dscluster train` measures against them.
+"""plan's saved predictions: `dscluster plan` writes them, `dscluster train` measures against them.
 
 <state>/plans.json (the state directory of state.py), written atomically, one entry per config:
 
     {"schema": 1,
      "plans": {KEY: {"images_per_s": float, "step_s": float, "setting": "now"|"choice"|"without_compression"|"calibration",
                      "model_step_s": float, "created": unix time, "config": str, "hostfile": str,
-                     "busbw_GBps": float, "compute_s": float, "overrides": [str]}},
+                     "busbw_GBps": float, "compute_s": float, "overrides": [str],
+                     "compute": FIGURE}},
      "outcomes": [{"key": KEY, "model": str, "precision": str, "compression": str, "ranks": int,
-                   "model_step_s": float, "measured_step_s": float, "run_id": str, "at": unix time}]}
+                   "model_step_s": float, "measured_step_s": float, "run_id": str, "at": unix time,
+                   "compute": FIGURE | null}]}
+
+FIGURE is the compute figure the setting's model step was made with (plan/inputs.py `figure_of`):
+{"seconds", "device", "probe" (host, device and config it holds for; null with --compute-s),
+"measured_at", "spread", "samples", "disturbed", "powersgd_s"}.
 
 KEY names what decides the figure (`key`): model, per-rank micro-batch, global batch, precision,
 gradient compression, ranks. `plan` saves its prediction for the config as given and for each
@@ -17,7 +23,7 @@ looks its config up and prints "plan predicted X img/s, measured Y img/s (±Z%)"
 keeps both (`plan`). A later `plan` for the same key replaces the entry.
 
 Each such comparison is also kept as an outcome (the last MAX_OUTCOMES): the step time the run
-measured against the advisor's uncorrected model step (`model_step_s`). `calibration` turns the
+measured against plan's uncorrected model step (`model_step_s`). `calibration` turns the
 outcomes of the same model, precision and ranks into one figure per compression, the median of
 measured − modelled seconds per optimizer step, and `plan` adds it to its step times: a lab whose
 PowerSGD steps took 20 ms more than modelled gets its next recommendation from the corrected
@@ -25,7 +31,9 @@ figure. Seconds added, not a factor: what the model misses is paid once per opti
 all-reduces' start-up, the hook's waiting), so it does not grow with gradient accumulation. On the
 4-node GPU lab a factor taken at grad_accum 1 (1.30×) put grad_accum 8 24 % too slow; the seconds
 put it within 1 %. Against the model's own step, never a corrected one, so corrections do not
-compound.
+compound. A difference holds only with the compute figure its model step was made with, so each
+outcome keeps that figure, and the next `plan` on the same host, GPU and config uses it again
+rather than one measured under another load.
 """
 
 from __future__ import annotations
@@ -84,17 +92,20 @@ def record(cmp: dict, *, model: str, precision: str, compression: str, ranks: in
         return
     p = path(env)
     plans, outcomes = _read_doc(p)
+    entry = plans.get(cmp["key"])
+    figure = entry.get("compute") if isinstance(entry, dict) else None
     outcomes.append({"key": cmp["key"], "model": model, "precision": precision, "compression": compression,
                      "ranks": ranks, "model_step_s": float(model_step),
                      "measured_step_s": global_batch / float(cmp["measured_images_per_s"]), "run_id": run_id,
-                     "at": time.time()})
+                     "at": time.time(), "compute": figure if isinstance(figure, dict) else None})
     atomic_write_json(p, {"schema": SCHEMA, "plans": plans, "outcomes": outcomes[-MAX_OUTCOMES:]})
 
 
 def calibration(*, model: str, precision: str, ranks: int, env=None) -> dict[str, dict]:
-    """{compression: {"extra_s": median measured − modelled step, "runs": n}} from the outcomes of
-    this model, precision and rank count."""
-    by: dict[str, list[float]] = {}
+    """{compression: {"extra_s": median measured − modelled step, "runs": n, "compute": figure}} from
+    the outcomes of this model, precision and rank count: those made against the compute figure of
+    the newest one (a difference holds only with the figure it was taken against)."""
+    by: dict[str, list[tuple[float, dict | None]]] = {}
     for o in _read_doc(path(env))[1]:
         if (o.get("model"), o.get("precision"), o.get("ranks")) != (model, precision, ranks):
             continue
@@ -102,9 +113,15 @@ def calibration(*, model: str, precision: str, ranks: int, env=None) -> dict[str
             measured, model_step = float(o["measured_step_s"]), float(o["model_step_s"])
         except (KeyError, TypeError, ValueError):
             continue
+        figure = o.get("compute") if isinstance(o.get("compute"), dict) else None
         if measured > 0 and model_step > 0 and math.isfinite(measured) and math.isfinite(model_step):
-            by.setdefault(str(o.get("compression")), []).append(measured - model_step)
-    return {c: {"extra_s": statistics.median(r), "runs": len(r)} for c, r in sorted(by.items())}
+            by.setdefault(str(o.get("compression")), []).append((measured - model_step, figure))
+    out = {}
+    for c, rows in sorted(by.items()):
+        newest = rows[-1][1]
+        extra = [x for x, figure in rows if figure == newest]
+        out[c] = {"extra_s": statistics.median(extra), "runs": len(extra), "compute": newest}
+    return out
 
 
 def lookup(plan_key: str, env=None) -> dict | None:
@@ -121,7 +138,7 @@ def compare(plan_key: str, measured_images_per_s: float | None, env=None) -> dic
     return {"key": plan_key, "predicted_images_per_s": predicted, "measured_images_per_s": measured_images_per_s,
             "deviation_percent": round(100.0 * (measured_images_per_s - predicted) / predicted, 1),
             "predicted_step_s": entry.get("step_s"), "planned_at": entry.get("created"),
-            # the advisor's step before calibration (plans older than calibration: their step_s)
+            # the model's step before calibration (plans older than calibration: their step_s)
             "model_step_s": entry.get("model_step_s", entry.get("step_s")),
             "setting": entry.get("setting"), "file": str(path(env))}
 

@@ -1,0 +1,155 @@
+"""The plan document: the scenario the model predicts from `PlanInputs` and the calibration, the
+recommendation, the notes, and the entries saved for `train` to compare with (plan/predicted.py).
+
+The `--json` document (schema version `SCHEMA_VERSION`) is described in docs/schemas.md.
+"""
+
+from __future__ import annotations
+
+from dscluster.plan import calibrate as calibration_run, model, predicted
+from dscluster.plan.inputs import COMPRESSION_KEY, PlanInputs, PlanOptions, figure_of
+
+SCHEMA_VERSION = 1
+
+
+def overrides(cfg, current_global: int, option: model.Option | None, micro: int) -> list[str]:
+    """key=value for `./entry_cn.sh` / `dscluster train`: all three batch keys, so the trainer's
+    check micro × accum × world = global holds whatever the preset says, and the compression."""
+    out = []
+    if option is not None and option.prediction.global_batch != current_global:
+        out = [f"micro_batch={micro}", f"grad_accum={option.grad_accum}",
+               f"global_batch={option.prediction.global_batch}"]
+        if cfg.optim.lr_reference_batch is None:
+            out.append(f"optim.lr_reference_batch={current_global}")  # linear LR scaling, as DeiT's recipe
+    if option is not None and option.compression != cfg.comm.compression:
+        out.append(f"{COMPRESSION_KEY}={option.compression}")
+    return out
+
+
+def saved_entries(doc: dict, cfg, rec: model.Recommendation, opts: PlanOptions) -> dict[str, dict]:
+    """What `train` looks up at the end of a run (plan/predicted.py): the config as given and each
+    recommended setting, keyed by what decides its figure."""
+    settings = [("now", doc["grad_accum"], cfg.comm.compression, doc["prediction"], [])]
+    for name in ("choice", "without_compression"):
+        o = getattr(rec, name)
+        if o is not None:
+            settings.append((name, o.grad_accum, o.compression, o.to_dict()["prediction"],
+                             overrides(cfg, doc["global_batch"], o, doc["micro_batch"])))
+    out = {}
+    for name, _accum, comp, p, ovr in settings:
+        k = run_key(doc, cfg, p["global_batch"] if any(o.startswith("global_batch=") for o in ovr) else None, comp)
+        out.setdefault(k, saved_entry(doc, opts, name, p, ovr))
+    return out
+
+
+def saved_entry(doc: dict, opts: PlanOptions, setting: str, p: dict, ovr: list[str]) -> dict:
+    """One plans.json entry (plan/predicted.py): a setting's predicted figures and what they came from."""
+    return {"images_per_s": p["images_per_s"], "step_s": p["step_s"], "model_step_s": p["model_step_s"],
+            "setting": setting, "config": opts.config, "hostfile": doc["hostfile"], "busbw_GBps": doc["busbw_GBps"],
+            "compute_s": doc["compute"]["seconds"], "overrides": ovr, "compute": figure_of(doc["compute"])}
+
+
+def run_key(doc: dict, cfg, global_batch: int | None, compression: str) -> str:
+    """train's key (plan/predicted.py) for a run of this plan: `global_batch` where the overrides
+    set it, else the config's own, which train keeps when the ranks cannot split it evenly (64 on 3
+    ranks: micro-batches 22, 21, 21)."""
+    return predicted.key(model=doc["model"], micro_batch=doc["micro_batch"],
+                         global_batch=global_batch or cfg.global_batch or doc["global_batch"],
+                         precision=doc["precision"], compression=compression, ranks=doc["world_size"])
+
+
+def scenario_of(inputs: PlanInputs, calibration: dict[str, dict]) -> model.Scenario:
+    cfg = inputs.cfg
+    full = inputs.micro * inputs.accum * inputs.world
+    nodes = tuple(model.Node(name=h.name, ranks=h.slots, compute_s=inputs.compute[h.name])
+                  for h in inputs.hostfile.hosts)
+    return model.Scenario(nodes=nodes, micro_batch=inputs.micro, grad_accum=inputs.accum,
+                          grad_bytes=model.gradient_bytes(inputs.params, model.FORMAT_BYTES[inputs.grad_format]),
+                          grad_format=inputs.grad_format, compression=cfg.comm.compression,
+                          powersgd_rank=cfg.comm.powersgd_rank, matrices=inputs.matrices,
+                          busbw_GBps=inputs.busbw, bucket_bytes=cfg.ddp_bucket_mb * 2**20,
+                          latency_s=inputs.latency, powersgd_s=inputs.powersgd_s or 0.0,
+                          calibration=tuple((c, v["extra_s"]) for c, v in calibration.items()),
+                          samples_per_step=inputs.global_batch if inputs.global_batch < full else None)
+
+
+def uses_powersgd(cfg, rec: model.Recommendation, world: int) -> bool:
+    """The config or the recommendation sends PowerSGD factors across several ranks."""
+    return world > 1 and (cfg.comm.compression == "powersgd"
+                          or (rec.choice is not None and rec.choice.compression == "powersgd"))
+
+
+def notes_of(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict], rec: model.Recommendation,
+             p: model.Prediction) -> list[str]:
+    """What the reader should know about the inputs and the model's reach, one line each."""
+    cfg, world, powersgd_s = inputs.cfg, inputs.world, inputs.powersgd_s
+    notes = [n for n in (inputs.batch_note, inputs.how["note"], inputs.precision_note) if n] + inputs.notes
+    if inputs.check_world and inputs.check_world != world:
+        notes.append(f"check measured the all-reduce over {inputs.check_world} ranks, this plan has {world}: if the "
+                     f"hostfile changed, run `dscluster check --hostfile {opts.hostfile}` again")
+    if cfg.zero_stage:
+        notes.append(f"zero_stage {cfg.zero_stage}: reduce-scatter + all-gather move about what ZeRO-0's "
+                     "all-reduce moves; the estimate is the same")
+    for comp, c in calibration.items():
+        more, act = ("more", "add") if c["extra_s"] >= 0 else ("less", "take off")
+        notes.append(f"calibrated by {c['runs']} earlier run(s) of this model on {world} rank(s): {comp} steps took "
+                     f"{abs(c['extra_s']) * 1e3:.1f} ms {more} than the model gives, so its step times {act} that "
+                     "(--no-calibration ignores them)")
+    if p.model_step_s + p.calibration_s < p.compute_s:
+        notes.append(f"the calibration puts the step at {(p.model_step_s + p.calibration_s) * 1e3:.1f} ms, less than the "
+                     f"{p.compute_s * 1e3:.1f} ms of compute the compute figure gives alone: that figure is too slow "
+                     "(a disturbed probe, or eager against compiled training), and the step shown is the compute; "
+                     "pass --compute-s from a training run, or plan with --no-calibration when the machine is idle")
+    if uses_powersgd(cfg, rec, world):
+        notes.append((f"PowerSGD: its own work {powersgd_s * 1e3:.1f} ms a step"
+                      + (" (--powersgd-s)" if opts.powersgd_s is not None else ", measured here")
+                      if powersgd_s is not None else
+                      "PowerSGD: its own work is not measured with --compute-s (pass --powersgd-s), so its step "
+                      "time is a lower bound")
+                     + "; it sends plain all-reduces for the first comm.powersgd_start_step steps")
+        if "powersgd" not in calibration:
+            notes.append(f"PowerSGD is not calibrated on {world} ranks yet: its hook costs more across ranks than "
+                         "the one-rank probe shows (first runs on GPU labs measured 23 % below to 6 % above this "
+                         "prediction). "
+                         f"`dscluster plan --calibrate` measures it first with a {calibration_run.STEPS}-step run on "
+                         "these nodes; any PowerSGD run here does the same for the next plan")
+    return notes
+
+
+def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
+          runs: list[dict] | None = None) -> tuple[dict, model.Recommendation]:
+    """The plan document from measured inputs and the calibration, saved for `train` to compare with."""
+    cfg, world = inputs.cfg, inputs.world
+    scenario = scenario_of(inputs, calibration)
+    prediction = model.predict(scenario)
+    rec = model.recommend(scenario, max_global_batch=opts.max_global_batch,
+                          compressions=model.ladder(cfg.comm.compression, allowed=inputs.allowed.get))
+    doc = {
+        "schema": SCHEMA_VERSION, "config": opts.config, "model": cfg.model.name, "params": inputs.params,
+        "hostfile": inputs.hostfile.path, "world_size": world,
+        "nodes": [{"name": n.name, "ranks": n.ranks, "compute_s": n.compute_s,
+                   "images_per_s": n.images_per_s(inputs.micro)} for n in scenario.nodes],
+        "micro_batch": inputs.micro, "grad_accum": inputs.accum, "global_batch": scenario.global_batch,
+        "precision": inputs.precision, "compression": cfg.comm.compression, "grad_format": inputs.grad_format,
+        "grad_bytes": int(scenario.grad_bytes), "wire_bytes": int(scenario.wire_bytes),
+        "busbw_GBps": inputs.busbw, "busbw_source": inputs.source, "compute": inputs.how,
+        "latency_s": inputs.latency, "powersgd_s": inputs.powersgd_s, "calibration": calibration,
+        "calibration_runs": runs or [],
+        "assumptions": {"backward_share": model.BACKWARD_SHARE, "overlap_fraction": scenario.overlap_fraction,
+                        "bucket_bytes": int(scenario.bucket_bytes)},
+        "prediction": prediction.to_dict(),
+        "recommendation": {**rec.to_dict(), "overrides": overrides(cfg, scenario.global_batch, rec.choice,
+                                                                   inputs.micro),
+                           "pending": inputs.refused},
+        "saved_to": None,
+        "notes": notes_of(opts, inputs, calibration, rec, prediction),
+    }
+    save(doc, saved_entries(doc, cfg, rec, opts))
+    return doc, rec
+
+
+def save(doc: dict, entries: dict[str, dict]) -> None:
+    try:
+        doc["saved_to"] = str(predicted.save(entries))
+    except OSError as e:  # a read-only state directory costs the comparison at the end of the run, not the plan
+        doc["notes"].append(f"could not save the prediction for `train` to compare with ({e})")

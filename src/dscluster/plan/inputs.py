@@ -1,0 +1,348 @@
+"""What a plan is made from: the command's options (`PlanOptions`) and everything measured or
+built once from them (`PlanInputs`): the bus bandwidth `dscluster check` measured, the model's
+parameters and gradient shapes (built on the meta device), the run's shape, and the compute time
+of one micro-batch. A calibration run rebuilds the plan from the same `PlanInputs`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dscluster import state
+from dscluster.check import checkfile
+from dscluster.check.checkfile import CheckFileError
+from dscluster.errors import UsageError
+from dscluster.hosts import Hostfile
+from dscluster.plan import model, predicted
+from dscluster.train.shape import RunShape
+
+COMPRESSION_KEY = "comm.compression"
+"""The training config key that compresses gradients on the wire (train/comm.py)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class PlanOptions:
+    """`dscluster plan`'s options, checked before anything is loaded or measured."""
+
+    config: str
+    """Training preset (configs/*.yaml)."""
+    overrides: list[str] = field(default_factory=list)
+    """KEY=VALUE config overrides, as for `dscluster train`."""
+    hostfile: str = "hosts.txt"
+    """OpenMPI hostfile of the nodes to plan for."""
+    busbw: float | None = None
+    """All-reduce bus bandwidth in GB/s; None: what `dscluster check` measured."""
+    compute_s: str | None = None
+    """`S` or `NODE=S,...`: seconds of one forward+backward of one micro-batch; None: measured here."""
+    powersgd_s: float | None = None
+    """PowerSGD's own work per optimizer step, seconds; None: measured here when compute is."""
+    calibrate: bool = False
+    """Run PowerSGD on the nodes first where it is in play and uncalibrated (`plan.calibrate`)."""
+    no_calibration: bool = False
+    """Ignore what earlier runs measured against their plans."""
+    max_global_batch: int = model.MAX_GLOBAL_BATCH
+    """Largest global batch to recommend."""
+
+    def __post_init__(self):
+        if self.calibrate and self.no_calibration:
+            raise UsageError("--calibrate measures a run to correct the plan, --no-calibration ignores such runs: "
+                             "pass one of them")
+        if self.busbw is not None and not (self.busbw > 0 and math.isfinite(self.busbw)):
+            raise UsageError(f"--busbw {self.busbw}: expected the all-reduce bus bandwidth in GB/s, > 0")
+        if self.max_global_batch < 1:
+            raise UsageError(f"--max-global-batch {self.max_global_batch}: expected at least 1")
+        if self.powersgd_s is not None and not (self.powersgd_s >= 0 and math.isfinite(self.powersgd_s)):
+            raise UsageError(f"--powersgd-s {self.powersgd_s}: expected seconds >= 0, e.g. --powersgd-s 0.02")
+
+
+@dataclass(kw_only=True, slots=True)
+class PlanInputs:
+    """Everything the prediction is made from that costs a measurement or a model build, once."""
+
+    cfg: object
+    """The training config (train/config.py's TrainConfig), overrides applied."""
+    hostfile: Hostfile
+    """The nodes, as the hostfile lists them."""
+    world: int
+    """Ranks: the hostfile's slots."""
+    compute: dict[str, float]
+    """Seconds of one forward+backward of one micro-batch on one rank, per hostfile node."""
+    how: dict
+    """Where the compute figure came from: {seconds, source, device, note} (the document's `compute`)."""
+    busbw: float
+    """All-reduce bus bandwidth, GB/s."""
+    source: str
+    """Where busbw came from: `--busbw` or check.json's path."""
+    check_world: int | None = None
+    """Ranks check's all-reduce ran over (None with --busbw)."""
+    latency: float = 0.0
+    """Start-up of one all-reduce, seconds (`model.startup_latency_s`)."""
+    micro: int
+    """Per-rank micro-batch."""
+    accum: int
+    """Gradient accumulation steps."""
+    global_batch: int
+    """Samples an optimizer step trains: micro × accum × world, or less where the ranks' shares differ
+    (64 on 3 ranks: 22, 21, 21)."""
+    batch_note: str | None = None
+    """Why the batch shape is a guess, where it is."""
+    params: int
+    """Trainable parameters."""
+    matrices: tuple[tuple[int, int], ...]
+    """Each gradient as PowerSGD views it."""
+    precision: str
+    """The precision training will use."""
+    precision_note: str | None = None
+    """Why the precision is a guess, where it is."""
+    grad_format: str
+    """What the gradients are: fp32, fp16 or bf16."""
+    allowed: dict[str, bool]
+    """Which comm.compression values training accepts for this config."""
+    refused: list[str] = field(default_factory=list)
+    """Why training refuses the others (one line per cause)."""
+    powersgd_s: float | None = None
+    """PowerSGD's own work per optimizer step; None: not measured."""
+    calibration: dict[str, dict] = field(default_factory=dict)
+    """What earlier runs measured against their plans, per compression (`predicted.calibration`), those
+    made with this plan's compute figure (or with none measured here) only."""
+    notes: list[str] = field(default_factory=list)
+    """What the reader should know about the compute figure: reused, disturbed, calibrations set aside."""
+
+    def __post_init__(self):
+        if set(self.compute) != set(self.hostfile.names):
+            raise UsageError(f"compute times for {sorted(self.compute)}, but the hostfile has {self.hostfile.names}")
+        if not all(s > 0 and math.isfinite(s) for s in self.compute.values()):
+            raise UsageError(f"compute times must be seconds > 0, got {self.compute}")
+        if (self.world != self.hostfile.total_slots or self.micro < 1 or self.accum < 1
+                or not 0 < self.global_batch <= self.micro * self.accum * self.world):
+            raise UsageError(f"run shape out of range: world {self.world}, micro_batch {self.micro}, "
+                             f"grad_accum {self.accum}")
+        if not (self.busbw > 0 and self.latency >= 0 and self.params > 0):
+            raise UsageError(f"busbw {self.busbw}, latency {self.latency}, params {self.params}: out of range")
+        if self.grad_format not in model.FORMAT_BYTES:
+            raise UsageError(f"grad_format {self.grad_format!r}: expected one of {', '.join(model.FORMAT_BYTES)}")
+
+
+def busbw_from_check(path: Path) -> tuple[float, int | None, float]:
+    """(bus bandwidth of check's largest all-reduce, closest to DDP's 100 MB buckets; its rank count;
+    the start-up latency of one all-reduce, from its smallest message)."""
+    fix = "run `dscluster check` (without --skip-active) on this hostfile, or pass --busbw GBps"
+    try:
+        result = checkfile.load(path).allreduce_result()
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no all-reduce measurement yet: {fix}") from None
+    except CheckFileError as e:
+        raise UsageError(f"{e}; or pass --busbw GBps") from None
+    rows = [r for r in (result or {}).get("results") or [] if r.get("busbw_GBps", 0) > 0]
+    if not rows:
+        raise UsageError(f"{path}: holds no all-reduce result (skipped or failed): {fix}")
+    world = result.get("world_size")
+    return (float(max(rows, key=lambda r: r["bytes"])["busbw_GBps"]), world,
+            model.startup_latency_s(rows, world or 1))
+
+
+def parse_compute(text: str, names: list[str]) -> dict[str, float]:
+    """`0.05` for every node, or `node1=0.05,node2=0.2` naming every hostfile node."""
+    def seconds(value: str, where: str) -> float:
+        try:
+            s = float(value)
+        except ValueError:
+            s = math.nan
+        if not (s > 0 and math.isfinite(s)):
+            raise UsageError(f"--compute-s {where}: expected seconds > 0, e.g. --compute-s 0.05")
+        return s
+
+    if "=" not in text:
+        return dict.fromkeys(names, seconds(text, repr(text)))
+    out: dict[str, float] = {}
+    for part in text.split(","):
+        name, _, value = part.strip().partition("=")
+        if name not in names:
+            raise UsageError(f"--compute-s: {name!r} is not a host of the hostfile ({', '.join(names)})")
+        out[name] = seconds(value, repr(part))
+    missing = [n for n in names if n not in out]
+    if missing:
+        raise UsageError(f"--compute-s: no time for {', '.join(missing)}; give NODE=S for every node, or one number")
+    return out
+
+
+def batch_shape(cfg, world: int, precision: str = "fp32") -> tuple[RunShape, str | None]:
+    """The run's shape on `world` ranks by training's own resolver (train/shape.py), with what a plan
+    cannot know left out (no GPU memory fit, no measured balanced shares), and a note where that
+    makes it a guess. Bad batch arithmetic is refused as `dscluster train` refuses it."""
+    from dscluster.train.balanced import resolve_batching
+    from dscluster.train.shape import DeviceFacts, resolve
+
+    cfg.batching = resolve_batching(cfg.batching)  # as `dscluster train` does first
+    shape = resolve(cfg, world, DeviceFacts(precision=precision))
+    note = None
+    if cfg.micro_batch == "auto" and cfg.global_batch is None:
+        note = f"micro_batch auto without global_batch: assumed {shape.micro_batch} (pass micro_batch=N)"
+    elif cfg.micro_batch == "auto":
+        note = (f"micro_batch auto: assumed global_batch {cfg.global_batch} ÷ {world} ranks = {shape.micro_batch} "
+                "(auto-fit may take less on small GPUs and accumulate: pass micro_batch=N)")
+    return shape, note
+
+
+def gradient_shapes(cfg, in_chans: int, num_classes: int) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """(parameters, each gradient as PowerSGD views it: shape[0] × the rest), built on the meta
+    device: shapes only, no memory, so ViT-B costs nothing to count."""
+    import torch
+
+    from dscluster.train.model import build_model, count_params as count
+
+    with torch.device("meta"):
+        net = build_model(cfg.model, in_chans=in_chans, num_classes=num_classes, img_size=cfg.data.img_size)
+    matrices = tuple((p.shape[0], p.numel() // p.shape[0]) if p.dim() else (1, 1)
+                     for p in net.parameters() if p.requires_grad)
+    return count(net), matrices
+
+
+def planned_precision(cfg) -> tuple[str, str | None]:
+    """(the precision training will use, a note when guessed): the config's, else `dscluster check`'s
+    (DSCLUSTER_PRECISION, <state>/cluster.env), else this machine's GPU's, else fp32 with a note."""
+    import os
+
+    from dscluster.train.precision import FORMATS, decide_here
+
+    if cfg.precision != "auto":
+        return cfg.precision, None
+    cluster = os.environ.get("DSCLUSTER_PRECISION")
+    try:
+        cluster = cluster or state.read_env_file(state.cluster_env_path()).get("DSCLUSTER_PRECISION")
+    except (OSError, UsageError):
+        pass
+    if cluster and cluster.strip().lower() in FORMATS:
+        return cluster.strip().lower(), None
+    decided = decide_here("auto").precision
+    return decided, (None if decided != "fp32" else "precision auto and no `dscluster check` result here: planned "
+                     "for fp32 (pass precision=... for the GPUs' format)")
+
+
+def allowed_compressions(cfg, precision: str) -> tuple[dict[str, bool], list[str]]:
+    """Which comm.compression values training accepts for this config, by training's own rule, and
+    why not where it refuses one."""
+    import copy
+
+    from dscluster.train.config_checks import ConfigValueError, compression_conflict
+
+    ok, why = {}, {}
+    for comp in model.COMPRESSIONS:
+        trial = copy.deepcopy(cfg)
+        trial.comm.compression = comp
+        try:
+            compression_conflict(trial, precision)
+            ok[comp] = True
+        except ConfigValueError as e:
+            ok[comp] = False
+            if comp in model.LADDER:
+                why.setdefault(e.also, str(e))  # one line per cause (ZeRO refuses every compression alike)
+    return ok, list(why.values())
+
+
+def measure(opts: PlanOptions) -> PlanInputs:
+    """Everything the prediction is made from that costs a measurement or a model build, once: a
+    calibration run rebuilds the plan from the same inputs."""
+    from dscluster.hosts import parse_hostfile
+    from dscluster.plan.probe import measure_powersgd
+    from dscluster.train.config import load_config
+    from dscluster.train.precision import gradient_format
+
+    cfg = load_config(opts.config, opts.overrides)
+    hostfile = parse_hostfile(opts.hostfile)
+    names = hostfile.names
+    compute = parse_compute(opts.compute_s, names) if opts.compute_s is not None else None
+    # cheap inputs first: a missing bandwidth says so before any model is built or measured
+    source = "--busbw" if opts.busbw is not None else str(state.check_json_path())
+    busbw, check_world, latency = ((opts.busbw, None, 0.0) if opts.busbw is not None
+                                   else busbw_from_check(state.check_json_path()))
+    world = hostfile.total_slots
+    precision, precision_note = planned_precision(cfg)
+    shape, batch_note = batch_shape(cfg, world, precision)
+    micro, accum, in_chans, num_classes = shape.micro_batch, shape.grad_accum, shape.in_chans, shape.num_classes
+    params, matrices = gradient_shapes(cfg, in_chans, num_classes)
+    allowed, refused = allowed_compressions(cfg, precision)
+    calibration = {} if opts.no_calibration else predicted.calibration(model=cfg.model.name, precision=precision,
+                                                                       ranks=world)
+    notes: list[str] = []
+    if compute is None:
+        how = compute_figure(cfg, in_chans, num_classes, micro, precision, calibration, notes)
+        compute = dict.fromkeys(names, how["seconds"])
+    else:
+        how = {"seconds": max(compute.values()), "source": "--compute-s", "device": None, "note": None,
+               **dict.fromkeys(FIGURE_KEYS[1:])}
+    calibration = calibrations_with(calibration, how, notes)
+    powersgd_s = opts.powersgd_s if opts.powersgd_s is not None else how["powersgd_s"]
+    if powersgd_s is None and allowed.get("powersgd") and world > 1 and how["source"] == "measured":
+        powersgd_s = how["powersgd_s"] = measure_powersgd(cfg, in_chans, num_classes, micro)
+    return PlanInputs(cfg=cfg, hostfile=hostfile, compute=compute, how=how, source=source, busbw=busbw,
+                      check_world=check_world, latency=latency, world=world, micro=micro, accum=accum,
+                      global_batch=shape.global_batch, batch_note=batch_note, params=params, matrices=matrices, precision=precision,
+                      precision_note=precision_note, grad_format=gradient_format(cfg, precision), allowed=allowed,
+                      refused=refused, powersgd_s=powersgd_s, calibration=calibration, notes=list(shape.notes) + notes)
+
+
+def compute_figure(cfg, in_chans: int, num_classes: int, micro: int, precision: str, calibration: dict[str, dict],
+                   notes: list[str]) -> dict:
+    """The compute figure of a plan without --compute-s (the document's `compute`): the one kept with a
+    calibration made on this host, device and config (`probe_key`), else measured now. A calibration
+    is measured − modelled step with the figure its plan had; a figure measured now, under another
+    load, would move the prediction by the difference (a busy head node made one 26x too slow)."""
+    import time
+
+    from dscluster.plan.probe import host_load, measure_steady_compute, probe_key
+
+    key = probe_key(cfg, micro, precision)
+    kept = [c["compute"] for c in calibration.values() if (c.get("compute") or {}).get("probe") == key]
+    if kept:
+        figure = max(kept, key=lambda f: f["measured_at"])
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(figure["measured_at"]))
+        how = {**figure, "source": "calibration",
+               "note": f"compute figure {figure['seconds']:.4f} s per micro-batch ({figure['device']}), measured at "
+                       f"{when} for the plan the calibration's runs were measured against: used again, not measured "
+                       "now (plan measures again when the host, GPU or config change, or with --no-calibration)"}
+    else:
+        f = measure_steady_compute(cfg, in_chans, num_classes, micro)
+        how = {"seconds": f.seconds, "source": "measured", "device": f.device, "note": f.note, "probe": key,
+               "measured_at": time.time(), "spread": round(f.spread, 4), "samples": f.samples,
+               "disturbed": f.disturbed, "powersgd_s": None}
+        if f.disturbed:
+            notes.append(f"the compute probe was disturbed: its {f.samples} samples spread {f.spread:.0%} around "
+                         f"their median{' twice' if f.tries > 1 else ''} ({host_load()}); its figure "
+                         f"{f.seconds:.4f} s is uncertain: plan again when the machine is idle, or pass --compute-s")
+    if how.get("disturbed") and how["source"] == "calibration":
+        notes.append(f"that compute figure was disturbed when measured (samples spread {how['spread']:.0%}): "
+                     "--no-calibration measures it again")
+    return how
+
+
+FIGURE_KEYS = ("seconds", "device", "probe", "measured_at", "spread", "samples", "disturbed", "powersgd_s")
+"""A compute figure as plans.json keeps it with each saved setting (`figure_of`)."""
+
+
+def figure_of(how: dict) -> dict:
+    """The compute figure a plan's settings are saved with; a run's outcome keeps it (plan/predicted.py)."""
+    return {k: how.get(k) for k in FIGURE_KEYS}
+
+
+def calibrations_with(calibration: dict[str, dict], how: dict, notes: list[str]) -> dict[str, dict]:
+    """The calibrations this plan applies: those whose runs were measured against a plan with this
+    compute figure, or with one not measured here (--compute-s, plans older than this rule), or
+    measured for another host, GPU or config (their correction applies, with a note). Those measured
+    here for the same config against another figure are set aside: their correction belongs to it."""
+    figure, out = figure_of(how), {}
+    for comp, c in calibration.items():
+        theirs = c.get("compute") or {}
+        if theirs.get("probe") is None or how["source"] == "--compute-s" or theirs == figure:
+            out[comp] = c
+        elif theirs.get("probe") != figure["probe"]:
+            out[comp] = c
+            notes.append(f"{comp}: the {c['runs']} earlier run(s) calibrating it were planned with a compute figure "
+                         f"taken for another host, GPU or config ({theirs['probe']}): their correction is applied "
+                         "to this one's")
+        else:
+            notes.append(f"{comp}: {c['runs']} earlier run(s) were measured against another compute figure of this "
+                         f"config ({theirs.get('seconds')} s, measured at {theirs.get('measured_at')}): not used")
+    return out
