@@ -58,6 +58,7 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
     cpu_note = cpus.free_launcher_binding()  # before CUDA, NCCL and the loader start their threads
     has_cuda = dist.prepare_accelerator()
     check_comm_here(cfg, calibrate)  # bad input: exit 2 before anything is written
+    check_precision_here(cfg, calibrate, has_cuda)
     run_id = runinfo.resolve_run_id()
     rdir = runinfo.run_dir()
     traces = StackTraces(rdir, info.rank)
@@ -154,6 +155,16 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
         gc.collect()
         dist.destroy()
         traces.close()
+
+
+def check_precision_here(cfg: TrainConfig, calibrate: bool, has_cuda: bool) -> None:
+    """The precision against this rank's device (precision=fp16 or bf16 on a CPU rank, bf16 on a
+    pre-Ampere GPU, a bad DSCLUSTER_PRECISION), and loss-scale calibration's GPU: bad input, exit 2
+    before the run directory exists."""
+    if calibrate and not has_cuda:
+        raise UsageError("--calibrate-loss-scale runs fp16, which needs a GPU; this rank has none "
+                         "(calibrate on a GPU node, or drop --calibrate-loss-scale / calibrate_loss_scale)")
+    decide_here(cfg.precision)
 
 
 def check_comm_here(cfg: TrainConfig, calibrate: bool) -> None:
@@ -311,15 +322,25 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
     facts.update(steps=global_step, images_per_s=out.images_per_s, accuracy=accuracy,
                  timed_steps=window.window.timed_steps, timed_s=round(window.window.timed_s, 4))
     if primary and not calibrate:
+        plan_vs_measured(cfg, b, gb, precision, info, out, facts)
+    return out
+
+
+def plan_vs_measured(cfg: TrainConfig, b, gb: int, precision: str, info, out: Outcome, facts: dict) -> None:
+    """Rank 0, at the end: the saved prediction against what this run measured (train/predicted.py).
+    A damaged plans.json costs only the comparison, with a warning that names it."""
+    try:
         cmp = predicted.compare(predicted.key(model=cfg.model.name, micro_batch=max(b.shares), global_batch=gb,
                                               precision=precision, compression=cfg.comm.compression,
                                               ranks=info.world_size), out.images_per_s)
-        if cmp is not None:
-            facts["plan"] = cmp
-            console.err.print(f"dscluster train: {predicted.line(cmp)}")
-            try:  # the next `plan` corrects itself by what this lab really did
-                predicted.record(cmp, model=cfg.model.name, precision=precision, compression=cfg.comm.compression,
-                                 ranks=info.world_size, global_batch=gb, run_id=facts["run_id"])
-            except OSError:
-                pass
-    return out
+    except UsageError as e:
+        console.err.print(f"[yellow]warning:[/yellow] no plan comparison: {e}")
+        return
+    if cmp is not None:
+        facts["plan"] = cmp
+        console.err.print(f"dscluster train: {predicted.line(cmp)}")
+        try:  # the next `plan` corrects itself by what this lab really did
+            predicted.record(cmp, model=cfg.model.name, precision=precision, compression=cfg.comm.compression,
+                             ranks=info.world_size, global_batch=gb, run_id=facts["run_id"])
+        except OSError as e:
+            console.err.print(f"[yellow]warning:[/yellow] plan outcome not kept ({e})")
