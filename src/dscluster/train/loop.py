@@ -266,10 +266,14 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
                           "so it is off")
     watched = 0
 
+    failed_saves = 0
+
     def save(pos: checkpoint.Position) -> None:
+        nonlocal failed_saves
         f = my_fault.get("disk_full")
         ok, msg = checkpoint.save(engine, ckpt_dir, pos, rank=info.rank, fail_save=f is not None and f.step == pos.global_step,
                                   extra=boundary.state_dict(), rank_state=rank_state)
+        failed_saves, msg = checkpoint.after_save(ok, msg, failed_saves)  # the stated rule: stops at the 2nd
         if not ok or primary:
             (progress.print if primary else console.err.print)(
                 f"{'[yellow]warning:[/yellow] ' if not ok else ''}{msg}" + ("" if primary else f" (rank {info.rank})"))
