@@ -2,7 +2,9 @@
 
 Anything a crash could leave half-written (configs, env files, authorized_keys copies,
 checkpoint pointers, summaries) goes through `atomic_write_*`: write a temp file in the
-same directory, fsync, then rename over the target.
+same directory, fsync, rename over the target, fsync the directory. A reader, or the machine
+after a power loss, sees the old file or the new one, never a mix (tests/unit/test_power_loss.py
+kills writers with SIGKILL at random points). A crash can leave a `.NAME.*.tmp` beside it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int | None = 
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_dir(path.parent)  # the rename itself survives a power loss
     except BaseException:
         try:
             os.unlink(tmp)
@@ -36,6 +39,19 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int | None = 
             pass
         raise
     return path
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse to fsync a directory; the file itself is synced
+    finally:
+        os.close(fd)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, mode: int | None = None) -> Path:
