@@ -30,7 +30,7 @@ from dscluster.train.config import TrainConfig, to_yaml
 from dscluster.train.config_checks import ConfigValueError, compression_conflict
 from dscluster.train.logwindow import LogWindow
 from dscluster.train.optstep import StepBoundary
-from dscluster.train.precision import decide_here
+from dscluster.train.precision import decide, decide_here
 from dscluster.train.progress import ProgressBar
 from dscluster.train.runlog import RunLog, summary_record
 from dscluster.train.step import TrainStep
@@ -58,7 +58,7 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
     cpu_note = cpus.free_launcher_binding()  # before CUDA, NCCL and the loader start their threads
     has_cuda = dist.prepare_accelerator()
     check_comm_here(cfg, calibrate)  # bad input: exit 2 before anything is written
-    check_precision_here(cfg, calibrate, has_cuda)
+    check_precision_here(cfg, calibrate, has_cuda, info.local_rank)
     run_id = runinfo.resolve_run_id()
     rdir = runinfo.run_dir()
     traces = StackTraces(rdir, info.rank)
@@ -157,14 +157,15 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
         traces.close()
 
 
-def check_precision_here(cfg: TrainConfig, calibrate: bool, has_cuda: bool) -> None:
-    """The precision against this rank's device (precision=fp16 or bf16 on a CPU rank, bf16 on a
+def check_precision_here(cfg: TrainConfig, calibrate: bool, has_cuda: bool, local_rank: int) -> None:
+    """The precision against this rank's own device (precision=fp16 or bf16 on a CPU rank, bf16 on a
     pre-Ampere GPU, a bad DSCLUSTER_PRECISION), and loss-scale calibration's GPU: bad input, exit 2
     before the run directory exists."""
     if calibrate and not has_cuda:
         raise UsageError("--calibrate-loss-scale runs fp16, which needs a GPU; this rank has none "
                          "(calibrate on a GPU node, or drop --calibrate-loss-scale / calibrate_loss_scale)")
-    decide_here(cfg.precision)
+    cap = torch.cuda.get_device_capability(dist.device_for(local_rank, torch.cuda.device_count())) if has_cuda else None
+    decide(cfg.precision, cluster=os.environ.get("DSCLUSTER_PRECISION"), cuda=has_cuda, capability=cap)
 
 
 def check_comm_here(cfg: TrainConfig, calibrate: bool) -> None:
