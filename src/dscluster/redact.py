@@ -22,6 +22,8 @@ KNOWN_NAMES = frozenset({"WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", 
 PRIVATE_KEY_RE = re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)",
                             re.DOTALL)
 HIDDEN = "***"
+ASSIGNMENT_RE = re.compile(r"(?<![A-Za-z0-9_])(?P<name>[A-Za-z_][A-Za-z0-9_]*)=(?P<value>'[^']*'|\"[^\"]*\"|[^\s'\"]+)")
+"""NAME=VALUE in free text (a command line `-x WANDB_API_KEY=...`, an env prefix): hidden by NAME."""
 MIN_SECRET_LEN = 4
 """Shorter values of secret-named variables ("1", "yes") are not searched for in free text."""
 
@@ -59,8 +61,9 @@ def redact_text(text: str, environ: Mapping[str, str] | None = None) -> str:
 
 
 def redact_doc(doc: object, environ: Mapping[str, str] | None = None, values: list[str] | None = None) -> object:
-    """A JSON-able document with every string in it redacted as by `redact_text` (keys of a mapping are
-    field names, not environment names: only values are searched). What --json outputs and run-directory
+    """A JSON-able document with every string in it redacted: private keys, this environment's secret
+    values, and the value of any NAME=VALUE whose NAME is a secret (keys of a mapping are field names,
+    not environment names: only values are searched). What --json outputs and run-directory
     records that may quote a message go through. `values`: `secret_values(environ)` computed once by a
     caller that redacts many records."""
     values = secret_values(environ) if values is None else values
@@ -68,6 +71,7 @@ def redact_doc(doc: object, environ: Mapping[str, str] | None = None, values: li
     def walk(node: object) -> object:
         if isinstance(node, str):
             node = PRIVATE_KEY_RE.sub(HIDDEN, node)
+            node = ASSIGNMENT_RE.sub(lambda m: f"{m['name']}={HIDDEN}" if is_secret_name(m["name"]) else m[0], node)
             for value in values:
                 node = node.replace(value, HIDDEN)
             return node

@@ -57,3 +57,19 @@ def test_a_good_plans_json_round_trips(tmp_path):
     env = {"DSCLUSTER_STATE": str(tmp_path)}
     predicted.save({"k": {"images_per_s": 10.0, "step_s": 0.5, "overrides": ["a=1"]}}, env)
     assert predicted.lookup("k", env)["images_per_s"] == 10.0
+
+
+@pytest.mark.parametrize("client, field", [
+    ({"position": {"epoch": "1", "step_in_epoch": 0, "global_step": 3}}, "position.epoch is \"1\""),
+    ({"position": {"epoch": 1, "global_step": 3}}, "position.step_in_epoch is missing"),
+    ({"position": [1, 2, 3]}, "position is [1, 2, 3], expected a mapping"),
+], ids=["epoch-string", "step-missing", "not-a-mapping"])
+def test_damaged_checkpoint_metadata_names_the_checkpoint_and_field(client, field):
+    from dscluster.errors import UsageError
+    from dscluster.train import checkpoint
+
+    with pytest.raises(UsageError, match="ckpt/epoch0001: damaged checkpoint metadata: field ") as e:
+        checkpoint.position_of(client, "ckpt/epoch0001")
+    assert field in str(e.value) and "checkpoint.resume=false" in str(e.value)
+    assert checkpoint.position_of({"position": {"epoch": 1, "step_in_epoch": 0, "global_step": 3}}, "x") == \
+        checkpoint.Position(1, 0, 3)

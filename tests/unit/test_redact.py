@@ -70,3 +70,26 @@ def test_diagnose_hides_secrets_of_a_record_written_before_the_rule(tmp_path, ca
     main(["diagnose", str(run), "--json"])
     out = capsys.readouterr().out
     assert "plant-hf" not in out
+
+
+def test_a_secret_assignment_in_a_command_line_is_hidden_by_its_name():
+    line = "mpirun -x WANDB_API_KEY=abc123 -x NCCL_DEBUG=INFO -x HF_TOKEN='x y' ./entry_cn.sh epochs=2"
+    assert redact.redact_text(line, {}) == ("mpirun -x WANDB_API_KEY=*** -x NCCL_DEBUG=INFO -x HF_TOKEN=*** "
+                                            "./entry_cn.sh epochs=2")
+
+
+def test_launch_dry_run_json_does_not_show_a_secret_passed_with_env(tmp_path, monkeypatch, capsys):
+    import hashlib
+
+    hosts = "node1 slots=1\nnode2 slots=1\n"
+    (tmp_path / "hosts.txt").write_text(hosts)
+    (tmp_path / ".dscluster").mkdir()
+    (tmp_path / ".dscluster" / "check.json").write_text(json.dumps(
+        {"hostfile": "hosts.txt", "hostfile_sha256": hashlib.sha256(hosts.encode()).hexdigest(), "ok": True}))
+    (tmp_path / ".dscluster" / "cluster.env").write_text("export MASTER_ADDR='10.77.1.1'\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DSCLUSTER_STATE", raising=False)
+    for argv in (["--json"], []):
+        assert main(["launch", "--dry-run", *argv, "--env", "WANDB_API_KEY=plant-wandb-9"]) == 0
+        out = capsys.readouterr().out
+        assert "plant-wandb-9" not in out and "WANDB_API_KEY=***" in out, out

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dscluster.errors import UsageError
+from dscluster.filemodel import validate
 from dscluster.fsutil import StorageFull, atomic_write_text, free_space_text
 
 LATEST = "latest"
@@ -164,5 +165,25 @@ def load(engine, ckpt_dir: Path, tag: str) -> tuple[Position, dict]:
     path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
     if path is None or not client or "position" not in client:
         raise UsageError(f"{ckpt_dir}/{tag}: not a dscluster checkpoint (no position in its client state)")
-    p = client["position"]
-    return Position(int(p["epoch"]), int(p["step_in_epoch"]), int(p["global_step"])), client
+    return position_of(client, f"{ckpt_dir}/{tag}"), client
+
+
+# The client state's position (`save`), checked by dscluster.filemodel; all three are required.
+POSITION_TYPES = {"position": (dict,), "position.epoch": (int,), "position.step_in_epoch": (int,),
+                  "position.global_step": (int,)}
+
+
+def position_of(client: dict, where: str) -> Position:
+    """The position a checkpoint's client state records, validated like user input: a damaged one is
+    exit 2 naming the checkpoint and the field, not a KeyError in the middle of resuming."""
+    fix = (f"resume from an earlier checkpoint (write its tag into {LATEST}) or start fresh with "
+           "checkpoint.resume=false")
+    try:
+        validate({"position": client.get("position")}, POSITION_TYPES)
+        p = client["position"]
+        missing = [k for k in ("epoch", "step_in_epoch", "global_step") if not isinstance(p.get(k), int)]
+        if missing or min(p[k] for k in ("epoch", "step_in_epoch", "global_step")) < 0:
+            raise ValueError(f"field position.{(missing or ['epoch'])[0]} is missing or negative ({p})")
+    except (ValueError, AttributeError) as e:
+        raise UsageError(f"{where}: damaged checkpoint metadata: {e}; {fix}") from None
+    return Position(int(p["epoch"]), int(p["step_in_epoch"]), int(p["global_step"]))
