@@ -219,7 +219,8 @@ def job_report(launcher: str, outcome, run_dir: Path) -> tuple[int, str]:
     for host in summary.get("vanished_hosts") or []:
         if host not in vanished:
             vanished.append(host)
-    see = f"per-rank logs and metrics are in {run_dir}; `dscluster diagnose {run_dir}` says more"
+    see = (f"per-rank logs and metrics are in {run_dir}; `dscluster diagnose {run_dir}` says more" if run_dir.is_dir()
+           else "no run directory was written: the ranks stopped before training started (their messages are above)")
     if vanished:
         # mpirun exits 0 when it loses a daemon (OpenMPI 5.0.11): the job failed all the same.
         code = job_exit_code(outcome.rc) or 1
