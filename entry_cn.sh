@@ -145,7 +145,7 @@ if [ "${1#-}" = "$1" ] && ! [[ "$1" =~ ^[A-Za-z_][A-Za-z0-9_.]*= ]]; then
     exit 2
   fi
 else
-  python -c 'import sys; from dscluster.cli.train import preflight; sys.exit(preflight(sys.argv[1:]))' "$@" || exit 2
+  python -c 'import sys; from dscluster.cli.train import preflight; sys.exit(preflight(sys.argv[1:]))' "$@" >/dev/null || exit 2
 fi
 
 if [ "$LOCAL_RANK_ID" = 0 ]; then
