@@ -7,7 +7,9 @@
 #    the node's own interface for NCCL/GLOO, P2P, precision) — without it a multi-rank job
 #    would pick a wrong interface and hang, so a missing file stops the rank (exit 2);
 # 3. leaves the node's GPUs visible to every rank (train picks the local rank's own);
-# 4. local rank 0 starts this node's one telemetry sampler and stops it when training ends;
+# 4. checks what it will run (the program exists and is executable, or train's arguments parse and
+#    the config loads): bad input stops the rank (exit 2) before the sampler or the run directory start;
+#    then local rank 0 starts this node's one telemetry sampler and stops it when training ends;
 # 5. runs `dscluster train "$@"` (default: --config configs/digits.yaml).
 # Run by hand (no launcher) it trains as a single process and says so.
 set -uo pipefail
@@ -132,6 +134,20 @@ trap 'on_signal TERM 143' TERM
 trap 'on_signal INT 130' INT
 trap 'on_signal HUP 129' HUP
 
+# --- what this rank runs, checked before the sampler or the run directory start: bad input writes nothing
+if [ "$#" -eq 0 ]; then
+  if [ -f configs/digits.yaml ]; then set -- --config configs/digits.yaml
+  else set -- --config "$REPO/configs/digits.yaml"; fi
+fi
+if [ "${1#-}" = "$1" ] && ! [[ "$1" =~ ^[A-Za-z_][A-Za-z0-9_.]*= ]]; then
+  if [ -d "$1" ] || ! command -v "$1" >/dev/null 2>&1; then
+    say "cannot run '$1': no such program, or not executable (give a path like ./my_train.sh with chmod +x, or a command on PATH such as python)"
+    exit 2
+  fi
+else
+  python -c 'import sys; from dscluster.cli.train import preflight; sys.exit(preflight(sys.argv[1:]))' "$@" >/dev/null || exit 2
+fi
+
 if [ "$LOCAL_RANK_ID" = 0 ]; then
   mkdir -p "$RUN_DIR" 2>/dev/null || true
   dscluster telemetry --run-dir "$RUN_DIR" --parent-pid $$ &
@@ -139,10 +155,6 @@ if [ "$LOCAL_RANK_ID" = 0 ]; then
 fi
 
 # --- training, or the user's own program --------------------------------------------------------
-if [ "$#" -eq 0 ]; then
-  if [ -f configs/digits.yaml ]; then set -- --config configs/digits.yaml
-  else set -- --config "$REPO/configs/digits.yaml"; fi
-fi
 # `./entry_cn.sh python my_train.py ...` runs that program instead of `dscluster train`: the
 # first argument names a program unless it is an option (-x, --config) or a key=value override,
 # which are train's. It gets the same node env, GPUs, sampler and run directory, plus its place

@@ -21,7 +21,7 @@ import subprocess
 import sys
 from typing import Callable, Iterable, Mapping
 
-from dscluster import __version__, state
+from dscluster import __version__, redact, state
 from dscluster.check import checkfile
 from dscluster.check.checkfile import CheckFile, CheckFileError
 
@@ -31,24 +31,17 @@ SCHEMA_VERSION = 1
 # environment is noise in a bug report and may be private.
 ENV_PREFIXES = ("NCCL_", "GLOO_", "MASTER_", "OMPI_", "DS_", "DSCLUSTER_", "TORCH_NCCL_")
 ENV_NAMES = ("CUDA_VISIBLE_DEVICES",)
-# A report gets pasted into issues: any name that may hold a credential shows only that it is set.
-SECRET_WORDS = ("PASSWORD", "SECRET", "TOKEN", "KEY")
-HIDDEN = "***"
+# A report gets pasted into issues: a secret (dscluster.redact's rule) shows only that it is set.
+HIDDEN = redact.HIDDEN
 STATUS_RANK = {"ok": 0, "warning": 1, "error": 2}
 
 
 # --- pure functions --------------------------------------------------------------------------
 
-def is_secret(name: str) -> bool:
-    upper = name.upper()
-    return any(word in upper for word in SECRET_WORDS)
-
-
 def relevant_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The variables a distributed job reads, sorted by name, with secrets hidden."""
-    return {name: HIDDEN if is_secret(name) else value
-            for name, value in sorted(environ.items())
-            if name in ENV_NAMES or name.startswith(ENV_PREFIXES)}
+    return redact.redact_env({name: value for name, value in sorted(environ.items())
+                              if name in ENV_NAMES or name.startswith(ENV_PREFIXES)})
 
 
 def versions_line(versions: Mapping[str, str | None]) -> str:

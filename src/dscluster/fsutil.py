@@ -2,16 +2,21 @@
 
 Anything a crash could leave half-written (configs, env files, authorized_keys copies,
 checkpoint pointers, summaries) goes through `atomic_write_*`: write a temp file in the
-same directory, fsync, then rename over the target.
+same directory, fsync, rename over the target, fsync the directory. A reader, or the machine
+after a power loss, sees the old file or the new one, never a mix (tests/unit/test_power_loss.py
+kills writers with SIGKILL at random points). A crash can leave a `.NAME.*.tmp` beside it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from dscluster.errors import DsclusterError
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int | None = None) -> Path:
@@ -26,6 +31,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int | None = 
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_dir(path.parent)  # the rename itself survives a power loss
     except BaseException:
         try:
             os.unlink(tmp)
@@ -33,6 +39,19 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int | None = 
             pass
         raise
     return path
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse to fsync a directory; the file itself is synced
+    finally:
+        os.close(fd)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, mode: int | None = None) -> Path:
@@ -43,24 +62,70 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, mode: int | None = None
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n", mode=mode)
 
 
+class StorageFull(DsclusterError):
+    """A write failed for lack of space or an I/O error (ENOSPC, EDQUOT, EIO): the message names the
+    directory and its free space. Exit 1: the job failed, the input was fine."""
+
+
+def free_space_text(path: str | os.PathLike) -> str:
+    """'<dir> has 1.2 MB free' for the nearest existing folder of `path`."""
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    folder = p if p.is_dir() else p.parent
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return f"{folder}: free space unknown"
+    return f"{folder} has {free / 1e6:.1f} MB free"
+
+
+def storage_error(path: str | os.PathLike, e: OSError, what: str) -> StorageFull:
+    return StorageFull(f"cannot write {path} ({e.strerror or e}): {what}; {free_space_text(path)}")
+
+
 class JsonlWriter:
     """Append-only JSON lines, flushed per record so a crash keeps what was written.
 
-    One writer per file: the run directory's contract.
+    One writer per file: the run directory's contract. A record the disk has no room for is taken
+    back whole (the file is cut to where it was), so a full disk never leaves a torn line for the next
+    record to run into; the write raises StorageFull naming the folder and its free space, and a later
+    write tries again (records written once there is room again are whole).
     """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "a", encoding="utf-8")
+        self._f = open(self.path, "ab")
 
     def write(self, record: dict) -> None:
-        self._f.write(json.dumps(record, sort_keys=True) + "\n")
-        self._f.flush()
+        data = (json.dumps(record, sort_keys=True) + "\n").encode("utf-8")
+        end = self._f.tell()
+        try:
+            self._f.write(data)
+            self._f.flush()
+        except OSError as e:
+            self._rollback(end)
+            raise storage_error(self.path, e, "record not written, earlier records kept") from None
+
+    def _rollback(self, end: int) -> None:
+        """Drop what Python buffered of the failed record and cut the file back to `end`."""
+        try:
+            self._f.close()  # flushes the buffer again, fails again, and closes the file all the same
+        except OSError:
+            pass
+        try:
+            os.truncate(self.path, end)
+        except OSError:
+            pass
+        self._f = open(self.path, "ab")
 
     def close(self) -> None:
         if not self._f.closed:
-            self._f.close()
+            try:
+                self._f.close()
+            except OSError:
+                pass
 
     def __enter__(self) -> "JsonlWriter":
         return self

@@ -131,6 +131,8 @@ def read_env_file(path: str | os.PathLike) -> dict[str, str]:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise UsageError(f"{path}: no such env file (run `dscluster check` to write it)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path}: unreadable env file ({e}); re-run `dscluster check` to write it again") from None
     return parse_env_text(text, str(path))
 
 
@@ -223,4 +225,6 @@ def read_deepspeed_env(path: str | os.PathLike) -> dict[str, str]:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise UsageError(f"{path}: no such file (run `dscluster check` to write it)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path}: unreadable ({e}); re-run `dscluster check` to write it again") from None
     return parse_deepspeed_env_text(text, str(path))

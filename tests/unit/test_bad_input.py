@@ -47,6 +47,14 @@ what it was before (nothing half-written, no run directory, no state).
 | launch-env-flag           | dscluster launch --env FOO              | no '='                                           |
 | launch-np                 | dscluster launch --np 7                 | more ranks than slots                            |
 | launch-other-hostfile     | dscluster launch --hostfile             | not the hostfile check ran on                    |
+| plan-check-busbw-string   | dscluster plan                          | check.json: busbw_GBps "1.2"                     |
+| plan-check-world-string   | dscluster plan                          | check.json: world_size "4"                       |
+| plan-cluster-env-bad-line | dscluster plan                          | <state>/cluster.env line without export KEY=...  |
+| plan-plans-json-damaged   | dscluster plan                          | <state>/plans.json: ranks "2"                    |
+| plan-compute-s-twice      | dscluster plan --compute-s              | node1=0.1,node1=0.2                              |
+| train-fp16-on-cpu         | dscluster train precision=fp16          | a rank without a GPU                             |
+| train-calibrate-on-cpu    | dscluster train --calibrate-loss-scale  | a rank without a GPU                             |
+| plot-out-is-a-file        | dscluster plot --out FILE               | --out names an existing file                     |
 | plot-missing              | dscluster plot                          | RUN_DIR does not exist                           |
 | plot-empty                | dscluster plot                          | empty directory                                  |
 | plot-foreign              | dscluster plot                          | a directory that is not a run                    |
@@ -99,6 +107,14 @@ def _checked_state(hostfile_text: str = GOOD_HOSTS, cluster_env: str | None = No
     if cluster_env is not None:
         files[".dscluster/cluster.env"] = cluster_env
     return files
+
+
+def _allreduce_check(*, world_size, busbw_GBps) -> str:
+    """A check.json whose all-reduce result has the given fields (valid JSON, maybe wrong types)."""
+    sha = hashlib.sha256(GOOD_HOSTS.encode()).hexdigest()
+    return json.dumps({"hostfile": "hosts.txt", "hostfile_sha256": sha, "created": 0, "ok": True, "active": {
+        "allreduce": {"ok": True, "result": {"world_size": world_size, "results": [
+            {"bytes": 1 << 20, "busbw_GBps": busbw_GBps}]}}}})
 
 
 @dataclass(frozen=True)
@@ -209,6 +225,32 @@ CASES = [
     Case("launch-other-hostfile", ["launch", "--dry-run", "--hostfile", "other.txt"],
          {**_checked_state(), "other.txt": "node1 slots=1\nnode3 slots=1\n"},
          ("other.txt", "does not match", "dscluster check --hostfile")),
+    # --- files dscluster wrote and reads back: validated like user input --------------------------
+    Case("plan-check-busbw-string", ["plan", "--config", "c.yaml", "--compute-s", "0.1"],
+         {**_checked_state(), "c.yaml": "data:\n  dataset: digits\n",
+          ".dscluster/check.json": _allreduce_check(world_size=2, busbw_GBps="1.2")},
+         ("check.json", "busbw_GBps is \"1.2\", expected a number", "re-run `dscluster check`")),
+    Case("plan-check-world-string", ["plan", "--config", "c.yaml", "--compute-s", "0.1"],
+         {**_checked_state(), "c.yaml": "data:\n  dataset: digits\n",
+          ".dscluster/check.json": _allreduce_check(world_size="4", busbw_GBps=1.2)},
+         ("check.json", "world_size is \"4\", expected a whole number", "re-run `dscluster check`")),
+    Case("plan-cluster-env-bad-line", ["plan", "--config", "c.yaml", "--busbw", "1", "--compute-s", "0.1"],
+         {**_checked_state(cluster_env="export MASTER_ADDR='10.77.1.1'\nGLOO SOCKET=eth0\n"),
+          "c.yaml": "data:\n  dataset: digits\n"},
+         ("cluster.env:2:", "'GLOO SOCKET=eth0'", "export KEY='value'")),
+    Case("plan-plans-json-damaged", ["plan", "--config", "c.yaml", "--busbw", "1", "--compute-s", "0.1"],
+         {**_checked_state(), "c.yaml": "data:\n  dataset: digits\n",
+          ".dscluster/plans.json": json.dumps({"schema": 1, "plans": {}, "outcomes": [{"ranks": "2"}]})},
+         ("plans.json", "outcomes[0].ranks is \"2\"", "re-run `dscluster plan`")),
+    Case("plan-compute-s-twice", ["plan", "--config", "c.yaml", "--busbw", "1", "--compute-s", "node1=0.1,node1=0.2"],
+         {**_checked_state(), "c.yaml": "data:\n  dataset: digits\n"},
+         ("--compute-s", "'node1' given twice", "node1=0.05,node2=0.05")),
+    # --- the device: precision and calibration refused before the run directory exists -------------
+    Case("train-fp16-on-cpu", ["train", "precision=fp16", "epochs=1", "data.limit=64"], {},
+         ("precision=fp16", "needs a GPU", "precision=fp32"), runner="proc", env={"CUDA_VISIBLE_DEVICES": ""}),
+    Case("train-calibrate-on-cpu", ["train", "--calibrate-loss-scale", "data.limit=64"], {},
+         ("--calibrate-loss-scale", "needs a GPU", "calibrate on a GPU node"), runner="proc",
+         env={"CUDA_VISIBLE_DEVICES": ""}),
     # --- run directories -----------------------------------------------------------------------
     Case("plot-missing", ["plot", "runs/nope"], {}, ("runs/nope", "no such run directory", "runs/<id>")),
     Case("plot-empty", ["plot", "empty"], {"empty/.keep": ""},
@@ -220,6 +262,9 @@ CASES = [
          runner="plot.py"),
     Case("plot-py-foreign", ["photos"], {"photos/cat.jpg": "x"},
          ("photos", "not a dscluster run directory", "runs/<id>"), runner="plot.py"),
+    Case("plot-out-is-a-file", ["plot", "runs/r", "--out", "notes.txt"],
+         {"runs/r/metrics/rank-0.jsonl": "", "notes.txt": "mine\n"},
+         ("--out notes.txt", "is a file, not a directory", "--out plots/")),
     Case("diagnose-missing", ["diagnose", "runs/nope"], {}, ("runs/nope", "no such run directory", "runs/<id>")),
     Case("diagnose-empty", ["diagnose", "empty"], {"empty/.keep": ""},
          ("empty", "not a dscluster run directory", "runs/<id>"), runner="proc"),

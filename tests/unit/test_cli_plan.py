@@ -221,8 +221,9 @@ def test_saved_prediction_against_the_measured_figure(tmp_path):
     assert cmp["predicted_images_per_s"] == 400.0 and cmp["deviation_percent"] == 9.0
     assert predicted.line(cmp) == "plan predicted 400 img/s, measured 436 img/s (+9%)"
     assert predicted.compare(k.replace("ranks=2", "ranks=3"), 436.0, env) is None  # another config: no claim
-    (tmp_path / "state" / "plans.json").write_text("{torn")
-    assert predicted.compare(k, 436.0, env) is None
+    (tmp_path / "state" / "plans.json").write_text("{torn")  # damaged: named, never taken for "no plan"
+    with pytest.raises(predicted.PlansFileError, match="plans.json: unreadable"):
+        predicted.compare(k, 436.0, env)
 
 
 def test_powersgd_work_is_measured_with_trainings_hook_and_latency_comes_from_checks_smallest_message(lab, capsys):

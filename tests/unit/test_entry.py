@@ -108,6 +108,7 @@ def test_outside_mpirun_trains_as_one_process_with_default_config(rig):
 
 
 def test_train_arguments_and_exit_code_pass_through(rig):
+    (rig["work"] / "x.yaml").write_text("data:\n  dataset: digits\n")
     out = run_entry(rig, "--config", "x.yaml", "epochs=2", extra={"FAKE_TRAIN_RC": "3"})
     assert out.returncode == 3
     assert any(l.endswith("args=--config x.yaml epochs=2") for l in log_lines(rig))
@@ -324,13 +325,30 @@ def test_a_program_on_local_rank_0_gets_the_node_sampler_in_its_run_dir(rig):
 
 def test_options_and_overrides_first_still_mean_train(rig):
     write_program(rig)
-    for first in ("epochs=2", "fp16.guard_window=50", "-h"):
+    for first in ("epochs=2", "fp16.guard_window=50"):  # train's arguments: train refuses the program name
         out = run_entry(rig, first, "./my_train.sh")
-        assert out.returncode == 0, out.stderr
+        assert out.returncode == 2 and "override './my_train.sh'" in out.stderr, out.stderr
+    out = run_entry(rig, "-h", "./my_train.sh")
+    assert out.returncode == 0, out.stderr
     train = [l for l in log_lines(rig) if l.startswith("train ")]
-    assert [l.split("args=")[1] for l in train] == ["epochs=2 ./my_train.sh", "fp16.guard_window=50 ./my_train.sh",
-                                                    "-h ./my_train.sh"]
+    assert [l.split("args=")[1] for l in train] == ["-h ./my_train.sh"]
     assert not any(l.startswith("program ") for l in log_lines(rig))
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["./nonexistent_program", "--steps", "3"], "cannot run './nonexistent_program': no such program"),
+    (["./not_executable.sh"], "cannot run './not_executable.sh'"),
+    (["no-such-command-on-path"], "cannot run 'no-such-command-on-path'"),
+    (["--config", "nope.yaml"], "nope.yaml: no such config"),
+    (["--config", "configs/digits.yaml", "epochs=zero"], "override 'epochs=zero'"),
+], ids=["program-missing", "program-not-executable", "command-not-on-path", "config-missing", "bad-override"])
+def test_bad_program_or_config_stops_before_the_sampler_and_the_run_directory(rig, args, expect):
+    write_node_env(rig, "export NCCL_SOCKET_IFNAME='eth0'\n")
+    (rig["work"] / "not_executable.sh").write_text("echo hi\n")
+    out = run_entry(rig, *args, extra=under_mpirun())
+    assert out.returncode == 2 and expect in out.stderr, out.stderr
+    assert not any(l.startswith(("telemetry ", "train ", "program ")) for l in log_lines(rig))
+    assert not (rig["tmp"] / "runs").exists()
 
 
 def test_a_python_script_writes_its_metrics_beside_the_telemetry(rig):

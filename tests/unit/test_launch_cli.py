@@ -343,3 +343,15 @@ def test_launcher_gets_prte_keepalives_unless_the_user_chose_their_own(monkeypat
     assert launcher_env(None, {})["PRTE_MCA_oob_tcp_keepalive_time"] == "10"
     monkeypatch.setenv("PRTE_MCA_oob_tcp_keepalive_time", "60")
     assert launcher_env(None, {})["PRTE_MCA_oob_tcp_keepalive_time"] == "60"
+
+
+def test_a_job_that_stopped_on_bad_input_does_not_point_at_a_run_directory_it_never_wrote(tmp_path):
+    """entry_cn.sh refuses a missing program or config before the run directory exists (exit 2 on
+    every rank): launch's closing line says so instead of naming logs that are not there."""
+    from dscluster.cli.launch import job_report
+    from dscluster.launch.run import JobOutcome
+
+    code, line = job_report("mpirun", JobOutcome(rc=2), tmp_path / "runs" / "mpi-1")
+    assert code == 2 and "no run directory was written" in line and "runs/mpi-1" not in line
+    (tmp_path / "runs" / "mpi-1").mkdir(parents=True)
+    assert "per-rank logs and metrics are in" in job_report("mpirun", JobOutcome(rc=2), tmp_path / "runs" / "mpi-1")[1]

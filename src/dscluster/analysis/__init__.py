@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dscluster import redact
 from dscluster.analysis.load import RunData, load_run
 from dscluster.fsutil import atomic_write_text
 from dscluster.runinfo import PLOTS_DIR, REPORT_FILE
@@ -54,7 +55,7 @@ def analyse(run_dirs: list[str | Path], out: str | Path | None = None) -> list[R
             plots.append(scaling_plot)
         row = summary_row(run)
         diag = diagnose(run)
-        atomic_write_text(report, render_report(run, row, plots, diag), mode=0o644)
+        atomic_write_text(report, redact.redact_text(render_report(run, row, plots, diag)), mode=0o644)
         results.append(RunOutput(run, out_dir, report, plots, row, diag))
     return results
 

@@ -255,7 +255,11 @@ def diagnose(run: RunData) -> dict[str, Any]:
     findings += tfind
     if not run.ranks:
         findings.append(Finding("error", "no_metrics", f"{run.path}: no metrics/rank-*.jsonl: training never wrote a step"))
-    if not run.summary and not findings:
+    if run.summary_problem:
+        findings.append(Finding("error", "summary_unreadable",
+                                f"{run.path / 'summary.json'}: {run.summary_problem}: the run's outcome is unknown; "
+                                "each rank's end record is in metrics/rank-R.jsonl"))
+    elif not run.summary and not findings:
         findings.append(Finding("warning", "incomplete",
                                 "no summary.json but every rank has an end record: rank 0 did not finish writing it"))
     if run.summary and run.summary.get("status") not in (None, "complete"):

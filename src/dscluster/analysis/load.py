@@ -16,7 +16,9 @@ from typing import Any
 
 import yaml
 
+from dscluster import redact
 from dscluster.errors import UsageError
+from dscluster.filemodel import NUMBER, validate
 from dscluster.fsutil import read_jsonl
 from dscluster.runinfo import (
     CHECKPOINT_DIR, CONFIG_FILE, DS_CONFIG_FILE, ENV_DIR, METRICS_DIR, SUMMARY_FILE, TELEMETRY_DIR,
@@ -79,6 +81,8 @@ class RunData:
     config: dict[str, Any] | None = None
     ds_config: dict[str, Any] | None = None
     trace_files: list[Path] = field(default_factory=list)
+    summary_problem: str | None = None
+    """Why summary.json exists but could not be used (`read_summary`); None when it was read or is absent."""
     problems: list[str] = field(default_factory=list)
     """Files that could not be read: shown in the report rather than aborting it."""
 
@@ -145,6 +149,34 @@ def _read_records(path: Path, problems: list[str]) -> list[dict]:
         problems.append(f"{path}: unreadable ({type(e).__name__}: {e}); ignored")
         return []
     return [r for r in records if isinstance(r, dict)]
+
+
+# summary.json's fields (runlog.summary_record) and their types, for dscluster.filemodel.
+SUMMARY_TYPES: dict[str, tuple[type, ...]] = {
+    "status": (str,), "run_id": (str,), "world_size": (int,), "hosts": (list,), "hosts[]": (str,),
+    "precision": (str,), "model": (str,), "dataset": (str,), "epochs": (int,), "steps": (int,),
+    "global_batch": (int,), "images_per_s": NUMBER, "accuracy": NUMBER, "wall_s": NUMBER, "overflow_steps": (int,),
+    "failed_rank": (int,), "failed_host": (str,), "error": (str,), "failed_ranks": (list,), "failed_ranks[]": (int,),
+    "vanished_hosts": (list,), "vanished_hosts[]": (str,), "peak_mem_mb": NUMBER, "plan": (dict,),
+}
+
+
+def read_summary(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(summary.json validated against SUMMARY_TYPES, None) or (None, why it is unreadable); (None, None)
+    when there is none (still running, or crashed before rank 0 wrote it)."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None, None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return None, f"summary.json is unreadable ({type(e).__name__}: {e})"
+    if not isinstance(doc, dict):
+        return None, f"summary.json is unreadable (a JSON {type(doc).__name__}, not an object)"
+    try:
+        validate(doc, SUMMARY_TYPES)
+    except ValueError as e:
+        return None, f"summary.json is unreadable ({e})"
+    return doc, None
 
 
 def load_rank_metrics(path: Path, rank: int, problems: list[str]) -> RankMetrics:
@@ -219,10 +251,11 @@ def load_run(path: str | Path) -> RunData:
     for f in sorted((path / ENV_DIR).glob("rank-*.json")):
         m = _RANK_FILE.match(f.name)
         data = _read_json(f, problems)
-        if m and isinstance(data, dict):
-            run.env[int(m.group(1))] = data
-    summary = _read_json(path / SUMMARY_FILE, problems)
-    run.summary = summary if isinstance(summary, dict) else None
+        if m and isinstance(data, dict):  # a record written before the secret rule, or by hand: hidden here
+            run.env[int(m.group(1))] = redact.redact_env(data)
+    run.summary, run.summary_problem = read_summary(path / SUMMARY_FILE)
+    if run.summary_problem:
+        problems.append(f"{path / SUMMARY_FILE}: {run.summary_problem}")
     ds = _read_json(path / DS_CONFIG_FILE, problems)
     run.ds_config = ds if isinstance(ds, dict) else None
     try:

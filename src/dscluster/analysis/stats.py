@@ -142,6 +142,8 @@ def final_accuracy(run: RunData) -> float | None:
 def run_status(run: RunData) -> str:
     if run.summary and run.summary.get("status"):
         return str(run.summary["status"])
+    if run.summary_problem:
+        return f"unknown: {run.summary_problem}"
     if any(r.end and r.end.get("status") == "failed" for r in run.ranks.values()):
         return "failed (no summary.json)"
     return "incomplete (no summary.json: still running or crashed)"

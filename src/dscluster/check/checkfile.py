@@ -5,7 +5,9 @@
 one place: docs/schemas.md ("`dscluster check --json` and `check.json`"). Keys are only ever added
 and a change in meaning bumps the version, so reading is lenient: a check.json from an older
 dscluster, or one trimmed by hand, loads with the fields it lacks empty, and each reader decides
-what an empty field means for it.
+what an empty field means for it. A field that is present with the wrong type (`world_size: "4"`,
+`busbw_GBps: "1.2"`) is a damaged file, validated like user input: CheckFileError naming the file, the
+field and the fix, never a TypeError later in a reader.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from dscluster import filemodel
 from dscluster.errors import UsageError
+from dscluster.filemodel import NUMBER
 from dscluster.fsutil import atomic_write_json
 
 SCHEMA_VERSION = 1
@@ -132,6 +136,21 @@ def write(path: str | Path, doc: CheckFile) -> Path:
     return atomic_write_json(path, doc.to_dict())
 
 
+# check.json's fields and their types (dscluster.filemodel: absent or null is "not known").
+FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "schema": (int,), "ok": (bool,), "created": NUMBER, "wall_s": NUMBER, "hostfile": (str,),
+    "hostfile_sha256": (str,), "np": (int,), "head": (str,), "precision": (dict,), "batching": (dict,),
+    "network": (dict,), "master": (dict,), "files": (dict,), "findings": (list,), "findings[]": (dict,),
+    "active": (dict,), "nodes": (list,), "nodes[]": (dict,), "nodes[].name": (str,),
+    "nodes[].reachable": (bool,), "nodes[].hostname": (str,), "nodes[].checks": (dict,),
+    "nodes[].checks{}": (str,), "nodes[].env": (dict,), "nodes[].env{}": (str,), "nodes[].facts": (dict,),
+    "active.allreduce": (dict,), "active.allreduce.result": (dict,), "active.allreduce.result.world_size": (int,),
+    "active.allreduce.result.results": (list,), "active.allreduce.result.results[]": (dict,),
+    "active.allreduce.result.results[].bytes": (int,), "active.allreduce.result.results[].busbw_GBps": NUMBER,
+    "active.allreduce.result.results[].time_us": NUMBER, "active.allreduce.result.results[].algbw_GBps": NUMBER,
+}
+
+
 def load(path: str | Path) -> CheckFile:
     """The check.json at `path`. A missing file raises FileNotFoundError (each reader says what
     to do about it); one that is not a check result raises CheckFileError."""
@@ -144,4 +163,8 @@ def load(path: str | Path) -> CheckFile:
         raise CheckFileError(f"{path}: unreadable check output ({e}); run `dscluster check` again") from None
     if not isinstance(doc, dict):
         raise CheckFileError(f"{path}: not a check result; run `dscluster check` again")
+    try:
+        filemodel.validate(doc, FIELD_TYPES)
+    except ValueError as e:
+        raise CheckFileError(f"{path}: damaged check output: {e}; re-run `dscluster check`") from None
     return CheckFile.from_dict(doc)

@@ -8,7 +8,7 @@ import json
 from rich.markup import escape
 from rich.table import Table
 
-from dscluster import console
+from dscluster import console, redact
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,7 +29,7 @@ def diagnose_command(args: argparse.Namespace) -> int:
     from dscluster.analysis.diagnose import diagnose
     from dscluster.analysis.load import load_run
 
-    result = diagnose(load_run(args.run_dir))
+    result = redact.redact_doc(diagnose(load_run(args.run_dir)))
     if args.json:
         print(json.dumps(result, indent=2))
         return 0 if result["healthy"] else 1

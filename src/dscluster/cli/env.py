@@ -1,7 +1,7 @@
 """`dscluster env`: this machine's versions, GPUs, launcher and distributed settings, locally.
 
 Paste its output into a bug report. Nothing goes over SSH (for every node at once, run
-`dscluster check`); names that may hold a credential (PASSWORD, SECRET, TOKEN, KEY) show "***".
+`dscluster check`); secrets (dscluster.redact's rule) show "***".
 
 JSON schema (`dscluster env --json`), version 1. Keys are only ever added; a change in
 meaning bumps "schema".
@@ -46,7 +46,7 @@ import time
 from rich.markup import escape
 from rich.table import Table
 
-from dscluster import console, envreport
+from dscluster import console, envreport, redact
 
 NOT_INSTALLED = "[red]not installed[/]"
 STATUS_STYLE = {"ok": "green", "warning": "yellow", "error": "red", "unreachable": "red"}
@@ -151,7 +151,7 @@ def render(doc: dict) -> None:
 
 
 def env_command(args: argparse.Namespace) -> int:
-    doc = envreport.collect(probe_ops=not args.no_ops)
+    doc = redact.redact_doc(envreport.collect(probe_ops=not args.no_ops))  # also a message quoting a secret
     if args.json:
         print(json.dumps(doc, indent=2, sort_keys=True))
     else:

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dscluster import paths, state
+from dscluster import paths, redact, state
 from dscluster.launch import builders
 from dscluster.launch.mpirun import launcher_bin_dir
 from dscluster.check import checkfile
@@ -191,11 +191,11 @@ def _run_local(args: argparse.Namespace, report: dict, argv: list[str], plan: bu
 
     report["argv"] = argv
     report["env"] = env_extra
-    line = builders.display(argv)
-    prefix = "".join(f"{k}={shlex.quote(v)} " for k, v in env_extra.items())
+    line = redact.redact_text(builders.display(argv))  # shown, never the secrets `--env` passes on
+    prefix = redact.redact_text("".join(f"{k}={shlex.quote(v)} " for k, v in env_extra.items()))
     if args.dry_run:
         if args.json:
-            print(json.dumps(report, indent=2))
+            print(json.dumps(redact.redact_doc(report), indent=2))
         else:
             if "env_file_text" in report:
                 print(f"# {report['env_file']} (would be written):")
@@ -219,7 +219,8 @@ def job_report(launcher: str, outcome, run_dir: Path) -> tuple[int, str]:
     for host in summary.get("vanished_hosts") or []:
         if host not in vanished:
             vanished.append(host)
-    see = f"per-rank logs and metrics are in {run_dir}; `dscluster diagnose {run_dir}` says more"
+    see = (f"per-rank logs and metrics are in {run_dir}; `dscluster diagnose {run_dir}` says more" if run_dir.is_dir()
+           else "no run directory was written: the ranks stopped before training started (their messages are above)")
     if vanished:
         # mpirun exits 0 when it loses a daemon (OpenMPI 5.0.11): the job failed all the same.
         code = job_exit_code(outcome.rc) or 1
@@ -244,10 +245,10 @@ def _run_torchrun(args: argparse.Namespace, report: dict, plan: builders.LaunchP
     report["nodes"] = [{"host": c.host, "argv": c.argv, "shell": c.shell} for c in commands]
     if args.dry_run:
         if args.json:
-            print(json.dumps(report, indent=2))
+            print(json.dumps(redact.redact_doc(report), indent=2))
         else:
             for c in commands:
-                print(f"ssh {shlex.quote(c.host)} {shlex.quote(c.shell)}")
+                print(redact.redact_text(f"ssh {shlex.quote(c.host)} {shlex.quote(c.shell)}"))
         return 0
     from dscluster.launch.run import nodes_exit_code, run_over_ssh
 

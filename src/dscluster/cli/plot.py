@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from dscluster.errors import DsclusterError
+from dscluster.errors import DsclusterError, UsageError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,18 +30,26 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def plot_command(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from dscluster.analysis import analyse
 
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out}: is a file, not a directory; pass a directory for the pictures and "
+                         "report.html (it is created when missing), e.g. --out plots/")
     results = analyse(args.run_dirs, args.out)
     if args.json:
-        print(json.dumps([{
+        from dscluster import redact
+
+        print(json.dumps(redact.redact_doc([{
             "run_dir": str(r.run.path), "report": str(r.report),
             "plots": {p.name: str(p.path) for p in r.plots}, "summary": r.summary,
             "healthy": r.diagnosis["healthy"],
-        } for r in results], indent=2))
+        } for r in results]), indent=2))
         return 0
     for r in results:
-        state = "complete" if r.run.completed else f"did NOT complete ({r.summary['status']})"
+        state = ("complete" if r.run.completed else f"outcome unknown: {r.run.summary_problem}" if r.run.summary_problem
+                 else f"did NOT complete ({r.summary['status']})")
         print(f"{r.run.path}: run {state}")
         for p in r.plots:
             print(f"  {p.path}" + (f"  ({'; '.join(p.notes)})" if p.notes else ""))

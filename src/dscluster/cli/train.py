@@ -47,6 +47,27 @@ def check_batch_arithmetic(cfg, world_size: int) -> None:
         resolve(cfg, world_size)
 
 
+def preflight(argv: list[str]) -> int:
+    """entry_cn.sh, before it starts the node's telemetry sampler or the run directory: do these train
+    arguments parse and does the config load (with what it points at)? 0 yes (or help asked for), 2 no,
+    with train's own message. `python -c 'from dscluster.cli.train import preflight; ...' ARGS`."""
+    from dscluster.errors import DsclusterError
+    from dscluster.train.config import load_config
+
+    parser = argparse.ArgumentParser(prog="dscluster")
+    register(parser.add_subparsers())
+    try:
+        args = parser.parse_args(["train", *argv])
+    except SystemExit as e:  # -h (0) or a usage error argparse has already printed (2)
+        return 0 if e.code in (0, None) else 2
+    try:
+        load_config(args.config, args.overrides, world=not args.print_config)
+    except DsclusterError as e:
+        print(f"dscluster train: {e}", file=sys.stderr)
+        return e.exit_code
+    return 0
+
+
 def train_command(args: argparse.Namespace) -> int:
     from dscluster.train.config import load_config, to_yaml
 

@@ -139,7 +139,7 @@ def busbw_from_check(path: Path) -> tuple[float, int | None, float]:
     if not rows:
         raise UsageError(f"{path}: holds no all-reduce result (skipped or failed): {fix}")
     world = result.get("world_size")
-    return (float(max(rows, key=lambda r: r["bytes"])["busbw_GBps"]), world,
+    return (float(max(rows, key=lambda r: r.get("bytes") or 0)["busbw_GBps"]), world,
             model.startup_latency_s(rows, world or 1))
 
 
@@ -161,6 +161,9 @@ def parse_compute(text: str, names: list[str]) -> dict[str, float]:
         name, _, value = part.strip().partition("=")
         if name not in names:
             raise UsageError(f"--compute-s: {name!r} is not a host of the hostfile ({', '.join(names)})")
+        if name in out:
+            raise UsageError(f"--compute-s: {name!r} given twice; give each node once, e.g. --compute-s "
+                             + ",".join(f"{n}=0.05" for n in names))
         out[name] = seconds(value, repr(part))
     missing = [n for n in names if n not in out]
     if missing:
@@ -210,10 +213,9 @@ def planned_precision(cfg) -> tuple[str, str | None]:
     if cfg.precision != "auto":
         return cfg.precision, None
     cluster = os.environ.get("DSCLUSTER_PRECISION")
-    try:
-        cluster = cluster or state.read_env_file(state.cluster_env_path()).get("DSCLUSTER_PRECISION")
-    except (OSError, UsageError):
-        pass
+    if not cluster and state.cluster_env_path().exists():
+        # a damaged cluster.env is bad input (exit 2, as launch says), not a reason to plan for fp32
+        cluster = state.read_env_file(state.cluster_env_path()).get("DSCLUSTER_PRECISION")
     if cluster and cluster.strip().lower() in FORMATS:
         return cluster.strip().lower(), None
     decided = decide_here("auto").precision

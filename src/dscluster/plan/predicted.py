@@ -45,6 +45,8 @@ import time
 from pathlib import Path
 
 from dscluster import state
+from dscluster.errors import UsageError
+from dscluster.filemodel import NUMBER, validate
 from dscluster.fsutil import atomic_write_json
 
 PLANS_FILE = "plans.json"
@@ -61,14 +63,39 @@ def path(env=None) -> Path:
     return state.state_dir(env) / PLANS_FILE
 
 
+# plans.json's fields and their types (dscluster.filemodel: absent or null is "not known").
+FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "schema": (int,), "plans": (dict,), "plans{}": (dict,), "plans{}.images_per_s": NUMBER, "plans{}.step_s": NUMBER,
+    "plans{}.setting": (str,), "plans{}.model_step_s": NUMBER, "plans{}.created": NUMBER, "plans{}.config": (str,),
+    "plans{}.hostfile": (str,), "plans{}.busbw_GBps": NUMBER, "plans{}.compute_s": NUMBER,
+    "plans{}.overrides": (list,), "plans{}.overrides[]": (str,), "outcomes": (list,), "outcomes[]": (dict,),
+    "outcomes[].key": (str,), "outcomes[].model": (str,), "outcomes[].precision": (str,),
+    "outcomes[].compression": (str,), "outcomes[].ranks": (int,), "outcomes[].model_step_s": NUMBER,
+    "outcomes[].measured_step_s": NUMBER, "outcomes[].run_id": (str,), "outcomes[].at": NUMBER,
+}
+
+
+class PlansFileError(UsageError):
+    """plans.json exists but is damaged (the message names the file, the field and the fix)."""
+
+
 def _read_doc(p: Path) -> tuple[dict, list]:
+    """(plans, outcomes) of plans.json, validated like user input: none yet is ({}, []), a damaged
+    file raises PlansFileError (never replaced silently: it holds the lab's calibration)."""
+    fix = f"delete {p} (it only caches predictions and their outcomes) and re-run `dscluster plan`"
     try:
         doc = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except FileNotFoundError:
         return {}, []
-    plans = doc.get("plans") if isinstance(doc, dict) else None
-    outcomes = doc.get("outcomes") if isinstance(doc, dict) else None
-    return (plans if isinstance(plans, dict) else {}), [o for o in (outcomes or []) if isinstance(o, dict)]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PlansFileError(f"{p}: unreadable ({type(e).__name__}: {e}); {fix}") from None
+    try:
+        if not isinstance(doc, dict):
+            raise ValueError(f"a JSON {type(doc).__name__}, not an object")
+        validate(doc, FIELD_TYPES)
+    except ValueError as e:
+        raise PlansFileError(f"{p}: damaged: {e}; {fix}") from None
+    return doc.get("plans") or {}, list(doc.get("outcomes") or [])
 
 
 def _read(p: Path) -> dict:
@@ -76,7 +103,7 @@ def _read(p: Path) -> dict:
 
 
 def save(entries: dict[str, dict], env=None) -> Path:
-    """Merge `entries` (KEY → entry) into plans.json, atomically; an unreadable file is replaced."""
+    """Merge `entries` (KEY → entry) into plans.json, atomically; a damaged file raises PlansFileError."""
     p = path(env)
     plans, outcomes = _read_doc(p)
     now = time.time()

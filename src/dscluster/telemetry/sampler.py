@@ -24,7 +24,7 @@ from typing import Any, Callable, TextIO
 
 import psutil
 
-from dscluster.fsutil import JsonlWriter
+from dscluster.fsutil import JsonlWriter, StorageFull
 from dscluster.runinfo import TELEMETRY_DIR
 from dscluster.telemetry.backends import GpuBackend, select_backend
 
@@ -169,6 +169,7 @@ def run_sampler(
                 "parent_pid": cfg.parent_pid, "cpu_count": psutil.cpu_count(),
             })
             next_tick = start_mono
+            full = None
             while not stop.is_set():
                 if cfg.parent_pid is not None and not parent_alive(cfg.parent_pid):
                     reason["why"] = f"parent {cfg.parent_pid} exited"
@@ -180,8 +181,15 @@ def run_sampler(
                 except Exception as e:  # a driver hiccup must not end the record
                     record["gpus"] = []
                     record["error"] = f"{type(e).__name__}: {e}"
-                out.write(record)
-                samples += 1
+                try:
+                    out.write(record)
+                    samples += 1
+                    full = None
+                except StorageFull as e:  # training goes on; the record resumes whole once there is room
+                    if full is None:
+                        print(f"telemetry: warning: {e}; sampling goes on, writing again once there is room",
+                              file=log)
+                    full = e
                 if cfg.duration is not None and time.monotonic() - start_mono >= cfg.duration:
                     reason["why"] = "duration reached"
                     break
@@ -194,11 +202,14 @@ def run_sampler(
                 stop.wait(delay)
             wall = time.monotonic() - start_mono
             cpu = host.own_cpu_seconds() - start_cpu
-            out.write({
-                "kind": "end", "t": clock(), "host": hostname, "backend": backend.name,
-                "reason": reason["why"] or "stopped", "samples": samples, "wall_s": round(wall, 3),
-                "cpu_s": round(cpu, 4), "cpu_percent_of_core": round(100.0 * cpu / wall, 3) if wall > 0 else None,
-            })
+            try:
+                out.write({
+                    "kind": "end", "t": clock(), "host": hostname, "backend": backend.name,
+                    "reason": reason["why"] or "stopped", "samples": samples, "wall_s": round(wall, 3),
+                    "cpu_s": round(cpu, 4), "cpu_percent_of_core": round(100.0 * cpu / wall, 3) if wall > 0 else None,
+                })
+            except StorageFull as e:
+                print(f"telemetry: warning: no end record: {e}", file=log)
     finally:
         backend.close()
         lock.release()

@@ -2,9 +2,16 @@
 
 DeepSpeed's own `latest` is written by rank 0 as soon as rank 0 is done. Here every rank
 saves, all ranks agree that every rank succeeded (one all-reduce), and only then rank 0
-writes `latest` atomically (temp file + rename). A full disk on any rank leaves the
-previous `latest` in place, removes the half-written tag, and training goes on with a
-warning: the next resume loads the last good checkpoint.
+writes `latest` atomically (temp file + fsync + rename), and all ranks agree that it did.
+A full disk (ENOSPC, EDQUOT) or an I/O error (EIO) on any rank, in the checkpoint or in
+`latest` itself, leaves the previous `latest` in place and loadable and removes the
+half-written tag.
+
+The rule after a failed save (`MAX_FAILED_SAVES`): training goes on without that checkpoint,
+with a warning naming the checkpoint folder and its free space, so a transient failure (a
+neighbour's file deleted, an NFS hiccup) costs nothing; a second save failing in a row stops
+the run (exit 1) with the same message, since every step after it would be lost to the next
+crash too. Free space and run the same command: it resumes from `latest`.
 
 What a checkpoint carries besides DeepSpeed's model/optimizer/scheduler state (client
 state): the epoch, the steps done in that epoch and the global step, so resume continues
@@ -19,9 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dscluster.errors import UsageError
-from dscluster.fsutil import atomic_write_text
+from dscluster.filemodel import validate
+from dscluster.fsutil import StorageFull, atomic_write_text, free_space_text
 
 LATEST = "latest"
+MAX_FAILED_SAVES = 2
+"""Consecutive failed saves that stop the run; fewer: training goes on without them."""
 
 # How torch.save reports a full disk: its C++ stream writer raises RuntimeError, not OSError
 # ("PytorchStreamWriter failed writing file data/0: file write failed", "unexpected pos 1234
@@ -119,18 +129,35 @@ def save(engine, ckpt_dir: Path, pos: Position, *, rank: int, fail_save: bool = 
     if dist.is_initialized():
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     committed = bool(flag.item())
-    if rank == 0:
-        if committed:
+    if rank == 0 and committed:
+        try:
             commit_latest(ckpt_dir, tag)
-        else:
-            shutil.rmtree(Path(ckpt_dir) / tag, ignore_errors=True)
+        except OSError as e:  # `latest` is written atomically: the old one stands
+            committed, error = False, f"{type(e).__name__} writing '{LATEST}': {e.strerror or e}"
+    if rank == 0 and not committed:
+        shutil.rmtree(Path(ckpt_dir) / tag, ignore_errors=True)
+    flag.fill_(int(committed))  # rank 0's `latest` decides for every rank (and is the closing sync)
     if dist.is_initialized():
-        dist.barrier()
-    if committed:
+        dist.broadcast(flag, src=0)
+    if flag.item():
         return True, f"checkpoint {tag} saved"
     prev = find_latest(ckpt_dir)
     return False, (f"checkpoint {tag} failed{' on this rank: ' + error if error else ' on another rank'}; "
-                   f"'{LATEST}' still points to {prev or 'nothing'}; training goes on")
+                   f"'{LATEST}' still points to {prev or 'nothing'}; {free_space_text(ckpt_dir)}")
+
+
+def after_save(ok: bool, message: str, failed_in_a_row: int) -> tuple[int, str]:
+    """The rule of the module docstring: (failed saves in a row now, the message to show). Raises
+    StorageFull (the run stops, exit 1) at MAX_FAILED_SAVES; every rank decides alike (`save`'s flag)."""
+    if ok:
+        return 0, message
+    failed_in_a_row += 1
+    if failed_in_a_row >= MAX_FAILED_SAVES:
+        raise StorageFull(f"{message}; {failed_in_a_row} checkpoint saves failed in a row: stopping. Free space "
+                          "there (or point checkpoint.dir elsewhere) and run the same command: it resumes from "
+                          f"'{LATEST}'")
+    return failed_in_a_row, (f"{message}; training goes on without this checkpoint (it stops if the next save "
+                             "fails too)")
 
 
 def load(engine, ckpt_dir: Path, tag: str) -> tuple[Position, dict]:
@@ -138,5 +165,25 @@ def load(engine, ckpt_dir: Path, tag: str) -> tuple[Position, dict]:
     path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
     if path is None or not client or "position" not in client:
         raise UsageError(f"{ckpt_dir}/{tag}: not a dscluster checkpoint (no position in its client state)")
-    p = client["position"]
-    return Position(int(p["epoch"]), int(p["step_in_epoch"]), int(p["global_step"])), client
+    return position_of(client, f"{ckpt_dir}/{tag}"), client
+
+
+# The client state's position (`save`), checked by dscluster.filemodel; all three are required.
+POSITION_TYPES = {"position": (dict,), "position.epoch": (int,), "position.step_in_epoch": (int,),
+                  "position.global_step": (int,)}
+
+
+def position_of(client: dict, where: str) -> Position:
+    """The position a checkpoint's client state records, validated like user input: a damaged one is
+    exit 2 naming the checkpoint and the field, not a KeyError in the middle of resuming."""
+    fix = (f"resume from an earlier checkpoint (write its tag into {LATEST}) or start fresh with "
+           "checkpoint.resume=false")
+    try:
+        validate({"position": client.get("position")}, POSITION_TYPES)
+        p = client["position"]
+        missing = [k for k in ("epoch", "step_in_epoch", "global_step") if not isinstance(p.get(k), int)]
+        if missing or min(p[k] for k in ("epoch", "step_in_epoch", "global_step")) < 0:
+            raise ValueError(f"field position.{(missing or ['epoch'])[0]} is missing or negative ({p})")
+    except (ValueError, AttributeError) as e:
+        raise UsageError(f"{where}: damaged checkpoint metadata: {e}; {fix}") from None
+    return Position(int(p["epoch"]), int(p["step_in_epoch"]), int(p["global_step"]))

@@ -58,8 +58,9 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
     info = dist.detect_ranks()
     cpu_note = cpus.free_launcher_binding()  # before CUDA, NCCL and the loader start their threads
     has_cuda = dist.prepare_accelerator()
-    decision = decide_precision(cfg, info, has_cuda)
-    check_comm_here(cfg, calibrate, decision)  # bad input: exit 2 before anything is written
+    # bad input: exit 2 before anything is written
+    decision = decide_precision(cfg, calibrate, info, has_cuda)
+    check_comm_here(cfg, calibrate, decision)
     run_id = runinfo.resolve_run_id()
     rdir = runinfo.run_dir()
     traces = StackTraces(rdir, info.rank)
@@ -98,8 +99,6 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
                     console.err.print(f"[yellow]warning:[/yellow] ranks {', '.join(map(str, ranks))} share one GPU "
                                       f"on {hosts[ranks[0]]}: start at most one rank per GPU (slots= in the hostfile, "
                                       "or CUDA_VISIBLE_DEVICES listing as many GPUs as the node has ranks)")
-        if isinstance(decision, UsageError):
-            raise decision  # recorded in the run, where it always was
         precision = decision.precision
         if calibrate:
             if precision != "fp16" and not has_cuda:
@@ -160,21 +159,22 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
         traces.close()
 
 
-def decide_precision(cfg: TrainConfig, info, has_cuda: bool) -> PrecisionDecision | UsageError:
-    """`decide_here`, once per training start, on this rank's own GPU; a refusal is kept and raised
-    inside the run, where it is recorded."""
-    try:
-        return decide_here(cfg.precision, dist.device_for(info.local_rank, torch.cuda.device_count())
-                           if has_cuda else None)
-    except UsageError as e:
-        return e
+def decide_precision(cfg: TrainConfig, calibrate: bool, info, has_cuda: bool) -> PrecisionDecision:
+    """`decide_here`, once per training start, on this rank's own GPU. A refusal (precision=fp16 or
+    bf16 on a CPU rank, bf16 on a pre-Ampere GPU, a bad DSCLUSTER_PRECISION) and loss-scale
+    calibration without a GPU are bad input: exit 2 before the run directory exists."""
+    if calibrate and not has_cuda:
+        raise UsageError("--calibrate-loss-scale runs fp16, which needs a GPU; this rank has none "
+                         "(calibrate on a GPU node, or drop --calibrate-loss-scale / calibrate_loss_scale)")
+    return decide_here(cfg.precision, dist.device_for(info.local_rank, torch.cuda.device_count())
+                       if has_cuda else None)
 
 
-def check_comm_here(cfg: TrainConfig, calibrate: bool, decision: PrecisionDecision | UsageError) -> None:
+def check_comm_here(cfg: TrainConfig, calibrate: bool, decision: PrecisionDecision) -> None:
     """comm.compression against the precision this rank trains in: load_config could only check an
     explicit precision, `auto` is decided here (the same on every rank of a job that `check` set up)."""
-    if cfg.comm.compression == "none" or isinstance(decision, UsageError):
-        return  # a refused precision is reported inside the run, where it always was
+    if cfg.comm.compression == "none":
+        return
     precision = "fp16" if calibrate else decision.precision
     try:
         compression_conflict(cfg, precision)
@@ -265,10 +265,14 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
                           "so it is off")
     watched = 0
 
+    failed_saves = 0
+
     def save(pos: checkpoint.Position) -> None:
+        nonlocal failed_saves
         f = my_fault.get("disk_full")
         ok, msg = checkpoint.save(engine, ckpt_dir, pos, rank=info.rank, fail_save=f is not None and f.step == pos.global_step,
                                   extra=boundary.state_dict(), rank_state=rank_state)
+        failed_saves, msg = checkpoint.after_save(ok, msg, failed_saves)  # the stated rule: stops at the 2nd
         if not ok or primary:
             (progress.print if primary else console.err.print)(
                 f"{'[yellow]warning:[/yellow] ' if not ok else ''}{msg}" + ("" if primary else f" (rank {info.rank})"))
@@ -321,15 +325,25 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
     facts.update(steps=global_step, images_per_s=out.images_per_s, accuracy=accuracy,
                  timed_steps=window.window.timed_steps, timed_s=round(window.window.timed_s, 4))
     if primary and not calibrate:
+        plan_vs_measured(cfg, b, gb, precision, info, out, facts)
+    return out
+
+
+def plan_vs_measured(cfg: TrainConfig, b, gb: int, precision: str, info, out: Outcome, facts: dict) -> None:
+    """Rank 0, at the end: the saved prediction against what this run measured (train/predicted.py).
+    A damaged plans.json costs only the comparison, with a warning that names it."""
+    try:
         cmp = predicted.compare(predicted.key(model=cfg.model.name, micro_batch=max(b.shares), global_batch=gb,
                                               precision=precision, compression=cfg.comm.compression,
                                               ranks=info.world_size), out.images_per_s)
-        if cmp is not None:
-            facts["plan"] = cmp
-            console.err.print(f"dscluster train: {predicted.line(cmp)}")
-            try:  # the next `plan` corrects itself by what this lab really did
-                predicted.record(cmp, model=cfg.model.name, precision=precision, compression=cfg.comm.compression,
-                                 ranks=info.world_size, global_batch=gb, run_id=facts["run_id"])
-            except OSError:
-                pass
-    return out
+    except UsageError as e:
+        console.err.print(f"[yellow]warning:[/yellow] no plan comparison: {e}")
+        return
+    if cmp is not None:
+        facts["plan"] = cmp
+        console.err.print(f"dscluster train: {predicted.line(cmp)}")
+        try:  # the next `plan` corrects itself by what this lab really did
+            predicted.record(cmp, model=cfg.model.name, precision=precision, compression=cfg.comm.compression,
+                             ranks=info.world_size, global_batch=gb, run_id=facts["run_id"])
+        except OSError as e:
+            console.err.print(f"[yellow]warning:[/yellow] plan outcome not kept ({e})")

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from dscluster import runinfo
+from dscluster import redact, runinfo
 from dscluster.fsutil import JsonlWriter, atomic_write_json
 
 _ENV_PREFIXES = ("NCCL_", "GLOO_", "MASTER_", "OMPI_COMM_WORLD_", "DSCLUSTER_", "TORCH_NCCL_", "TORCH_FR_", "SLURM_",
@@ -24,8 +24,7 @@ _ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "PMIX_RANK", "RANK", "LOCAL_RANK", "WORLD_S
 
 def effective_env(env: dict | None = None) -> dict:
     env = os.environ if env is None else env
-    return {k: v for k, v in sorted(env.items()) if k in _ENV_KEYS or k.startswith(_ENV_PREFIXES)
-            and "PASSWORD" not in k}
+    return redact.redact_env({k: v for k, v in sorted(env.items()) if k in _ENV_KEYS or k.startswith(_ENV_PREFIXES)})
 
 
 def software_versions() -> dict[str, str | None]:
@@ -49,9 +48,12 @@ class RunLog:
     def __init__(self, run_dir: Path, rank: int, host: str):
         self.run_dir, self.rank, self.host = Path(run_dir), rank, host
         self.metrics = JsonlWriter(self.run_dir / runinfo.METRICS_DIR / f"rank-{rank}.jsonl")
+        self._secrets = redact.secret_values()  # an error message may quote one: records never do
 
     def record(self, kind: str, **fields) -> dict:
         rec = {"kind": kind, "t": time.time(), "rank": self.rank, "host": self.host, **fields}
+        if any(isinstance(v, str) for v in fields.values()):
+            rec = redact.redact_doc(rec, values=self._secrets)
         self.metrics.write(rec)
         return rec
 
@@ -59,7 +61,8 @@ class RunLog:
         """env/rank-R.json: the effective environment, versions, and `facts` (e.g. the rank's CPUs)."""
         snap = effective_env()
         snap.update({"host": self.host, "pid": os.getpid(), "versions": software_versions(), **facts})
-        atomic_write_json(self.run_dir / runinfo.ENV_DIR / f"rank-{self.rank}.json", snap)
+        atomic_write_json(self.run_dir / runinfo.ENV_DIR / f"rank-{self.rank}.json",
+                          redact.redact_doc(snap, values=self._secrets))
 
     def write_summary(self, summary: dict, *, only_if_absent_or_not_failed: bool = False) -> None:
         path = self.run_dir / runinfo.SUMMARY_FILE
@@ -69,7 +72,7 @@ class RunLog:
                     return  # a better-informed rank already told the story
             except (OSError, ValueError):
                 pass
-        atomic_write_json(path, summary)
+        atomic_write_json(path, redact.redact_doc(summary, values=self._secrets))
 
     def close(self) -> None:
         self.metrics.close()
