@@ -85,7 +85,7 @@ def _train(tmp_path: Path, run_id: str, config: str, *overrides: str) -> Path:
 def test_a_tiny_vit_learns_fractal_classes_on_one_cpu(tmp_path):
     # 5 classes (chance 20%), 32 px, 0.2 M parameters: 58% after 6 epochs, about 20 s on one core
     run = _train(tmp_path, "fractal", "fractal_cpu.yaml", "data.num_classes=5", "data.images_per_class=250",
-                 "epochs=6", "data.workers=0")
+                 "epochs=6", "data.workers=0", "target_accuracy=null")
     summary = json.loads((run / "summary.json").read_text())
     assert summary["dataset"] == "fractal" and summary["status"] == "complete"
     assert summary["accuracy"] >= 0.4, summary["accuracy"]
