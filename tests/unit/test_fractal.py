@@ -33,6 +33,10 @@ def test_an_image_depends_on_its_seed_class_and_index_alone():
     assert not torch.equal(batch[1], batch[3])  # same class, other index: jittered
     other_seed = FractalRenderer(8, 6, 32).render([5], [2])
     assert not torch.equal(alone, other_seed)
+    many = FractalRenderer(0, 40, 24)  # classes of 2, 3 and 4 maps in one batch, across render chunks
+    labels = [k % 40 for k in range(70)]
+    together = many.render(labels, list(range(70)))
+    assert all(torch.equal(together[j], many.render([labels[j]], [j])[0]) for j in range(70))
 
 
 def test_every_image_shows_a_shape_not_an_empty_or_filled_square():
