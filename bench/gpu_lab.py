@@ -47,7 +47,7 @@ target, how many seeds reached it, final accuracy and img/s, the speedup of the 
 alone and the accuracy difference in points.
 
     sudo .venv/bin/python bench/gpu_lab.py --link 10gbit --gpus 1,1 --tta configs/vit_small_fractal.yaml \
-        --target 0.8 --seeds 1,2
+        --target 0.9 --seeds 1,2
 
 --keep DIR copies each run directory (without checkpoints) there, for `analysis/plot.py` and for
 checking any figure against the per-rank metrics.
