@@ -38,6 +38,17 @@ keep that run (`calibration_runs`: its img/s and what the model alone gave).
 
 --no-plan runs the README command alone: for runs that measure accuracy, not the prediction.
 
+--tta CONFIG is the time-to-accuracy mode (dscluster.bench.tta): no RUN arguments; for each of
+--seeds, the fastest node alone (the most GPUs, the first of equals) and then the whole lab with plan's
+recommendation pasted as printed, both with target_accuracy=--target (and any --set KEY=VALUE). plan
+runs once on the whole lab first, with the preset as is, for the recommendation. The results file
+(bench/results/<date>-<card>-tta-<link>.json) adds `time_to_accuracy`: per role the mean time to the
+target, how many seeds reached it, final accuracy and img/s, the speedup of the lab over the node
+alone and the accuracy difference in points.
+
+    sudo .venv/bin/python bench/gpu_lab.py --link 10gbit --gpus 1,1 --tta configs/vit_small_fractal.yaml \
+        --target 0.9 --seeds 1,2
+
 --keep DIR copies each run directory (without checkpoints) there, for `analysis/plot.py` and for
 checking any figure against the per-rank metrics.
 
@@ -60,6 +71,7 @@ import time
 from pathlib import Path
 
 from dscluster import paths
+from dscluster.bench import tta
 from dscluster.fsutil import atomic_write_json, read_jsonl
 from dscluster.hosts import format_hostfile, parse_hostfile
 from dscluster.train.timing import WARMUP_STEPS
@@ -145,6 +157,22 @@ def accuracy_by_compression(runs: list[dict]) -> dict:
     return out
 
 
+def print_tta_runs(args) -> int:
+    """--tta --dry-run: the runs, in order, with the nodes each takes (node names as `sim up` makes them)."""
+    if not args.tta:
+        raise SystemExit("--dry-run is for --tta")
+    slots = [int(g) for g in args.gpus.split(",")] if args.gpus else [1] * args.nodes
+    fastest = tta.fastest_node(slots)
+    print(f"plan: dscluster plan --hostfile hosts{len(slots)}.txt --config {args.tta} target_accuracy={args.target} "
+          f"{' '.join(args.set)} (its recommendation stands for @rec)".rstrip())
+    for name, role, overrides in tta.runs_for(args.tta, [int(x) for x in args.seeds.split(",")], args.target,
+                                              args.set, len(slots)):
+        where = (f"node{fastest + 1} alone ({slots[fastest]} rank(s))" if role == tta.ALONE
+                 else f"all {len(slots)} nodes ({sum(slots)} ranks)")
+        print(f"{name}: {where}: {overrides}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -166,9 +194,20 @@ def main(argv: list[str] | None = None) -> int:
                    "the prediction is not what they measure)")
     p.add_argument("--keep", type=Path, help="copy each run directory here (checkpoints left out) before the lab "
                    "comes down: the per-rank metrics behind every figure")
-    p.add_argument("runs", nargs="+", metavar="RUN")
+    p.add_argument("--tta", metavar="CONFIG", help="time-to-accuracy mode: the fastest node alone against the lab "
+                   "with plan's recommendation, per seed (instead of RUNs)")
+    p.add_argument("--target", type=float, help="--tta: the held-out accuracy to reach (target_accuracy)")
+    p.add_argument("--seeds", default="1,2", help="--tta: training seeds, e.g. 1,2 (default)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="--tta: an override of every run")
+    p.add_argument("--dry-run", action="store_true", help="--tta: print the runs it would make, build nothing "
+                   "(no root needed)")
+    p.add_argument("runs", nargs="*", metavar="RUN")
     args = p.parse_args(argv)
     runs = [parse_run(r) for r in args.runs]
+    if bool(args.tta) == bool(runs) or (args.tta and args.target is None):
+        raise SystemExit("give RUNs, or --tta CONFIG --target ACCURACY (and no RUNs)")
+    if args.dry_run:
+        return print_tta_runs(args)
     if os.geteuid() != 0:
         raise SystemExit("the simulated lab needs root (network namespaces): run it with sudo")
     date = dt.date.today().isoformat()
@@ -197,7 +236,14 @@ def main(argv: list[str] | None = None) -> int:
         for k in range(1, len(hosts) + 1):
             (work / f"hosts{k}.txt").write_text(format_hostfile([(h.name, h.slots) for h in hosts[:k]]))
             ranks[k] = sum(h.slots for h in hosts[:k])
-        if max(n for _, n, _ in runs) > len(hosts):
+        fastest = hosts[tta.fastest_node([h.slots for h in hosts])]
+        (work / "hosts-fastest.txt").write_text(format_hostfile([(fastest.name, fastest.slots)]))
+        ranks["fastest"] = fastest.slots
+        if args.tta:
+            seeds = [int(x) for x in args.seeds.split(",")]
+            runs = [(name, "fastest" if role == tta.ALONE else len(hosts), o)
+                    for name, role, o in tta.runs_for(args.tta, seeds, args.target, args.set, len(hosts))]
+        if max((n for _, n, _ in runs if n != "fastest"), default=0) > len(hosts):
             raise SystemExit(f"a run asks for more nodes than the lab's {len(hosts)} ({st['hostfile']})")
         subprocess.run(["chown", "-R", str(st.get("uid", 2000)), str(work)], check=False)
         cd = f"cd {shlex.quote(str(work))} && export PATH={shlex.quote(str(paths.venv_bin()))}:$PATH && "
@@ -213,8 +259,18 @@ def main(argv: list[str] | None = None) -> int:
             pass
         card = ((doc["check_allreduce"] or {}).get("device") or ("cpu" if args.nodes else "gpu"))
         doc["card"] = card
-        out = out or ROOT / "bench" / "results" / f"{date}-{card.lower().replace(' ', '-')}-lab-{args.link}.json"
+        kind = "tta" if args.tta else "lab"
+        out = out or ROOT / "bench" / "results" / f"{date}-{card.lower().replace(' ', '-')}-{kind}-{args.link}.json"
         rec: dict[str, str] = {}
+        if args.tta:  # plan's recommendation for the whole lab, from the preset as the lab runs it
+            base = " ".join(["--config", args.tta, f"target_accuracy={args.target}", *args.set])
+            lab.node1(cd + f"dscluster plan --hostfile hosts{len(hosts)}.txt --json {base} > plan-tta.json", 900)
+            try:
+                doc["tta_plan"] = json.loads((work / "plan-tta.json").read_text())
+                # pasted as printed, after the run's own overrides (nothing recommended: the preset as is)
+                rec[args.tta] = " ".join(doc["tta_plan"]["recommendation"].get("overrides") or [])
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                doc["tta_plan"] = None
         for name, nodes, overrides in runs:
             cfg = config_of(overrides)
             if "@rec" in overrides:
@@ -223,19 +279,21 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 overrides = overrides.replace("@rec", rec[cfg])
             plan_file = work / f"plan-{name}.json"
-            calibrate = "--calibrate " if args.calibrate and nodes > 1 else ""
+            hostfile = "hosts-fastest.txt" if nodes == "fastest" else f"hosts{nodes}.txt"
+            several = nodes != "fastest" and nodes > 1
+            calibrate = "--calibrate " if args.calibrate and several else ""
             plan = None
             if not args.no_plan:
-                lab.node1(cd + f"dscluster plan --hostfile hosts{nodes}.txt --json {calibrate}{overrides} > {plan_file.name}",
+                lab.node1(cd + f"dscluster plan --hostfile {hostfile} --json {calibrate}{overrides} > {plan_file.name}",
                           900)
                 try:
                     plan = json.loads(plan_file.read_text())
                 except (OSError, ValueError):
                     plan = None
-            if plan and nodes > 1 and plan["recommendation"].get("overrides"):
+            if plan and several and plan["recommendation"].get("overrides") and not args.tta:
                 rec[cfg] = " ".join(with_recommendation(overrides, plan["recommendation"]["overrides"]))
             t0 = time.time()
-            r = lab.node1(cd + f"DSCLUSTER_RUN_ID={name} mpirun -np {ranks[nodes]} --hostfile hosts{nodes}.txt "
+            r = lab.node1(cd + f"DSCLUSTER_RUN_ID={name} mpirun -np {ranks[nodes]} --hostfile {hostfile} "
                           f"-x DSCLUSTER_RUN_ID {shlex.quote(str(paths.entry_script()))} {overrides} progress=false",
                           args.run_timeout)
             summary_path = work / "runs" / name / "summary.json"
@@ -254,13 +312,18 @@ def main(argv: list[str] | None = None) -> int:
                     "latency_s": plan.get("latency_s"), "busbw_GBps": plan.get("busbw_GBps"),
                     "calibration": plan.get("calibration"), "calibration_runs": plan.get("calibration_runs"),
                     "recommended": plan["recommendation"].get("overrides")},
-                "deviation_percent": (summary.get("plan") or {}).get("deviation_percent")})
+                "deviation_percent": (summary.get("plan") or {}).get("deviation_percent"),
+                **({"role": tta.ALONE if nodes == "fastest" else tta.LAB, "host": fastest.name if nodes == "fastest"
+                    else None, **tta.run_record(work / "runs" / name)} if args.tta else {})})
             if args.keep and (work / "runs" / name).is_dir():
                 shutil.copytree(work / "runs" / name, args.keep / name, dirs_exist_ok=True,
                                 ignore=shutil.ignore_patterns("checkpoints"))
             print(f"{name}: {nodes} node(s), {ranks[nodes]} rank(s), rc {r.returncode}, {summary.get('images_per_s') or 0:,.1f} img/s, plan "
                   f"{pred.get('images_per_s') or 0:,.1f}", flush=True)
             doc["accuracy_by_compression"] = accuracy_by_compression(doc["runs"])
+            if args.tta:
+                doc["time_to_accuracy"] = {"config": args.tta, "target": args.target, "seeds": args.seeds,
+                                           **tta.summarise(doc["runs"])}
             atomic_write_json(out, doc)
     finally:
         lab.dsc("sim", "down", "--lab", LAB)

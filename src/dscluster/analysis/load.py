@@ -35,6 +35,8 @@ class RankMetrics:
     start: dict[str, Any] | None = None
     steps: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
+    targets: list[dict[str, Any]] = field(default_factory=list)
+    """`target` records: when the held-out accuracy first reached target_accuracy."""
     end: dict[str, Any] | None = None
     last_t: float | None = None
     """Time of the last record of any kind: when the rank was last heard from."""
@@ -189,6 +191,8 @@ def load_rank_metrics(path: Path, rank: int, problems: list[str]) -> RankMetrics
             rm.steps.append(rec)
         elif kind == "eval":
             rm.evals.append(rec)
+        elif kind == "target":
+            rm.targets.append(rec)
         elif kind == "end":
             rm.end = rec
         if isinstance(rec.get("t"), (int, float)):

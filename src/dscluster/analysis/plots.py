@@ -19,6 +19,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from dscluster.analysis.load import RunData  # noqa: E402
 from dscluster.analysis.stats import (  # noqa: E402
     COMM_BOUND_SHARE, SPLIT_PARTS, comm_share, find_stragglers, rank_stats, step_split, summary_row,
+    time_to_accuracy,
 )
 from dscluster.train.timing import WARMUP_STEPS  # noqa: E402
 from dscluster.telemetry.backends import SLOWDOWN_REASONS  # noqa: E402
@@ -208,6 +209,7 @@ def plot_loss(run: RunData, out: Path) -> Plot:
         plot.series["held-out accuracy"] = {"x": xs, "y": ys}
     else:
         plot.notes.append("no held-out evaluation recorded")
+    _mark_target(ax2, plot, time_to_accuracy(run))
     ax2.set_ylabel("held-out accuracy (%)")
     ax2.set_ylim(0, 100)
     if not plot.series:
@@ -218,6 +220,22 @@ def plot_loss(run: RunData, out: Path) -> Plot:
     if lines[0] or lines2[0]:
         ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="center right")
     return _save(fig, plot, not run.completed)
+
+
+def _mark_target(ax, plot: Plot, tta: dict) -> None:
+    """target_accuracy as a dashed line, and the step it was first reached (time to accuracy)."""
+    if tta["target_accuracy"] is None:
+        return
+    y = 100.0 * tta["target_accuracy"]
+    ax.axhline(y, color="tab:green", ls="--", lw=1, label=f"target {y:.1f}%")
+    got = tta["time_to_accuracy"]
+    if got:
+        ax.axvline(got["step"], color="tab:green", ls=":", lw=1)
+        ax.annotate(f"reached after {got['seconds']:.1f} s", (got["step"], y), textcoords="offset points",
+                    xytext=(4, -14), fontsize=9, color="tab:green")
+        plot.notes.append(f"target {y:.1f}% reached at step {got['step']}, {got['seconds']:.1f} s")
+    else:
+        plot.notes.append(f"target {y:.1f}% not reached")
 
 
 def plot_loss_scale(run: RunData, out: Path) -> Plot:

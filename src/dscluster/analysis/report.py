@@ -52,7 +52,21 @@ def summary_table_rows(row: dict[str, Any]) -> list[tuple[str, str]]:
         ("stragglers (ranks)", _fmt(row["stragglers"])),
         ("overflow steps", f"{row['overflow_steps']} ({_fmt(None if rate is None else 100.0 * rate)}%)"),
         ("wall time (s)", _fmt(row["wall_s"])),
+        *_time_to_accuracy_rows(row),
     ]
+
+
+def _time_to_accuracy_rows(row: dict[str, Any]) -> list[tuple[str, str]]:
+    """The headline figure of a run with a target_accuracy: when it first got there."""
+    target = row.get("target_accuracy")
+    if target is None:
+        return []
+    tta = row.get("time_to_accuracy")
+    label = f"time to {100.0 * target:.1f}% held-out accuracy (s)"
+    if not tta:
+        return [(label, "not reached")]
+    return [(label, f"{_fmt(float(tta['seconds']))} (step {tta['step']}, epoch {tta['epoch'] + 1}, "
+                    f"{tta['images']:,} images)")]
 
 
 def _img(plot: Plot) -> str:

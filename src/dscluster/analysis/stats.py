@@ -168,7 +168,21 @@ def summary_row(run: RunData) -> dict[str, Any]:
         "overflow_steps": overflows,
         "overflow_rate": (overflows / steps) if steps else None,
         "wall_s": (run.summary or {}).get("wall_s"),
+        **time_to_accuracy(run),
     }
+
+
+def time_to_accuracy(run: RunData) -> dict[str, Any]:
+    """`target_accuracy` and `time_to_accuracy` (seconds, step, epoch, images; None: not reached) as
+    summary.json has them; an unfinished run: its `target` record, if one was written."""
+    summary = run.summary or {}
+    if "target_accuracy" in summary:
+        tta = summary.get("time_to_accuracy")
+        return {"target_accuracy": summary["target_accuracy"], "time_to_accuracy": tta if isinstance(tta, dict) else None}
+    recs = [r for m in run.ranks.values() for r in m.targets if isinstance(r.get("seconds"), (int, float))]
+    if recs:
+        return {"target_accuracy": recs[0].get("target"), "time_to_accuracy": recs[0]}
+    return {"target_accuracy": None, "time_to_accuracy": None}
 
 
 SPLIT_PARTS = ("compute_s", "comm_s", "data_s", "other_s")

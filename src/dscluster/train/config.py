@@ -49,15 +49,18 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    dataset: str = field(default="digits", metadata={"choices": ("digits", "cifar10", "imagefolder", "synthetic")})
+    dataset: str = field(default="digits", metadata={"choices": ("digits", "cifar10", "imagefolder", "synthetic",
+                                                                 "fractal")})
     """digits (scikit-learn, offline), cifar10 (python-format folder), imagefolder
-    (class-per-folder images), synthetic (random images made on the device, benchmarks)."""
+    (class-per-folder images), synthetic (random images made on the device, benchmarks), fractal
+    (one random iterated function system per class, rendered from a seed by the loader workers:
+    learnable at any img_size, no download)."""
     path: str | None = None
     """Folder of cifar10 (cifar-10-batches-py) or imagefolder data; unused otherwise."""
     img_size: int = field(default=16, metadata=limits(ge=1))
     """Side of the square images the model sees (data is resized to it)."""
     holdout_fraction: float = field(default=0.2, metadata=limits(gt=0, lt=1))
-    """Share of digits/imagefolder samples kept out of training for the accuracy figure."""
+    """Share of digits/imagefolder/fractal samples kept out of training for the accuracy figure."""
     limit: int | None = field(default=None, metadata=limits(ge=1))
     """Use only the first N training samples (quick runs, odd sizes in tests)."""
     augment: bool = True
@@ -71,7 +74,15 @@ class DataConfig:
     synthetic_samples: int = field(default=4096, metadata=limits(ge=1))
     """Number of synthetic images per epoch."""
     num_classes: int = field(default=10, metadata=limits(ge=2))
-    """Classes of the synthetic data set (real data sets know their own); a classifier needs two."""
+    """Classes of the synthetic and fractal data sets (real data sets know their own); a classifier needs two."""
+    images_per_class: int = field(default=1000, metadata=limits(ge=2))
+    """Fractal: images per class, training and held-out together (holdout_fraction of them held out)."""
+    fractal_points: int | None = field(default=None, metadata=limits(ge=64))
+    """Fractal: chaos-game points drawn per image; null: img_size²/5, at least 2,048 (fewer: sparser
+    shapes, faster rendering)."""
+    fractal_seed: int = field(default=0, metadata=limits(ge=0, le=2**32 - 1))
+    """Fractal: seed of the classes and of every image (not the training seed: runs with other seeds
+    see the same data set). The same on every node, so no node needs a shared folder."""
 
 
 @dataclass
@@ -209,6 +220,10 @@ class TrainConfig:
     """Read loss/scale back to the host every N steps (GPU: fewer host syncs)."""
     eval_every_epochs: int = field(default=1, metadata=limits(ge=1))
     """Held-out evaluation every N epochs (and always at the end)."""
+    target_accuracy: float | None = field(default=None, metadata=limits(gt=0, le=1))
+    """Held-out accuracy (0-1) whose first reaching is recorded as the run's time to accuracy
+    (seconds, step, epoch, images seen: a `target` record in metrics, `time_to_accuracy` in
+    summary.json); null: not recorded. Training does not stop there."""
     seed: int = field(default=0, metadata=limits(ge=0, le=2**32 - 1))
     """Seed of model init, data order and augmentation (same on every rank); numpy takes 32 bits."""
     memory_cap_gb: float | None = field(default=None, metadata=limits(gt=0))

@@ -215,6 +215,15 @@ def check_relations(cfg) -> None:
                 also=("model.patch_size",))
     if cfg.data.dataset in ("cifar10", "imagefolder") and not cfg.data.path:
         raise E("data.dataset", f"data.dataset={cfg.data.dataset} needs data.path (the folder with the data)")
+    if cfg.data.dataset == "fractal":
+        n, frac = cfg.data.images_per_class, cfg.data.holdout_fraction
+        if not 1 <= round(n * frac) < n:
+            raise E("data.images_per_class", f"data.images_per_class={n} with data.holdout_fraction={frac:g} leaves "
+                    f"{round(n * frac)} of each class held out and {n - round(n * frac)} for training; both need at "
+                    "least one: raise data.images_per_class", also=("data.holdout_fraction",))
+    if cfg.target_accuracy is not None and cfg.data.dataset == "synthetic":
+        raise E("target_accuracy", "target_accuracy needs a held-out set; data.dataset=synthetic has none (use "
+                "fractal, digits, cifar10 or imagefolder, or leave target_accuracy unset)", also=("data.dataset",))
     power = cfg.fp16.initial_scale_power
     if cfg.fp16.min_loss_scale > 2.0 ** power:
         raise E("fp16.min_loss_scale",

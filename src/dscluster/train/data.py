@@ -1,9 +1,9 @@
-"""Data sets as index-addressable batches: digits, CIFAR-10 (python folder), ImageFolder, synthetic.
+"""Data sets as index-addressable batches: digits, CIFAR-10 (python folder), ImageFolder, synthetic, fractal.
 
 Every data set answers `get_batch(indices, device, dtype)`. Samples are kept compactly (uint8 or
 small float at native resolution), so CIFAR-10 at 224×224 does not need 30 GB of RAM, and
 synthetic benchmark data lives on the GPU from the start (no host→device copy per step).
-ImageFolder and CIFAR-10 batches are made on the host (`prepare`: decode, resize to img_size,
+ImageFolder, CIFAR-10 and fractal (train/fractal.py) batches are made on the host (`prepare`: decode, resize to img_size,
 augment, as uint8), which DataLoader workers do ahead of the step (train/loader.py); the
 device only normalises them. Digits, tiny and in memory, is resized and normalised on the
 device. What crosses from the host goes through pinned memory, so no step waits for the GPU.
@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from dscluster.errors import UsageError
+from dscluster.train import fractal
 from dscluster.train.config import DataConfig
 from dscluster.train.loader import with_loader  # noqa: F401  (the one way the engine wraps its sampler)
 
@@ -235,6 +236,33 @@ class FolderImageSet(ImageSet):
                               self.img_size)
 
 
+class FractalImageSet(ImageSet):
+    """Fractal classes rendered from a seed (train/fractal.py): item i is image `first + i // C` of class
+    `i % C`, so any prefix (data.limit) holds every class alike."""
+
+    def __init__(self, name, renderer: fractal.FractalRenderer, num_classes: int, count: int, first: int):
+        super().__init__(name, num_classes, 3, renderer.img_size, fractal.MEAN, fractal.STD)
+        self.renderer, self.count, self.first = renderer, count, first
+
+    def __len__(self) -> int:
+        return self.count
+
+    @property
+    def host_prepared(self) -> bool:
+        return True
+
+    def prepare(self, indices, seed):
+        idx = np.asarray(list(indices), dtype=np.int64)
+        labels = idx % self.num_classes
+        x = self.renderer.render(labels.tolist(), (self.first + idx // self.num_classes).tolist())
+        if seed is not None:
+            x = shift_on_host(x, seed, self.fill())
+        return x, torch.from_numpy(labels)
+
+    def subset(self, idx, name: str) -> "FractalImageSet":  # data.limit: a prefix
+        return FractalImageSet(name, self.renderer, self.num_classes, len(idx), self.first)
+
+
 @dataclass
 class Splits:
     train: ImageSet
@@ -357,6 +385,15 @@ def load_imagefolder(cfg: DataConfig) -> Splits:
     return Splits(_limit(full.subset(tr.tolist(), "imagefolder"), cfg.limit), full.subset(ho.tolist(), "imagefolder-holdout"))
 
 
+def load_fractal(cfg: DataConfig) -> Splits:
+    renderer = fractal.FractalRenderer(cfg.fractal_seed, cfg.num_classes, cfg.img_size, cfg.fractal_points)
+    n_hold = round(cfg.images_per_class * cfg.holdout_fraction)
+    n_train = cfg.images_per_class - n_hold
+    c = cfg.num_classes
+    train = FractalImageSet("fractal", renderer, c, n_train * c, 0)
+    return Splits(_limit(train, cfg.limit), FractalImageSet("fractal-holdout", renderer, c, n_hold * c, n_train))
+
+
 def load(cfg: DataConfig, device, seed: int = 0) -> Splits:
     if cfg.dataset == "digits":
         return load_digits(cfg)
@@ -364,6 +401,8 @@ def load(cfg: DataConfig, device, seed: int = 0) -> Splits:
         return load_cifar10(cfg)
     if cfg.dataset == "imagefolder":
         return load_imagefolder(cfg)
+    if cfg.dataset == "fractal":
+        return load_fractal(cfg)
     if cfg.dataset == "synthetic":
         return Splits(SyntheticImageSet(cfg.synthetic_samples, cfg.num_classes, cfg.img_size, device, seed), None)
     raise UsageError(f"unknown data.dataset {cfg.dataset!r}")

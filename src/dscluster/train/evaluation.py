@@ -1,11 +1,15 @@
-"""Held-out evaluation: rank 0 alone, between two barriers, on the bare model.
+"""Held-out evaluation: rank 0 alone, between two barriers, on the bare model; and time to accuracy.
 
 Rank 0 evaluates while the others wait at a barrier instead of racing into the next epoch's
 collectives; it runs the model itself (setup_engine.bare_module), never the DDP wrapper, whose
-forward may broadcast buffers to ranks that are not there.
+forward may broadcast buffers to ranks that are not there. With `target_accuracy` set, the first
+evaluation that reaches it is the run's time to accuracy: the `target` record, `time_to_accuracy`
+in summary.json.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,14 +35,45 @@ def evaluate(engine, dataset, dtype, device, channels_last: bool, batch: int = 2
     return correct / n, loss_sum / n, n
 
 
-def held_out(engine, built, cfg, device, *, primary: bool, log, progress, epoch: int, step: int) -> float | None:
+@dataclass
+class TimeToAccuracy:
+    """When the held-out accuracy first reached `target`: seconds since the run started (`started`,
+    time.time()), measured at the end of that evaluation, with its step, epoch and images trained on."""
+
+    target: float | None
+    started: float
+    global_batch: int
+    reached: dict | None = None
+
+    def see(self, rec: dict, log, progress) -> None:
+        """An `eval` record: the first one at or above the target becomes the `target` record."""
+        if self.target is None or self.reached is not None or rec["accuracy"] < self.target:
+            return
+        self.reached = {"target": self.target, "accuracy": rec["accuracy"], "seconds": round(rec["t"] - self.started, 3),
+                        "step": rec["step"], "epoch": rec["epoch"], "images": rec["step"] * self.global_batch,
+                        "t": rec["t"]}
+        log.record("target", **self.reached)
+        progress.print(f"reached target accuracy {self.target:.1%} after {self.reached['seconds']:.1f} s "
+                       f"(step {rec['step']}, epoch {rec['epoch'] + 1}, {self.reached['images']:,} images)")
+
+    def summary(self) -> dict:
+        """summary.json's fields: none without a target; with one, time_to_accuracy (null: not reached)."""
+        if self.target is None:
+            return {}
+        return {"target_accuracy": self.target, "time_to_accuracy": self.reached}
+
+
+def held_out(engine, built, cfg, device, *, primary: bool, log, progress, epoch: int, step: int,
+             tta: TimeToAccuracy | None = None) -> float | None:
     """Collective: every rank calls it; rank 0 evaluates, records it and returns the accuracy."""
     accuracy = None
     dist.barrier()
     if primary:
         acc, eloss, n = evaluate(engine, built.splits.holdout, built.dtype, device, cfg.channels_last)
         accuracy = acc
-        log.record("eval", epoch=epoch, step=step, accuracy=acc, loss=eloss, samples=n)
+        rec = log.record("eval", epoch=epoch, step=step, accuracy=acc, loss=eloss, samples=n)
         progress.print(f"epoch {epoch + 1}/{cfg.epochs} step {step}: held-out accuracy {acc:.1%} loss {eloss:.3f}")
+        if tta is not None:
+            tta.see(rec, log, progress)
     dist.barrier()
     return accuracy

@@ -112,7 +112,7 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
                 f"ranks chose different precisions ({', '.join(f'rank {r} on {hosts[r]}: {p}' for r, p in enumerate(decisions))}); "
                 "run `dscluster check` so every node gets the cluster-wide DSCLUSTER_PRECISION, or set precision=",
                 failed_ranks=odd, failed_hosts=[hosts[r] for r in odd])
-        out = _run(cfg, info, device, precision, hosts, log, rdir, facts, my_fault, calibrate, primary)
+        out = _run(cfg, info, device, precision, hosts, log, rdir, facts, my_fault, calibrate, primary, started=t0)
         facts["peak_mem_mb"] = peak_mem_mb(has_cuda_device)
         log.record("end", status="complete", error=None, peak_mem_mb=facts["peak_mem_mb"])
         if primary and not calibrate:
@@ -194,7 +194,7 @@ def peak_mem_mb(on_cuda: bool) -> float | None:
 
 
 def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Path, facts: dict,
-         my_fault: dict, calibrate: bool, primary: bool) -> Outcome:
+         my_fault: dict, calibrate: bool, primary: bool, started: float) -> Outcome:
     from dscluster.train.setup_engine import build
 
     if calibrate:
@@ -207,6 +207,7 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
     boundary = StepBoundary(engine, cfg, precision)
     spe = sampler.steps_per_epoch
     facts.update(global_batch=sum(b.shares) * b.plan.grad_accum)
+    tta = evaluation.TimeToAccuracy(None if calibrate else cfg.target_accuracy, started, facts["global_batch"])
     for note in b.notes:
         if primary:
             console.err.print(f"[dim]dscluster train: {note}[/dim]")
@@ -308,7 +309,7 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
         last = done or epoch + 1 >= cfg.epochs
         if not calibrate and b.splits.holdout is not None and (last or (epoch + 1) % cfg.eval_every_epochs == 0):
             accuracy = evaluation.held_out(engine, b, cfg, device, primary=primary, log=log, progress=progress,
-                                           epoch=epoch, step=global_step)
+                                           epoch=epoch, step=global_step, tta=tta)
         every_e = cfg.checkpoint.every_epochs
         if not calibrate and end_of_epoch and every_e and ((epoch + 1) % every_e == 0 or last):
             save(checkpoint.Position(epoch, spe, global_step))
@@ -323,7 +324,7 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
     out.accuracy, out.steps = accuracy, global_step
     out.images_per_s = window.images_per_s(gb)
     facts.update(steps=global_step, images_per_s=out.images_per_s, accuracy=accuracy,
-                 timed_steps=window.window.timed_steps, timed_s=round(window.window.timed_s, 4))
+                 timed_steps=window.window.timed_steps, timed_s=round(window.window.timed_s, 4), **tta.summary())
     if primary and not calibrate:
         plan_vs_measured(cfg, b, gb, precision, info, out, facts)
     return out

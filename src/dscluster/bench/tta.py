@@ -1,0 +1,70 @@
+"""Time to accuracy on a lab: the runs `bench/gpu_lab.py --tta` makes, and the results it writes.
+
+For each seed, two runs of one preset with a `target_accuracy`: the fastest node alone (the node with
+the most GPUs, the first of equals), and the whole lab with `dscluster plan`'s recommendation pasted
+as printed (`@rec`). What each run reached comes from its own run directory (summary.json: time to
+accuracy, final held-out accuracy, images/s); the comparison is of the means over seeds.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+ALONE, LAB = "alone", "lab"
+
+
+def fastest_node(slots: list[int]) -> int:
+    """Index of the node with the most GPUs (slots), the first of equals."""
+    return max(range(len(slots)), key=lambda i: (slots[i], -i))
+
+
+def runs_for(config: str, seeds: list[int], target: float, extra: list[str], nodes: int) -> list[tuple[str, str, str]]:
+    """(name, role, overrides) of every run, seed by seed: the node alone, then the lab with `@rec`."""
+    out = []
+    for s in seeds:
+        base = " ".join(["--config", config, f"seed={s}", f"target_accuracy={target}", *extra])
+        out.append((f"alone_s{s}", ALONE, base))
+        if nodes > 1:
+            out.append((f"lab_s{s}", LAB, f"{base} @rec"))
+    return out
+
+
+def run_record(run_dir: Path) -> dict:
+    """What one run reached, from its summary.json (an absent or unreadable one: status missing)."""
+    try:
+        s = json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {"status": "missing", "time_to_accuracy_s": None, "accuracy": None, "images_per_s": None}
+    tta = s.get("time_to_accuracy") if isinstance(s.get("time_to_accuracy"), dict) else None
+    return {"status": s.get("status"), "target_accuracy": s.get("target_accuracy"),
+            "time_to_accuracy_s": tta and tta.get("seconds"), "reached_at_step": tta and tta.get("step"),
+            "reached_at_images": tta and tta.get("images"), "accuracy": s.get("accuracy"),
+            "images_per_s": s.get("images_per_s"), "wall_s": s.get("wall_s"), "steps": s.get("steps"),
+            "global_batch": s.get("global_batch"), "world_size": s.get("world_size")}
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if isinstance(v, (int, float))]
+    return round(statistics.mean(values), 4) if values else None
+
+
+def summarise(runs: list[dict]) -> dict:
+    """The comparison over seeds. `runs`: gpu_lab's run entries with `role` and run_record's fields.
+
+    A run that never reached the target counts as not reached (its time is not averaged in): the
+    role's `reached` says how many did."""
+    out: dict = {}
+    for role in (ALONE, LAB):
+        mine = [r for r in runs if r.get("role") == role]
+        done = [r["time_to_accuracy_s"] for r in mine if isinstance(r.get("time_to_accuracy_s"), (int, float))]
+        out[role] = {"runs": len(mine), "reached": len(done), "time_to_accuracy_s": _mean(done),
+                     "time_to_accuracy_each_s": done, "accuracy": _mean([r.get("accuracy") for r in mine]),
+                     "images_per_s": _mean([r.get("images_per_s") for r in mine])}
+    a, b = out[ALONE], out[LAB]
+    out["speedup"] = (round(a["time_to_accuracy_s"] / b["time_to_accuracy_s"], 3)
+                      if a["time_to_accuracy_s"] and b["time_to_accuracy_s"] else None)
+    out["accuracy_points_vs_alone"] = (round(100 * (b["accuracy"] - a["accuracy"]), 2)
+                                       if a["accuracy"] is not None and b["accuracy"] is not None else None)
+    return out

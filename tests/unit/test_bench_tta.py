@@ -1,0 +1,73 @@
+"""bench/gpu_lab.py --tta: the runs it makes and the results it assembles from the runs' directories."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from dscluster.bench import tta
+from dscluster.fsutil import atomic_write_json
+from dscluster.train.evaluation import TimeToAccuracy
+from dscluster.train.runlog import summary_record
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run_dir(tmp_path: Path, name: str, *, seconds: float | None, accuracy: float, images_per_s: float) -> Path:
+    """A run directory as train leaves it: summary.json from train's own summary writer."""
+    watch = TimeToAccuracy(0.8, started=1000.0, global_batch=512)
+    if seconds is not None:
+        watch.reached = {"target": 0.8, "accuracy": 0.81, "seconds": seconds, "step": 300, "epoch": 4,
+                         "images": 300 * 512, "t": 1000.0 + seconds}
+    run = tmp_path / name
+    atomic_write_json(run / "summary.json", summary_record(status="complete", accuracy=accuracy, steps=1000,
+                                                           images_per_s=images_per_s, global_batch=512,
+                                                           wall_s=900.0, **watch.summary()))
+    return run
+
+
+def test_each_seed_runs_the_fastest_node_alone_then_the_lab_with_plans_recommendation():
+    assert tta.fastest_node([1, 1, 2]) == 2 and tta.fastest_node([2, 2]) == 0
+    runs = tta.runs_for("configs/vit_small_fractal.yaml", [1, 2], 0.8, ["epochs=10"], nodes=2)
+    assert [(n, r) for n, r, _ in runs] == [("alone_s1", "alone"), ("lab_s1", "lab"), ("alone_s2", "alone"),
+                                            ("lab_s2", "lab")]
+    assert runs[1][2] == "--config configs/vit_small_fractal.yaml seed=1 target_accuracy=0.8 epochs=10 @rec"
+    assert [n for n, _, _ in tta.runs_for("c.yaml", [1], 0.5, [], nodes=1)] == ["alone_s1"]
+
+
+def test_results_compare_the_means_over_seeds_and_count_a_run_that_never_got_there(tmp_path):
+    runs = []
+    for name, role, seconds, acc, ips in [("alone_s1", "alone", 100.0, 0.85, 3000.0),
+                                          ("alone_s2", "alone", 120.0, 0.87, 3100.0),
+                                          ("lab_s1", "lab", 50.0, 0.84, 9000.0),
+                                          ("lab_s2", "lab", None, 0.78, 8800.0)]:
+        runs.append({"name": name, "role": role,
+                     **tta.run_record(_run_dir(tmp_path, name, seconds=seconds, accuracy=acc, images_per_s=ips))})
+    assert runs[0]["time_to_accuracy_s"] == 100.0 and runs[0]["reached_at_images"] == 300 * 512
+    out = tta.summarise(runs)
+    assert out["alone"] == {"runs": 2, "reached": 2, "time_to_accuracy_s": 110.0,
+                            "time_to_accuracy_each_s": [100.0, 120.0], "accuracy": 0.86, "images_per_s": 3050.0}
+    assert (out["lab"]["reached"], out["lab"]["time_to_accuracy_s"]) == (1, 50.0)
+    assert out["speedup"] == 2.2
+    assert out["accuracy_points_vs_alone"] == -5.0
+
+
+def test_a_run_without_its_directory_is_missing_not_fast(tmp_path):
+    rec = tta.run_record(tmp_path / "never_ran")
+    assert rec["status"] == "missing" and rec["time_to_accuracy_s"] is None
+    out = tta.summarise([{"role": "alone", **rec}, {"role": "lab", **rec}])
+    assert out["speedup"] is None and out["lab"]["reached"] == 0
+
+
+def test_dry_run_prints_the_runs_without_a_lab():
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_lab.py"), "--link", "10gbit", "--gpus", "1,1,2",
+                          "--tta", "configs/vit_small_fractal.yaml", "--target", "0.8", "--seeds", "1,2", "--dry-run"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("plan: dscluster plan --hostfile hosts3.txt --config configs/vit_small_fractal.yaml")
+    assert lines[1] == ("alone_s1: node3 alone (2 rank(s)): --config configs/vit_small_fractal.yaml seed=1 "
+                        "target_accuracy=0.8")
+    assert lines[2].startswith("lab_s1: all 3 nodes (4 ranks): ") and lines[2].endswith(" @rec")
+    assert len(lines) == 5
