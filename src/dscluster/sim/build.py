@@ -50,7 +50,9 @@ def build(state: LabState) -> None:
     if state.private:   # no shared filesystem: each node its own copy of the checkout
         files = tracked_files(ops_checkout(state.private))
         for node in state.nodes:
-            make_private_dirs(state.private, node.nodedir, state.uid, state.gid, files)
+            first = state.nodes[0].nodedir
+            make_private_dirs(state.private, node.nodedir, state.uid, state.gid, files,
+                              git_from=None if node.nodedir == first else first)
     for proc in (p for group in keygens for p in group):
         if proc.wait(timeout=30) != 0:
             raise SimError(f"ssh-keygen failed: {proc.stderr.read().strip() if proc.stderr else ''}")

@@ -4,8 +4,9 @@ Many labs of workstations have no NFS: every machine has its own clone of the ch
 same path, its own home, and writes its run directories and checkpoints to its own disk. In
 such a lab every node gets, in its own mount namespace:
 
-- its own copy of the checkout at the checkout's path: the tracked files as the host has them
-  at `sim up` (mode and mtime kept), owned by the lab user, so `dscluster sync` can update it;
+- its own clone of the checkout at the checkout's path: the tracked files as the host has them
+  at `sim up` (mode and mtime kept) committed into a git repository of its own (one commit, the
+  same on every node), owned by the lab user, so `dscluster sync` can update it;
 - its own `Lab.shared` (empty at first), so a working directory there is one per node;
 - the software the checkout holds (its .venv) bound back from the host on top of the copy:
   read-only software installed the same way on every machine, as `make venv` on each would.
@@ -68,8 +69,10 @@ def tracked_files(repo: str) -> list[str]:
     return [p for p in res.stdout.split("\0") if p and os.path.lexists(os.path.join(repo, p))]
 
 
-def make_private_dirs(ops: list[list[str]], nodedir: str, uid: int, gid: int, files: list[str]) -> None:
-    """The node's copies (the checkout's `files`, an empty shared folder) and the set-aside points."""
+def make_private_dirs(ops: list[list[str]], nodedir: str, uid: int, gid: int, files: list[str],
+                      git_from: str | None = None) -> None:
+    """The node's copies (the checkout's `files` as a one-commit clone, an empty shared folder) and
+    the set-aside points. `git_from`: a node directory whose clone's .git to copy (the same commit)."""
     nd = Path(nodedir)
     private = 0
     for i, (kind, path) in enumerate(ops):
@@ -81,6 +84,10 @@ def make_private_dirs(ops: list[list[str]], nodedir: str, uid: int, gid: int, fi
             dest.mkdir(parents=True, exist_ok=True)
             if private == 1:   # the checkout
                 _copy_files(path, dest, files)
+                if git_from is None:
+                    _commit_snapshot(dest)
+                else:
+                    shutil.copytree(Path(git_from) / "private" / "0" / ".git", dest / ".git", symlinks=True)
             _chown_tree(dest, uid, gid)
             os.chmod(dest, 0o755)
         elif kind == RESTORE_SOFTWARE:
@@ -97,6 +104,22 @@ def _copy_files(src: str, dest: Path, files: list[str]) -> None:
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(os.path.join(src, rel), target, follow_symlinks=False)
+
+
+# A fixed author and date: the snapshot commit is the same object on every node and every `sim up`
+# of the same tree, so `git rev-parse HEAD` agrees where the files do.
+_GIT_ENV = {"GIT_AUTHOR_NAME": "dscluster sim", "GIT_AUTHOR_EMAIL": "sim@dscluster.invalid",
+            "GIT_COMMITTER_NAME": "dscluster sim", "GIT_COMMITTER_EMAIL": "sim@dscluster.invalid",
+            "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z"}
+
+
+def _commit_snapshot(dest: Path) -> None:
+    env = {**os.environ, **_GIT_ENV}
+    for argv in (["init", "-q"], ["add", "-A"], ["commit", "-q", "--no-verify", "-m", "checkout as sim up found it"]):
+        res = subprocess.run(["git", "-c", "safe.directory=*", "-c", "init.defaultBranch=main", "-C", str(dest), *argv],
+                             capture_output=True, text=True, timeout=120, env=env)
+        if res.returncode != 0:
+            raise SimError(f"--no-shared-fs: `git {' '.join(argv)}` in the node's copy failed: {res.stderr.strip()}")
 
 
 def _chown_tree(top: Path, uid: int, gid: int) -> None:
