@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "sim": "dscluster.cli.sim",
     "setup": "dscluster.cli.setup",
     "check": "dscluster.cli.check",
+    "sync": "dscluster.cli.sync",
     "launch": "dscluster.cli.launch",
     "train": "dscluster.cli.train",
     "telemetry": "dscluster.cli.telemetry",
