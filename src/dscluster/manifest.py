@@ -113,13 +113,14 @@ def checkout_files(root: str | os.PathLike) -> list[str] | None:
 
 
 def differing(head: Scan, node: Scan, *, by_hash: bool) -> tuple[list[str], list[str]]:
-    """(files whose content differs, files missing on the node), by sha256 or by size+mtime."""
+    """(files whose content differs, files missing on the node), by sha256 or by size and mtime in
+    whole seconds (SFTP, version 3, carries whole seconds)."""
     changed, missing = [], []
     for rel, (size, mtime, sha) in head.files.items():
         theirs = node.files.get(rel)
         if theirs is None:
             missing.append(rel)
-        elif (theirs[2] != sha) if by_hash else (theirs[0] != size or abs(theirs[1] - mtime) > 1e-3):
+        elif (theirs[2] != sha) if by_hash else (theirs[0] != size or int(theirs[1]) != int(mtime)):
             changed.append(rel)
     return changed, missing
 
