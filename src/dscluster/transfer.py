@@ -21,9 +21,20 @@ from typing import Callable
 
 import paramiko
 
+from dscluster import remote, state
 from dscluster.errors import UsageError
 
 OnFile = Callable[[str, int], None]   # (relative path, bytes) after each file
+
+
+def connect_node(target: remote.Target, *, known_hosts: Path | None = None, timeout: float = 30) -> paramiko.SSHClient:
+    """A session as `dscluster setup` configured it: the pinned host keys (the project's, or a
+    node's own ~/.ssh/known_hosts that setup filled), the key setup left at ~/.ssh/id_ed25519, and
+    $DSCLUSTER_SSH_PASSWORD only where it is set."""
+    key = Path.home() / ".ssh" / "id_ed25519"
+    return remote.connect(target, known_hosts=known_hosts or state.known_hosts_path(),
+                          password=os.environ.get("DSCLUSTER_SSH_PASSWORD"),
+                          key_filename=str(key) if key.exists() else None, timeout=timeout)
 
 
 def safe_rel(rel: str) -> str:

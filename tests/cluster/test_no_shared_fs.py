@@ -102,3 +102,121 @@ def test_sync_copies_a_data_folder_and_check_compares_it(lab):
     res, doc = check(lab, f"--data {data}")
     assert res.returncode == 0, explain(res)
     assert doc["layout"]["nodes"]["node2"]["data"] == {"present": True, "files": 2, "bytes": 8, "same_as_head": True}
+
+
+# --- the whole journey: the README's mpirun, the run comes home, plot, a killed rank, resume ----------
+
+SHRINK = ("progress=false model.depth=2 model.embed_dim=48 model.num_heads=3 model.patch_size=4 data.img_size=16 "
+          "micro_batch=8 global_batch=24 grad_accum=1 log_every=1 eval_every_epochs=100 dist.timeout_s=20")
+MPIRUN = f"{REPO}/.venv/bin/mpirun"
+
+
+def records(path: Path, kind: str | None = None) -> list[dict]:
+    from dscluster.fsutil import read_jsonl
+    recs = read_jsonl(path) if path.exists() else []
+    return [r for r in recs if kind is None or r.get("kind") == kind]
+
+
+@pytest.fixture(scope="module")
+def synced(lab):
+    res, _ = check(lab)
+    assert res.returncode == 0, explain(res)
+    sync(lab)
+    return lab
+
+
+def test_the_readme_mpirun_brings_every_nodes_part_home_and_plot_sees_every_rank(synced):
+    lab = synced
+    runs = lab.path_on("node1", REPO / "runs")
+    before = set(p.name for p in runs.iterdir()) if runs.is_dir() else set()
+    res = lab.run("node1", f"OMP_NUM_THREADS=1 {MPIRUN} -np 3 --hostfile {lab.hostfile} ./entry_cn.sh "
+                  f"--config configs/digits.yaml {SHRINK} data.limit=240 epochs=1", timeout=900)
+    assert res.returncode == 0, explain(res)
+    [name] = set(p.name for p in runs.iterdir()) - before
+    run = runs / name
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "complete" and summary["world_size"] == 3
+    # each node wrote its part into its own copy, and pushed it to the head's when its ranks ended
+    assert (lab.path_on("node2", REPO / "runs" / name / "metrics" / "rank-1.jsonl")).exists()
+    assert not lab.path_on("node2", REPO / "runs" / name / "summary.json").exists()
+    assert sorted(p.name for p in (run / "metrics").glob("rank-*.jsonl")) == [f"rank-{r}.jsonl" for r in range(3)]
+    assert sorted(p.name for p in (run / "telemetry").glob("*.jsonl")) == ["node1.jsonl", "node2.jsonl", "node3.jsonl"]
+    assert all(records(run / "metrics" / f"rank-{r}.jsonl", "end") for r in range(3))
+    # every node kept the checkpoint its ranks need, `latest` included
+    for node in ("node1", "node2", "node3"):
+        assert lab.path_on(node, REPO / "runs" / name / "checkpoints" / "latest").exists(), node
+
+    plot = lab.run("node1", f".venv/bin/python analysis/plot.py runs/{name}", timeout=300)
+    assert plot.returncode == 0, explain(plot)
+    from dscluster.analysis.load import load_run
+    loaded = load_run(run)
+    assert sorted(loaded.ranks) == [0, 1, 2] and sorted(loaded.telemetry) == ["node1", "node2", "node3"]
+
+    # a node's part that did not come home is named as such, not as dead ranks; collect fetches it
+    for f in [run / "metrics" / "rank-2.jsonl", run / "env" / "rank-2.json", run / "telemetry" / "node3.jsonl"]:
+        f.unlink()
+    diag = lab.run("node1", f"{DSCLUSTER} diagnose runs/{name} --json", timeout=120)
+    found = json.loads(diag.stdout)["findings"]
+    assert [(f["kind"], f["host"]) for f in found if f["severity"] == "error"] == [("files_not_here", "node3")], found
+    assert f"node3's files are not here (no shared filesystem): run `dscluster collect" in diag.stdout
+    got = lab.run("node1", f"{DSCLUSTER} collect runs/{name} --hostfile {lab.hostfile} --json", timeout=300)
+    assert got.returncode == 0, explain(got)
+    per_node = {n["node"]: n for n in json.loads(got.stdout)["nodes"]}
+    assert per_node["node3"]["files"] >= 3 and per_node["node2"]["files"] == 0
+    print(f"collect: {json.loads(got.stdout)['seconds']} s")
+    diag = lab.run("node1", f"{DSCLUSTER} diagnose runs/{name} --json", timeout=120)
+    assert diag.returncode == 0, diag.stdout
+
+
+def _rank_pid(lab, node: str, rank: int, run_id: str) -> int | None:
+    from dscluster.sim.ns import netns_pids
+    for pid in netns_pids(lab.node(node).netns):
+        try:
+            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in kv)
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if env.get("DSCLUSTER_RUN_ID") == run_id and env.get("OMPI_COMM_WORLD_RANK") == str(rank) \
+                and "train" in cmd and "python" in Path(cmd[0]).name:
+            return pid
+    return None
+
+
+def test_a_killed_rank_then_the_same_command_resumes_from_the_same_step_on_every_rank(synced):
+    import os
+    import signal
+
+    from _wait import wait_until
+
+    lab, run_id = synced, "nofs-kill"
+    cmd = (f"DSCLUSTER_RUN_ID={run_id} OMP_NUM_THREADS=1 {MPIRUN} -x DSCLUSTER_RUN_ID -np 3 --hostfile {lab.hostfile} "
+           f"./entry_cn.sh --config configs/digits.yaml {SHRINK} data.limit=480 epochs=2 checkpoint.every_steps=4")
+    rank1 = lab.path_on("node2", REPO / "runs" / run_id / "metrics" / "rank-1.jsonl")
+    argv = lab.command("node1", cmd)
+    proc = subprocess.Popen(argv, env=lab.env(node="node1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        wait_until(lambda: any(r.get("step", 0) >= 14 for r in records(rank1, "step")), 600,
+                   "rank 1 (node2) to pass step 14", interval=0.5)
+        pid = _rank_pid(lab, "node2", 1, run_id)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0, out[-3000:]
+    for node in ("node1", "node2", "node3"):
+        latest = lab.path_on(node, REPO / "runs" / run_id / "checkpoints" / "latest")
+        assert latest.read_text().strip().endswith(("step00000012", "step00000016")), (node, latest.read_text())
+
+    again = lab.run("node1", cmd, timeout=900)
+    assert again.returncode == 0, explain(again)
+    resumed = {}
+    for node, rank in (("node1", 0), ("node2", 1), ("node3", 2)):
+        starts = records(lab.path_on(node, REPO / "runs" / run_id / "metrics" / f"rank-{rank}.jsonl"), "start")
+        resumed[rank] = starts[-1]["resumed_from_step"]
+    assert len(set(resumed.values())) == 1 and resumed[0] >= 12, resumed
+    summary = json.loads(lab.path_on("node1", REPO / "runs" / run_id / "summary.json").read_text())
+    assert summary["status"] == "complete" and summary["world_size"] == 3

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Callable
 
 from dscluster import manifest, paths, remote, state, transfer
-from dscluster.check.probe import default_key
 from dscluster.errors import UsageError
 from dscluster.hosts import parse_hostfile
 
@@ -113,8 +112,7 @@ def run_sync(opts: SyncOptions, on_progress: Callable[[str, int, int, int, int],
     lock = threading.Lock()
 
     def scan(t: remote.Target) -> bool:
-        client = remote.connect(t, known_hosts=known_hosts, password=os.environ.get("DSCLUSTER_SSH_PASSWORD"),
-                                key_filename=default_key(), timeout=30)
+        client = transfer.connect_node(t, known_hosts=known_hosts)
         with lock:
             sessions[t.name] = client
         r = results[t.name]

@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "setup": "dscluster.cli.setup",
     "check": "dscluster.cli.check",
     "sync": "dscluster.cli.sync",
+    "collect": "dscluster.cli.collect",
     "launch": "dscluster.cli.launch",
     "train": "dscluster.cli.train",
     "telemetry": "dscluster.cli.telemetry",

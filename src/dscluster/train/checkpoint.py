@@ -81,11 +81,12 @@ def commit_latest(ckpt_dir: Path, tag: str) -> None:
 
 
 def save(engine, ckpt_dir: Path, pos: Position, *, rank: int, fail_save: bool = False,
-         extra: dict | None = None, rank_state=None) -> tuple[bool, str]:
+         extra: dict | None = None, rank_state=None, writes_latest: bool | None = None) -> tuple[bool, str]:
     """Collective: every rank calls it. Returns (committed, message). `extra` goes into the
     client state beside the position (e.g. the amp GradScaler's state); `rank_state(tag_dir)`, if
     given, writes this rank's own files into the tag (PowerSGD's error feedback) before `latest`
-    may name it."""
+    may name it. `writes_latest`: this rank commits `latest` (default: rank 0; without a shared
+    filesystem every node's local rank 0, train/nodelocal.py)."""
     import torch
     import torch.distributed as dist
 
@@ -119,7 +120,7 @@ def save(engine, ckpt_dir: Path, pos: Position, *, rank: int, fail_save: bool = 
     if dist.is_initialized():
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     committed = bool(flag.item())
-    if rank == 0:
+    if (rank == 0) if writes_latest is None else writes_latest:
         if committed:
             commit_latest(ckpt_dir, tag)
         else:
