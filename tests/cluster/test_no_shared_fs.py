@@ -207,9 +207,9 @@ def test_a_killed_rank_then_the_same_command_resumes_from_the_same_step_on_every
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode != 0, out[-3000:]
-    for node in ("node1", "node2", "node3"):
-        latest = lab.path_on(node, REPO / "runs" / run_id / "checkpoints" / "latest")
-        assert latest.read_text().strip().endswith(("step00000012", "step00000016")), (node, latest.read_text())
+    latest = {node: lab.path_on(node, REPO / "runs" / run_id / "checkpoints" / "latest").read_text().strip()
+              for node in ("node1", "node2", "node3")}
+    assert len(set(latest.values())) == 1 and not latest["node1"].endswith("step00000040"), latest  # every node, mid-run
 
     again = lab.run("node1", cmd, timeout=900)
     assert again.returncode == 0, explain(again)
@@ -217,6 +217,14 @@ def test_a_killed_rank_then_the_same_command_resumes_from_the_same_step_on_every
     for node, rank in (("node1", 0), ("node2", 1), ("node3", 2)):
         starts = records(lab.path_on(node, REPO / "runs" / run_id / "metrics" / f"rank-{rank}.jsonl"), "start")
         resumed[rank] = starts[-1]["resumed_from_step"]
-    assert len(set(resumed.values())) == 1 and resumed[0] >= 12, resumed
+    assert len(set(resumed.values())) == 1 and resumed[0] == int(latest["node1"][-8:]), (resumed, latest)
     summary = json.loads(lab.path_on("node1", REPO / "runs" / run_id / "summary.json").read_text())
     assert summary["status"] == "complete" and summary["world_size"] == 3
+
+    # a node that lost its checkpoint: the resume stops before training, naming it
+    lab.path_on("node3", REPO / "runs" / run_id / "checkpoints" / "latest").unlink()
+    steps_before = len(records(rank1, "step"))
+    lost = lab.run("node1", cmd, timeout=600)
+    assert lost.returncode != 0
+    assert "node3 has no checkpoint ('latest' missing)" in lost.stdout + lost.stderr, explain(lost)
+    assert len(records(rank1, "step")) == steps_before   # no rank trained a step
