@@ -41,6 +41,8 @@ def test_the_layout_line_says_shared_or_own_per_folder():
     line = describe(mixed)
     assert "checkout a copy on node2, shared by the others" in line and "dscluster collect" in line
     assert not [f for f in layout_findings(mixed, "h") if f.severity == "error"]
+    untested = {**LAYOUT, "nodes": {"node1": _node("unknown", runs="shared"), "node2": _node("unknown", runs="shared")}}
+    assert describe(untested).startswith("file layout: checkout not tested for sharing (the head cannot write in it);")
 
 
 def test_the_scanner_finds_a_changed_and_a_missing_file_by_content(tmp_path):

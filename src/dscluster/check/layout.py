@@ -22,9 +22,10 @@ SHOW_FILES = 5
 
 def _node_entry(head: manifest.Scan, node: manifest.Scan, co_marker: str | None, runs_marker: str | None) -> dict:
     changed, missing = manifest.differing(head, node, by_hash=True)
+    # "unknown": the head could not drop its marker there (a checkout this user cannot write in)
     shared = node.markers.get(co_marker) if co_marker else None
     return {
-        "checkout": ("shared" if shared else "copy") if node.exists else "missing",
+        "checkout": ("unknown" if shared is None else "shared" if shared else "copy") if node.exists else "missing",
         "same_as_head": not changed and not missing,
         "commit": node.commit,
         "tree": manifest.tree_digest(node),
@@ -134,7 +135,9 @@ def describe(layout: dict) -> str:
     nodes = {k: v for k, v in layout["nodes"].items() if "error" not in v}
 
     def part(key: str, label: str, shared: str, other: str) -> str:
-        mine = sorted(k for k, v in nodes.items() if v.get(key) != "shared")
+        if all(v.get(key) in ("unknown", None) for v in nodes.values()):
+            return f"{label} not tested for sharing (the head cannot write in it)"
+        mine = sorted(k for k, v in nodes.items() if v.get(key) not in ("shared", "unknown", None))
         if not mine:
             return f"{label} shared by every node"
         if len(mine) == len(nodes):
@@ -143,5 +146,5 @@ def describe(layout: dict) -> str:
 
     return (f"file layout: {part('checkout', 'checkout', 'shared', 'a copy')}; "
             f"{part('runs', 'run directory', 'shared', 'its own')}"
-            + ("" if all(v.get("runs") == "shared" for v in nodes.values()) else
+            + ("" if not any(v.get("runs") == "own" for v in nodes.values()) else
                " (no shared filesystem: `dscluster collect RUN_DIR` brings each node's part of a run to the head)"))
