@@ -49,3 +49,18 @@ def test_the_copy_holds_the_tracked_files_with_their_mtime_and_a_mount_point_for
     assert (copy / "pkg" / "a.py").stat().st_mtime == (repo / "pkg" / "a.py").stat().st_mtime
     assert not (copy / "untracked.txt").exists()
     assert (copy / ".venv").is_dir() and (nd / "private" / "1").is_dir() and (nd / "keep-sw" / "0").is_dir()
+
+
+def test_up_again_with_another_file_layout_is_refused_with_the_rebuild():
+    import pytest
+
+    from dscluster.errors import UsageError
+    from dscluster.sim.plan import plan_lab, same_lab_or_refuse
+
+    state = plan_lab("fs", index=9, nodes=2, slots=1, uid=2000, gid=2000, password="x", created=0.0)
+    state.private = plan_private(REPO, state.shared, [])
+    assert not state.shared_fs
+    same_lab_or_refuse(state, 2, None, "none", {}, shared_fs=False)   # the same lab: nothing to say
+    with pytest.raises(UsageError, match="already up with no shared filesystem; run `dscluster sim down --lab fs` "
+                                         "first to rebuild it with a shared filesystem"):
+        same_lab_or_refuse(state, 2, None, "none", {}, shared_fs=True)
