@@ -63,3 +63,13 @@ def test_the_scanner_finds_a_changed_and_a_missing_file_by_content(tmp_path):
     walked = manifest.scan_here(manifest.request(str(tmp_path / "head"), None, hash=False))
     assert sorted(walked.files) == ["b.py", "marker", "pkg/a.py"] and walked.total_bytes == 12
     assert json.loads(manifest.request("/r", None, hash=False))["files"] is None
+
+
+def test_check_compares_the_data_folder_a_preset_names_unless_data_is_given(tmp_path):
+    from dscluster.cli.check import data_folder
+
+    preset = tmp_path / "p.yaml"
+    preset.write_text("data:\n  dataset: cifar10\n  path: /data/cifar-10-batches-py\n")
+    assert data_folder(None, str(preset)) == "/data/cifar-10-batches-py"
+    assert data_folder("/other", str(preset)) == "/other"
+    assert data_folder(None, None) is None

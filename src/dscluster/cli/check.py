@@ -51,6 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--user", default=None, help="login name on the nodes (default: yours)")
     p.add_argument("--data", metavar="DIR", default=None,
                    help="a dataset folder (data.path) every node must hold too: compared by file count and bytes")
+    p.add_argument("--config", metavar="YAML", default=None,
+                   help="a training preset whose data.path every node must hold (as --data; --data wins)")
     p.set_defaults(func=check_command)
 
 
@@ -151,10 +153,20 @@ def render(doc: dict) -> None:
                   f"{total} node(s)[/]: fix them and re-run `dscluster check`; then step 5 of setup/CHECKLIST.md")
 
 
+def data_folder(data: str | None, config: str | None) -> str | None:
+    """The folder to compare on every node: --data, else the preset's data.path (None: none named)."""
+    if data is not None or config is None:
+        return data
+    from dscluster import paths
+    from dscluster.train.config import load_config
+
+    return load_config(paths.config_path(config)).data.path or None
+
+
 def check_command(args: argparse.Namespace) -> int:
     opts = CheckOptions(hostfile=args.hostfile, user=args.user, timeout=args.timeout, skip_active=args.skip_active,
                         master_port=args.master_port, allow_deprecated_fp16=args.allow_deprecated_fp16,
-                        show_progress=not args.json, data_dir=args.data)
+                        show_progress=not args.json, data_dir=data_folder(args.data, args.config))
     if opts.timeout <= 0:
         from dscluster.errors import UsageError
         raise UsageError(f"--timeout {args.timeout}: expected a positive number of seconds")
