@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 from dscluster.sim.ns import anchor_script
@@ -49,6 +50,22 @@ def test_the_copy_holds_the_tracked_files_with_their_mtime_and_a_mount_point_for
     assert (copy / "pkg" / "a.py").stat().st_mtime == (repo / "pkg" / "a.py").stat().st_mtime
     assert not (copy / "untracked.txt").exists()
     assert (copy / ".venv").is_dir() and (nd / "private" / "1").is_dir() and (nd / "keep-sw" / "0").is_dir()
+
+
+def test_a_venv_that_is_a_link_is_linked_the_same_way_in_the_copy(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "a.py").write_text("a = 1\n")
+    (tmp_path / "venv").mkdir()
+    (repo / ".venv").symlink_to(tmp_path / "venv")
+    ops = plan_private(str(repo), str(tmp_path / "shared"), [str(tmp_path / "venv")])
+    st = repo.stat()
+    make_private_dirs(ops, str(tmp_path / "node"), st.st_uid, st.st_gid, ["a.py"])
+    copy = tmp_path / "node" / "private" / "0"
+    assert (copy / ".venv").readlink() == tmp_path / "venv"
+    tracked = subprocess.run(["git", "-c", "safe.directory=*", "-C", str(copy), "ls-files"], capture_output=True,
+                             text=True, check=True).stdout.split()
+    assert tracked == ["a.py"]   # one commit of the tree; the link is the node's install, not part of it
 
 
 def test_up_again_with_another_file_layout_is_refused_with_the_rebuild():

@@ -88,6 +88,7 @@ def make_private_dirs(ops: list[list[str]], nodedir: str, uid: int, gid: int, fi
                     _commit_snapshot(dest)
                 else:
                     shutil.copytree(Path(git_from) / "private" / "0" / ".git", dest / ".git", symlinks=True)
+                _link_venv(path, dest)   # after the commit: the link is the node's install, not the tree
             _chown_tree(dest, uid, gid)
             os.chmod(dest, 0o755)
         elif kind == RESTORE_SOFTWARE:
@@ -120,6 +121,14 @@ def _commit_snapshot(dest: Path) -> None:
                              capture_output=True, text=True, timeout=120, env=env)
         if res.returncode != 0:
             raise SimError(f"--no-shared-fs: `git {' '.join(argv)}` in the node's copy failed: {res.stderr.strip()}")
+
+
+def _link_venv(repo: str, dest: Path) -> None:
+    """A checkout whose .venv is a link to an environment elsewhere (a GPU host's shared venv): the
+    copy links to the same place, as `make venv` on every machine would give the same path."""
+    venv = Path(repo) / ".venv"
+    if venv.is_symlink() and not (dest / ".venv").exists():
+        os.symlink(os.readlink(venv), dest / ".venv")
 
 
 def _chown_tree(top: Path, uid: int, gid: int) -> None:
