@@ -81,3 +81,13 @@ def test_up_again_with_another_file_layout_is_refused_with_the_rebuild():
     with pytest.raises(UsageError, match="already up with no shared filesystem; run `dscluster sim down --lab fs` "
                                          "first to rebuild it with a shared filesystem"):
         same_lab_or_refuse(state, 2, None, "none", {}, shared_fs=True)
+
+
+def test_a_checkout_without_git_metadata_is_copied_without_its_environment_state_and_runs(tmp_path):
+    from dscluster.sim.private import tracked_files
+
+    for rel in ("src/a.py", ".venv/bin/python", "runs/r/x.jsonl", "src/__pycache__/a.pyc", ".dscluster/check.json",
+                "README.md"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x")
+    assert tracked_files(str(tmp_path)) == ["README.md", "src/a.py"]

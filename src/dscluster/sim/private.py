@@ -60,13 +60,24 @@ def anchor_lines(ops: list[list[str]], nodedir: str) -> list[str]:
     return lines
 
 
+# Not part of the tree where a checkout arrives without its git metadata (a copy of a working tree).
+_NOT_TREE = {".git", ".venv", ".dscluster", "runs", "__pycache__", ".pytest_cache", ".cache", ".whl", ".nettools", ".gl"}
+
+
 def tracked_files(repo: str) -> list[str]:
-    """The checkout's tracked files that exist in its working tree (git's own list)."""
-    res = subprocess.run(["git", "-C", repo, "ls-files", "-z"], capture_output=True, text=True, timeout=60)
-    if res.returncode != 0:
-        raise SimError(f"--no-shared-fs copies the checkout's tracked files, but `git ls-files` failed in "
-                       f"{repo}: {res.stderr.strip()}")
-    return [p for p in res.stdout.split("\0") if p and os.path.lexists(os.path.join(repo, p))]
+    """The checkout's tracked files that exist in its working tree (git's own list); for a copy
+    without git metadata, every file but environments, caches, state and runs."""
+    try:
+        res = subprocess.run(["git", "-C", repo, "ls-files", "-z"], capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        res = None
+    if res is not None and res.returncode == 0:
+        return [p for p in res.stdout.split("\0") if p and os.path.lexists(os.path.join(repo, p))]
+    out = []
+    for top, dirs, names in os.walk(repo):
+        dirs[:] = sorted(d for d in dirs if d not in _NOT_TREE and not d.endswith(".egg-info"))
+        out += [os.path.relpath(os.path.join(top, n), repo) for n in sorted(names)]
+    return out
 
 
 def make_private_dirs(ops: list[list[str]], nodedir: str, uid: int, gid: int, files: list[str],
@@ -115,6 +126,8 @@ _GIT_ENV = {"GIT_AUTHOR_NAME": "dscluster sim", "GIT_AUTHOR_EMAIL": "sim@dsclust
 
 
 def _commit_snapshot(dest: Path) -> None:
+    if shutil.which("git") is None:
+        return   # a host without git: plain copies (check and sync then have no file list to compare)
     env = {**os.environ, **_GIT_ENV}
     for argv in (["init", "-q"], ["add", "-A"], ["commit", "-q", "--no-verify", "-m", "checkout as sim up found it"]):
         res = subprocess.run(["git", "-c", "safe.directory=*", "-c", "init.defaultBranch=main", "-C", str(dest), *argv],
