@@ -123,6 +123,12 @@ cleanup() {
     kill -TERM "$SAMPLER_PID" 2>/dev/null
     wait "$SAMPLER_PID" 2>/dev/null
   fi
+  # No shared filesystem (check.json says so): this node's part of the run goes to rank 0's node.
+  if [ "$LOCAL_RANK_ID" = 0 ] && [ -n "$GLOBAL_RANK" ] && [ "$GLOBAL_RANK" != 0 ] && [ -n "${RUN_DIR:-}" ] \
+     && [ -n "${MASTER_ADDR:-}" ] && [ -d "$RUN_DIR" ]; then
+    dscluster collect --push "$MASTER_ADDR" --check-json "$STATE/check.json" "$RUN_DIR" \
+      || say "could not send this node's part of $RUN_DIR to $MASTER_ADDR: run 'dscluster collect $RUN_DIR' on the head"
+  fi
 }
 on_signal() {
   say "received $1: stopping training"

@@ -7,6 +7,10 @@
     def test_y(keyed_lab_factory):
         lab = keyed_lab_factory("mympi", nodes=3)    # + TEST-ONLY ssh key mesh, mpirun works
 
+    def test_z(no_shared_fs_lab_factory):
+        lab = no_shared_fs_lab_factory("mynfs", nodes=3)   # keyed, and no NFS: each node its own
+        lab.path_on("node2", some_path)                     # checkout copy and lab.shared
+
 Labs are module-scoped: the first call builds the lab, later calls with the same name return it,
 and every lab a module made is removed when the module ends. Use a lab name of your own per
 module: several modules (and several people) may have labs up at the same time.
@@ -111,6 +115,18 @@ def keyed_lab_factory(lab_factory):
             install_test_mesh(lab)
             keyed.add(name)
         return lab
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def no_shared_fs_lab_factory(keyed_lab_factory):
+    """A keyed lab whose nodes share no files (sim up --no-shared-fs): each has its own copy of the
+    checkout at its path, its own `lab.shared` and home; only the checkout's .venv is shared.
+    Read a node's files from the host with `lab.path_on(node, path)`."""
+
+    def make(name: str, nodes: int | None = None, slots: int | None = None, **options) -> sim.Lab:
+        return keyed_lab_factory(name, nodes=nodes, slots=slots, shared_fs=False, **options)
 
     return make
 

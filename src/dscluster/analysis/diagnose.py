@@ -248,9 +248,23 @@ def comm_findings(run: RunData) -> list[Finding]:
                     "accumulation (global_batch=...) and comm.compression would scale")]
 
 
-def diagnose(run: RunData) -> dict[str, Any]:
-    """Everything found, as the stable `--json` document."""
+def not_here_findings(run: RunData, findings: list[Finding], hosts: list[str]) -> list[Finding]:
+    """Without a shared filesystem a node's records stay on it until collected: a host of the job
+    (`hosts`, from check.json) with no file here is not a dead node, and its ranks are not dead ranks."""
+    here = {rm.host for rm in run.ranks.values()} | set(run.telemetry) | {e.get("host") for e in run.env.values()}
+    absent = [h for h in hosts if h not in here]
+    if not absent:
+        return findings
+    kept = [f for f in findings if not (f.kind == "rank_missing" and f.host in (None, *absent))]
+    return kept + [Finding("error", "files_not_here", f"{h}'s files are not here (no shared filesystem): "
+                           f"run `dscluster collect {run.path}`", host=h) for h in absent]
+
+
+def diagnose(run: RunData, unshared_hosts: list[str] = ()) -> dict[str, Any]:
+    """Everything found, as the stable `--json` document. `unshared_hosts`: the job's hosts when
+    check found that they do not share the run directory."""
     findings = vanished_findings(run, progress_findings(run)) + env_findings(run) + comm_findings(run)
+    findings = not_here_findings(run, findings, list(unshared_hosts))
     tfind, traces = trace_findings(run)
     findings += tfind
     if not run.ranks:

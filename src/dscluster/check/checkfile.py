@@ -79,6 +79,9 @@ class CheckFile:
     findings: list[dict[str, Any]] = field(default_factory=list)
     active: dict[str, Any] | None = None
     files: dict[str, Any] = field(default_factory=dict)
+    layout: dict[str, Any] = field(default_factory=dict)
+    """Where each node's files are (check/layout.py): checkout shared or a copy and the same as the
+    head's, run directory shared or its own, data present; {} in a file from before it."""
     schema: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -87,7 +90,7 @@ class CheckFile:
             "hostfile": self.hostfile, "hostfile_sha256": self.hostfile_sha256, "np": self.np, "head": self.head,
             "precision": self.precision, "batching": self.batching, "network": self.network, "master": self.master,
             "nodes": [n.to_dict() for n in self.nodes], "findings": self.findings, "active": self.active,
-            "files": self.files,
+            "files": self.files, "layout": self.layout,
         }
 
     @classmethod
@@ -109,7 +112,7 @@ class CheckFile:
             nodes=[NodeResult.from_dict(n) for n in doc.get("nodes") or [] if isinstance(n, Mapping)],
             findings=[dict(f) for f in doc.get("findings") or [] if isinstance(f, Mapping)],
             active=doc.get("active") if isinstance(doc.get("active"), dict) else None,
-            files=_dict(doc.get("files")),
+            files=_dict(doc.get("files")), layout=_dict(doc.get("layout")),
         )
 
     def has_gpus(self) -> bool | None:
@@ -125,6 +128,12 @@ class CheckFile:
         gave one."""
         result = ((self.active or {}).get("allreduce") or {}).get("result")
         return result if isinstance(result, dict) else None
+
+    def shared_runs(self) -> bool | None:
+        """Whether every node the check compared writes runs into the head's run directory; None
+        when the file does not say."""
+        nodes = [n for n in (self.layout.get("nodes") or {}).values() if isinstance(n, dict) and n.get("runs")]
+        return all(n["runs"] == "shared" for n in nodes) if nodes else None
 
 
 def _dict(value: object) -> dict:

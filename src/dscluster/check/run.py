@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from dscluster import paths, remote, state
 from dscluster.errors import UsageError
 from dscluster.check.facts import NodeFacts
+from dscluster.check.layout import layout_findings, probe_layout
 from dscluster.hosts import Hostfile, hostfile_sha256, parse_hostfile
 from dscluster.launch.mpirun import App, mpirun_argv, mpirun_path
 from dscluster.check.rules import Evaluation, Finding, evaluate, has_errors, node_envs
@@ -39,6 +40,7 @@ class CheckOptions:
     master_port: int = 29500
     allow_deprecated_fp16: bool = False
     show_progress: bool = True
+    data_dir: str | None = None   # compare this folder on every node with the head's (file count, bytes)
 
 
 @dataclass
@@ -52,6 +54,7 @@ class CheckRun:
     findings: list[Finding]
     active: dict = field(default_factory=dict)
     wall_s: float = 0.0
+    layout: dict = field(default_factory=dict)
 
 
 def probe_all(hf: Hostfile, opts: CheckOptions, settings: ProbeSettings):
@@ -219,6 +222,8 @@ def _tail(text: str) -> str:
 def run_check(opts: CheckOptions) -> CheckRun:
     t0 = time.monotonic()
     hf = parse_hostfile(opts.hostfile)
+    if opts.data_dir is not None and not os.path.isdir(opts.data_dir):
+        raise UsageError(f"--data {opts.data_dir}: no such folder on this machine (the head)")
     if not 0 < opts.master_port < 65536:
         raise UsageError(f"--master-port {opts.master_port}: expected a TCP port 1-65535")
     known_hosts = state.known_hosts_path()
@@ -234,8 +239,12 @@ def run_check(opts: CheckOptions) -> CheckRun:
     try:
         ev = evaluate(facts, hf, unreachable=unreachable, allow_deprecated_fp16=opts.allow_deprecated_fp16)
         findings = list(ev.findings)
+        layout: dict = {}
         if facts:
             findings += reach_phase(hf, targets, sessions, facts, ev, opts, python)
+            layout = probe_layout(targets, sessions, facts, python, opts.timeout, settings.runs_dir,
+                                  opts.data_dir, opts.show_progress)
+            findings += layout_findings(layout, opts.hostfile)
     finally:
         for c in sessions.values():
             c.close()
@@ -252,7 +261,7 @@ def run_check(opts: CheckOptions) -> CheckRun:
         findings += more
     return CheckRun(hostfile=hf, hostfile_sha256=hostfile_sha256(hf.path), created=created, facts=facts,
                     unreachable=unreachable, evaluation=ev, findings=findings, active=active,
-                    wall_s=time.monotonic() - t0)
+                    wall_s=time.monotonic() - t0, layout=layout)
 
 
 def ok(run: CheckRun) -> bool:

@@ -20,6 +20,8 @@ COMMANDS: dict[str, str] = {
     "sim": "dscluster.cli.sim",
     "setup": "dscluster.cli.setup",
     "check": "dscluster.cli.check",
+    "sync": "dscluster.cli.sync",
+    "collect": "dscluster.cli.collect",
     "launch": "dscluster.cli.launch",
     "train": "dscluster.cli.train",
     "telemetry": "dscluster.cli.telemetry",

@@ -4,7 +4,7 @@ The result, printed with --json and written to <state>/check.json, is `check.che
 its schema is described in docs/schemas.md.
 
 Check names (table columns): reach hostname network versions gpu precision p2p shm clock
-disk mesh port mpi allreduce. Exit status: 0 no errors (warnings allowed), 1 errors,
+disk mesh port mpi allreduce files. Exit status: 0 no errors (warnings allowed), 1 errors,
 2 bad input (hostfile, flags, no state from `dscluster setup`).
 """
 
@@ -27,7 +27,7 @@ SEVERITY_STYLE = {"error": "red", "warning": "yellow", "info": "cyan"}
 # Short column headers: the table must fit an 80-column terminal with 14 checks.
 HEADER = {"reach": "ssh", "hostname": "name", "network": "net", "versions": "vers", "gpu": "gpu",
           "precision": "prec", "p2p": "p2p", "shm": "shm", "clock": "clock", "disk": "disk",
-          "mesh": "mesh", "port": "port", "mpi": "mpi", "allreduce": "allred"}
+          "mesh": "mesh", "port": "port", "mpi": "mpi", "allreduce": "allred", "files": "files"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -49,6 +49,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-deprecated-fp16", action="store_true",
                    help="use fp16 on GPUs below compute capability 7.0 (sets DS_ALLOW_DEPRECATED_FP16=1; slow)")
     p.add_argument("--user", default=None, help="login name on the nodes (default: yours)")
+    p.add_argument("--data", metavar="DIR", default=None,
+                   help="a dataset folder (data.path) every node must hold too: compared by file count and bytes")
+    p.add_argument("--config", metavar="YAML", default=None,
+                   help="a training preset whose data.path every node must hold (as --data; --data wins)")
     p.set_defaults(func=check_command)
 
 
@@ -83,6 +87,7 @@ def build_document(run: CheckRun, master_port: int, files: dict) -> CheckFile:
         findings=[x.to_dict() for x in run.findings],
         active=run.active,
         files=files,
+        layout=run.layout,
     )
 
 
@@ -148,10 +153,20 @@ def render(doc: dict) -> None:
                   f"{total} node(s)[/]: fix them and re-run `dscluster check`; then step 5 of setup/CHECKLIST.md")
 
 
+def data_folder(data: str | None, config: str | None) -> str | None:
+    """The folder to compare on every node: --data, else the preset's data.path (None: none named)."""
+    if data is not None or config is None:
+        return data
+    from dscluster import paths
+    from dscluster.train.config import load_config
+
+    return load_config(paths.config_path(config)).data.path or None
+
+
 def check_command(args: argparse.Namespace) -> int:
     opts = CheckOptions(hostfile=args.hostfile, user=args.user, timeout=args.timeout, skip_active=args.skip_active,
                         master_port=args.master_port, allow_deprecated_fp16=args.allow_deprecated_fp16,
-                        show_progress=not args.json)
+                        show_progress=not args.json, data_dir=data_folder(args.data, args.config))
     if opts.timeout <= 0:
         from dscluster.errors import UsageError
         raise UsageError(f"--timeout {args.timeout}: expected a positive number of seconds")

@@ -25,11 +25,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=diagnose_command)
 
 
+def _unshared_hosts() -> list[str]:
+    """The hosts of the last check, when it found that they do not share the run directory."""
+    from dscluster import state
+    from dscluster.check import checkfile
+
+    try:
+        check = checkfile.load(state.check_json_path())
+    except (FileNotFoundError, checkfile.CheckFileError):
+        return []
+    return [n.hostname for n in check.nodes if n.hostname] if check.shared_runs() is False else []
+
+
 def diagnose_command(args: argparse.Namespace) -> int:
     from dscluster.analysis.diagnose import diagnose
     from dscluster.analysis.load import load_run
 
-    result = redact.redact_doc(diagnose(load_run(args.run_dir)))
+    result = redact.redact_doc(diagnose(load_run(args.run_dir), unshared_hosts=_unshared_hosts()))
     if args.json:
         print(json.dumps(result, indent=2))
         return 0 if result["healthy"] else 1

@@ -171,7 +171,8 @@ def launch_command(args: argparse.Namespace) -> int:
     report: dict = {"launcher": args.launcher, "run_id": run_id, "run_dir": str(run_dir), "np": plan.np,
                     "hostfile": plan.hostfile}
     if args.launcher == "mpirun":
-        return _run_local(args, report, builders.mpirun_argv(plan), plan, env_extra={})
+        return _run_local(args, report, builders.mpirun_argv(plan), plan, env_extra={},
+                          collect=out.check.shared_runs() is False)
     if args.launcher == "deepspeed":
         argv = builders.deepspeed_argv(plan, args.deepspeed_runner)
         env_path = out.state_dir / "launch" / f"{run_id}.deepspeed_env"
@@ -179,14 +180,15 @@ def launch_command(args: argparse.Namespace) -> int:
         report.update(env_file=str(env_path), env_file_text=text)
         if not args.dry_run:
             atomic_write_text(env_path, text)
-        return _run_local(args, report, argv, plan, env_extra={"DS_ENV_FILE": str(env_path)})
+        return _run_local(args, report, argv, plan, env_extra={"DS_ENV_FILE": str(env_path)},
+                          collect=out.check.shared_runs() is False)
     if args.launcher == "torchrun":
         return _run_torchrun(args, report, plan, out)
     return _write_slurm(args, report, plan, out)
 
 
 def _run_local(args: argparse.Namespace, report: dict, argv: list[str], plan: builders.LaunchPlan,
-               env_extra: dict[str, str]) -> int:
+               env_extra: dict[str, str], collect: bool = False) -> int:
     from dscluster.launch.run import launcher_env, run_job
 
     report["argv"] = argv
@@ -205,6 +207,11 @@ def _run_local(args: argparse.Namespace, report: dict, argv: list[str], plan: bu
     print(f"dscluster launch: run {report['run_id']} -> {report['run_dir']}", file=sys.stderr)
     print(f"+ {prefix}{line}", file=sys.stderr, flush=True)
     outcome = run_job(argv, env=launcher_env(plan.bin_dir, env_extra), run_dir=Path(report["run_dir"]))
+    if collect:   # no shared filesystem: every node's part of the run to the head's copy, ended cleanly or not
+        from dscluster.launch.collect import timed_pull
+        got, secs = timed_pull(report["run_dir"], plan.hostfile, show_progress=False)
+        print(f"dscluster launch: collected {sum(len(g.files) for g in got)} file(s) of the run from the nodes "
+              f"in {secs:.2f} s" + "".join(f"; {g.node}: {g.error}" for g in got if g.error), file=sys.stderr)
     code, message = job_report(args.launcher, outcome, Path(report["run_dir"]))
     print(f"dscluster launch: {message}", file=sys.stderr)
     return code

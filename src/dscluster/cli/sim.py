@@ -51,6 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "none (default)")
     u.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="set in every process of every node (repeatable), e.g. --env NCCL_DEBUG=INFO")
+    u.add_argument("--no-shared-fs", action="store_true",
+                   help="a lab without NFS: each node its own copy of the checkout (tracked files, at the same "
+                   "path), its own shared folder and home; the checkout's .venv stays shared software")
     u.add_argument("--hostfile", help="write the OpenMPI hostfile here (default: inside the lab directory); "
                    "the lab user must be able to read it from node1")
     u.add_argument("--json", action="store_true", help="print the lab as JSON instead of a table")
@@ -99,7 +102,7 @@ def _lab_dict(lab: sim.Lab) -> dict:
     return {
         "lab": lab.name, "subnet": lab.subnet, "host_ip": lab.host_ip, "user": lab.user,
         "hostfile": str(lab.hostfile), "shared": str(lab.shared), "link": lab.state.link,
-        "env": lab.state.env,
+        "env": lab.state.env, "shared_fs": lab.state.shared_fs,
         "nodes": [{"name": n.name, "hostname": n.hostname, "ip": n.ip, "iface": n.iface,
                    "decoys": n.decoys, "netns": n.netns, "gpus": n.gpus} for n in lab.nodes],
     }
@@ -116,7 +119,7 @@ def up_command(args: argparse.Namespace) -> int:
     link, env = parse_link(args.link), parse_env(args.env)
     start = time.monotonic()
     lab = sim.up(nodes=args.nodes, slots=args.slots, lab=args.lab, hostfile=args.hostfile,
-                 gpus=gpus, link=link, env=env)
+                 gpus=gpus, link=link, env=env, shared_fs=not args.no_shared_fs)
     seconds = time.monotonic() - start
     if args.json:
         print(json.dumps(_lab_dict(lab) | {"seconds": round(seconds, 2)}, indent=2))
@@ -129,7 +132,8 @@ def up_command(args: argparse.Namespace) -> int:
         table.add_row(n.name, n.hostname, n.ip, n.iface, _gpu_cell(n.gpus), lab.state.link, lab.user,
                       " ".join(n.decoys))
     console.out.print(table)
-    console.out.print(f"hostfile: {lab.hostfile}\nshared:   {lab.shared} (same path on every node)")
+    where = "same path on every node" if lab.state.shared_fs else "same path, each node its own; so is the checkout"
+    console.out.print(f"hostfile: {lab.hostfile}\nshared:   {lab.shared} ({where})")
     console.out.print(f"password: `dscluster sim status --lab {lab.name} --show-password`")
     console.out.print(f"try:      dscluster sim exec node1 --lab {lab.name} -- hostname")
     return 0

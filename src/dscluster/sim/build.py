@@ -25,6 +25,7 @@ from dscluster.sim.plan import (
     DECOY_CIDR, HOST_KEY_TYPES, LabState, SimNode, free_id, node_path, node_session_env, render_group,
     render_hostfile, render_hosts, render_passwd, render_shadow, render_sshd_config, uplink_names,
 )
+from dscluster.sim.private import anchor_lines, make_private_dirs, ops_checkout, tracked_files
 from dscluster.sim.reach import HOME_BIND, OVERLAY, REBIND
 
 
@@ -46,6 +47,12 @@ def build(state: LabState) -> None:
 
     pw_hash = sh(["openssl", "passwd", "-6", "-stdin"], input=state.password + "\n").stdout.strip()
     keygens = [write_node_files(state, node, pw_hash) for node in state.nodes]
+    if state.private:   # no shared filesystem: each node its own copy of the checkout
+        files = tracked_files(ops_checkout(state.private))
+        for node in state.nodes:
+            first = state.nodes[0].nodedir
+            make_private_dirs(state.private, node.nodedir, state.uid, state.gid, files,
+                              git_from=None if node.nodedir == first else first)
     for proc in (p for group in keygens for p in group):
         if proc.wait(timeout=30) != 0:
             raise SimError(f"ssh-keygen failed: {proc.stderr.read().strip() if proc.stderr else ''}")
@@ -113,7 +120,8 @@ def write_node_files(state: LabState, node: SimNode, pw_hash: str) -> list[subpr
         os.lchown(p, state.uid, state.gid)
     os.chmod(home, 0o755)
 
-    atomic_write_text(nd / "anchor.sh", anchor_script(hostname=node.hostname, nodedir=nd, mounts=state.mounts),
+    atomic_write_text(nd / "anchor.sh", anchor_script(hostname=node.hostname, nodedir=nd, mounts=state.mounts,
+                                                    private=anchor_lines(state.private, str(nd))),
                       mode=0o755)
     procs = []
     for t in HOST_KEY_TYPES:

@@ -39,15 +39,17 @@ from dscluster.hosts import is_valid_host
 from dscluster.sim.build import build, restart_sshd, save_state
 from dscluster.sim.host import (
     check_gpus, check_link, extra_path_dirs, plan_shared_reach, repo_root, require_root, require_tools,
+    shared_targets,
 )
 from dscluster.sim.ns import (
     SimError, host_mounts_under, kill_and_wait, link_names, netns_exists, netns_pids, nsenter_argv,
     pid_in_netns, read_pid, sh, wait_for,
 )
 from dscluster.sim.options import LINK_NONE, parse_link, resolve_size, validate_env, validate_lab_name
+from dscluster.sim.private import host_path, plan_private
 from dscluster.sim.plan import (
     HOST_KEY_TYPES, ROOT_PATH, SIM_ROOT, USER_PATH, LabState, SimNode, free_id, node_path,
-    node_session_env, pick_lab_index, plan_lab, render_hostfile,
+    node_session_env, pick_lab_index, plan_lab, render_hostfile, same_lab_or_refuse,
 )
 
 __all__ = ["Lab", "SimNode", "SimError", "up", "down", "load", "status", "require_root", "repo_root"]
@@ -72,6 +74,10 @@ class Lab:
 
     def __repr__(self) -> str:
         return f"Lab({self.name!r}, {len(self.nodes)} nodes, {self.subnet})"
+
+    def path_on(self, node_name: str, path: str | os.PathLike) -> Path:
+        """Where the file `node_name` sees at `path` lies on the host (its own copy, without NFS)."""
+        return host_path(self.state.private, self.node(node_name).nodedir, path)
 
     def node(self, name: str) -> SimNode:
         for n in self.nodes:
@@ -244,10 +250,12 @@ def up(
     gpus: list[int] | None = None,
     link: str = LINK_NONE,
     env: dict[str, str] | None = None,
+    shared_fs: bool = True,
 ) -> Lab:
     """Build the lab, or return it if it is already up with the same nodes, GPUs and link.
     `gpus=[1, 1, 2]`: three nodes owning GPUs 0, 1 and 2-3 (sets the node count; one hostfile
-    slot per GPU). `link="1gbit"`: every node's cable shaped to that rate, both ways."""
+    slot per GPU). `link="1gbit"`: every node's cable shaped to that rate, both ways.
+    `shared_fs=False`: each node its own checkout copy and shared folder (sim.private)."""
     validate_lab_name(lab)
     nodes, slots = resolve_size(nodes, slots, gpus)
     link, env = parse_link(link), validate_env(env or {})
@@ -260,35 +268,19 @@ def up(
         state = _read_state(lab)
         if state is not None:
             if all(_node_healthy(n) for n in state.nodes):
-                _same_lab_or_refuse(state, nodes, gpus, link, env)
+                same_lab_or_refuse(state, nodes, gpus, link, env, shared_fs)
                 _refresh(state, slots, hostfile)
                 return Lab(state)
             _teardown(state)  # half-built or broken (e.g. after a reboot): start again
         else:
             _teardown_netns(_stray_netns(lab))  # namespaces of a lab whose state was lost
-        state = _plan(lab, nodes, slots, hostfile, gpus=gpus, link=link, env=env, tools=tools)
+        state = _plan(lab, nodes, slots, hostfile, gpus=gpus, link=link, env=env, tools=tools, shared_fs=shared_fs)
         try:
             build(state)
         except BaseException:
             _teardown(state)
             raise
         return Lab(state)
-
-
-def _same_lab_or_refuse(state: LabState, nodes: int, gpus, link: str, env) -> None:
-    """`up` again changes no node, GPU, link or environment of a running lab: say how to rebuild."""
-    def described(n, g, lk, e) -> list[str]:
-        return [f"{n} nodes", f"GPUs {','.join(map(str, g))}" if g else "no GPUs", f"link {lk}",
-                f"env {' '.join(f'{k}={v}' for k, v in e.items()) or 'none'}"]
-    had = described(len(state.nodes), [len(n.gpus) for n in state.nodes] if state.uses_gpus else None,
-                    state.link, state.env)
-    asked = described(nodes, gpus, link, dict(env or {}))
-    diff = [i for i in range(len(had)) if had[i] != asked[i]]
-    if diff:
-        raise UsageError(
-            f"lab {state.name!r} is already up with {', '.join(had[i] for i in diff)}; run "
-            f"`dscluster sim down --lab {state.name}` first to rebuild it with {', '.join(asked[i] for i in diff)}"
-        )
 
 
 def _refresh(state: LabState, slots: int, hostfile: str | os.PathLike | None) -> None:
@@ -307,7 +299,8 @@ def _refresh(state: LabState, slots: int, hostfile: str | os.PathLike | None) ->
     save_state(state)
 
 
-def _plan(lab: str, nodes: int, slots: int, hostfile, *, gpus, link: str, env, tools: dict[str, str]) -> LabState:
+def _plan(lab: str, nodes: int, slots: int, hostfile, *, gpus, link: str, env, tools: dict[str, str],
+          shared_fs: bool) -> LabState:
     used = set()
     for p in SIM_ROOT.glob("*/state.json"):
         try:
@@ -328,6 +321,9 @@ def _plan(lab: str, nodes: int, slots: int, hostfile, *, gpus, link: str, env, t
     )
     # Refused here, before anything is made, if the lab user cannot reach what the nodes share.
     state.mounts = plan_shared_reach(state.shared, state.hostfile, state.extra_path, uid, uid)
+    if not shared_fs:
+        software = shared_targets(state.shared, None, state.extra_path)
+        state.private = plan_private(str(repo_root()), state.shared, software)
     return state
 
 
@@ -433,7 +429,7 @@ def status(lab: str = "dslab") -> dict | None:
         "bridge": state.bridge, "switch_netns": state.switch_netns, "uplink": state.uplink,
         "link": state.link, "env": state.env, "user": state.user, "uid": state.uid,
         "hostfile": state.hostfile, "shared": state.shared, "slots": state.slots,
-        "created": state.created, "mounts": state.mounts, "nodes": nodes,
+        "created": state.created, "mounts": state.mounts, "shared_fs": state.shared_fs, "nodes": nodes,
     }
 
 

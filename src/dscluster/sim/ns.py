@@ -126,13 +126,14 @@ def wait_for(predicate, timeout: float, interval: float = 0.02) -> bool:
     return bool(predicate())
 
 
-def anchor_script(*, hostname: str, nodedir: Path, mounts: list[list[str]] = ()) -> str:
+def anchor_script(*, hostname: str, nodedir: Path, mounts: list[list[str]] = (), private: list[str] = ()) -> str:
     """Shell run inside the node's new namespaces. Overlays, not edits: the host's /etc and
     /root stay untouched; the node sees its own passwd/shadow/hosts/ssh keys on top of them and
     a /root that is mode 711 (a venv's python may live under a pyenv in /root; the lab user must be
     able to traverse /root to run it, as on a workstation where Python was installed there).
     `mounts` (sim_reach.plan_reach) make the rest of what the nodes share reachable: the host
-    directories to bind back are set aside first, before overlays and /home hide them."""
+    directories to bind back are set aside first, before overlays and /home hide them. `private`:
+    mount lines run after those (sim.private: the node's own copies, in a lab without NFS)."""
     n = str(nodedir)
     q = shlex.quote
     keep = {i: f"{n}/keep/{i}" for i, (kind, _) in enumerate(mounts) if kind in (REBIND, HOME_BIND)}
@@ -152,6 +153,7 @@ def anchor_script(*, hostname: str, nodedir: Path, mounts: list[list[str]] = ())
         else:
             lines.append(f"mount --bind {q(keep[i])} {q(path)}")
     lines += [
+        *private,
         f"echo $$ > {n}/anchor.pid.tmp",
         f"mv {n}/anchor.pid.tmp {n}/anchor.pid",
         "exec sleep infinity",

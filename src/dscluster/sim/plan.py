@@ -164,6 +164,7 @@ class LabState:
     extra_path: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)   # --env, set in every node
     mounts: list[list[str]] = field(default_factory=list)  # sim_reach ops: [kind, path]
+    private: list[list[str]] = field(default_factory=list)  # sim.private ops; [] = a shared filesystem
     version: int = STATE_VERSION
 
     def to_dict(self) -> dict:
@@ -182,6 +183,11 @@ class LabState:
             nodes.append(SimNode(**{k: v for k, v in n.items() if k in node_known}))
         kwargs["nodes"] = nodes
         return cls(**kwargs)
+
+    @property
+    def shared_fs(self) -> bool:
+        """Every node sees the host's checkout and shared folder (like NFS); else each its own copy."""
+        return not self.private
 
     @property
     def uses_gpus(self) -> bool:
@@ -262,6 +268,23 @@ def plan_lab(
         extra_path=list(extra_path),
         env=dict(env or {}),
     )
+
+
+def same_lab_or_refuse(state: LabState, nodes: int, gpus, link: str, env, shared_fs: bool) -> None:
+    """`up` again changes no node, GPU, link, environment or file layout of a running lab: say how to rebuild."""
+    def described(n, g, lk, e, fs) -> list[str]:
+        return [f"{n} nodes", f"GPUs {','.join(map(str, g))}" if g else "no GPUs", f"link {lk}",
+                f"env {' '.join(f'{k}={v}' for k, v in e.items()) or 'none'}",
+                "a shared filesystem" if fs else "no shared filesystem"]
+    had = described(len(state.nodes), [len(n.gpus) for n in state.nodes] if state.uses_gpus else None,
+                    state.link, state.env, state.shared_fs)
+    asked = described(nodes, gpus, link, dict(env or {}), shared_fs)
+    diff = [i for i in range(len(had)) if had[i] != asked[i]]
+    if diff:
+        raise UsageError(
+            f"lab {state.name!r} is already up with {', '.join(had[i] for i in diff)}; run "
+            f"`dscluster sim down --lab {state.name}` first to rebuild it with {', '.join(asked[i] for i in diff)}"
+        )
 
 
 # ---- files each node sees in its own /etc ---------------------------------------------------

@@ -91,11 +91,12 @@ def commit_latest(ckpt_dir: Path, tag: str) -> None:
 
 
 def save(engine, ckpt_dir: Path, pos: Position, *, rank: int, fail_save: bool = False,
-         extra: dict | None = None, rank_state=None) -> tuple[bool, str]:
+         extra: dict | None = None, rank_state=None, writes_latest: bool | None = None) -> tuple[bool, str]:
     """Collective: every rank calls it. Returns (committed, message). `extra` goes into the
     client state beside the position (e.g. the amp GradScaler's state); `rank_state(tag_dir)`, if
     given, writes this rank's own files into the tag (PowerSGD's error feedback) before `latest`
-    may name it."""
+    may name it. `writes_latest`: this rank commits `latest` (default: rank 0; without a shared
+    filesystem every node's local rank 0, train/nodelocal.py)."""
     import torch
     import torch.distributed as dist
 
@@ -129,16 +130,17 @@ def save(engine, ckpt_dir: Path, pos: Position, *, rank: int, fail_save: bool = 
     if dist.is_initialized():
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     committed = bool(flag.item())
-    if rank == 0 and committed:
+    writer = (rank == 0) if writes_latest is None else writes_latest  # node-local: one per node
+    if writer and committed:
         try:
             commit_latest(ckpt_dir, tag)
         except OSError as e:  # `latest` is written atomically: the old one stands
             committed, error = False, f"{type(e).__name__} writing '{LATEST}': {e.strerror or e}"
-    if rank == 0 and not committed:
+    if writer and not committed:
         shutil.rmtree(Path(ckpt_dir) / tag, ignore_errors=True)
-    flag.fill_(int(committed))  # rank 0's `latest` decides for every rank (and is the closing sync)
+    flag.fill_(int(committed))  # every writer's `latest` decides for every rank (and is the closing sync)
     if dist.is_initialized():
-        dist.broadcast(flag, src=0)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     if flag.item():
         return True, f"checkpoint {tag} saved"
     prev = find_latest(ckpt_dir)

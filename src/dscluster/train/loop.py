@@ -26,7 +26,7 @@ from dscluster import console, cpus, liveness, runinfo
 from dscluster.errors import DsclusterError, UsageError
 from dscluster.fsutil import atomic_write_json, atomic_write_text
 from dscluster.plan import predicted
-from dscluster.train import checkpoint, dist, evaluation, faults, guards
+from dscluster.train import checkpoint, dist, evaluation, faults, guards, nodelocal
 from dscluster.train.config import TrainConfig, to_yaml
 from dscluster.train.config_checks import ConfigValueError, compression_conflict
 from dscluster.train.logwindow import LogWindow
@@ -202,7 +202,8 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
 
         cfg.fp16.initial_scale_power = CALIBRATION_START_POWER
         cfg.max_steps = cfg.fp16.calibrate_steps
-    b = build(cfg, info, device, precision)
+    shared = nodelocal.run_dir_shared(rdir, info.rank)   # without NFS every node keeps its own checkpoint
+    b = build(cfg, info, device, precision, node_local_checkpoints=not shared)
     engine, sampler = b.engine, b.sampler
     boundary = StepBoundary(engine, cfg, precision)
     spe = sampler.steps_per_epoch
@@ -223,10 +224,7 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
     pos = checkpoint.Position(0, 0, 0)
     if not calibrate:
         tag = checkpoint.resume_decision(cfg.checkpoint.resume, ckpt_dir)
-        tags = dist.all_gather_strings(tag or "")
-        if len(set(tags)) > 1:
-            raise UsageError(f"ranks see different checkpoints in {ckpt_dir} ({tags}); checkpoint.dir must be shared "
-                             "storage (same path on every node, like NFS)")
+        tag = nodelocal.resume_agreement(dist.all_gather_strings(tag or ""), hosts, ckpt_dir, shared)
         if tag:
             pos, client = checkpoint.load(engine, ckpt_dir, tag)
             boundary.load_state_dict(client)
@@ -272,7 +270,8 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
         nonlocal failed_saves
         f = my_fault.get("disk_full")
         ok, msg = checkpoint.save(engine, ckpt_dir, pos, rank=info.rank, fail_save=f is not None and f.step == pos.global_step,
-                                  extra=boundary.state_dict(), rank_state=rank_state)
+                                  extra=boundary.state_dict(), rank_state=rank_state,
+                                  writes_latest=nodelocal.writes_latest(info.rank, info.local_rank, shared))
         failed_saves, msg = checkpoint.after_save(ok, msg, failed_saves)  # the stated rule: stops at the 2nd
         if not ok or primary:
             (progress.print if primary else console.err.print)(

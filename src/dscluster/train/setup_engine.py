@@ -142,7 +142,9 @@ def compiles(setting: str, device: torch.device) -> bool:
     return setting == "true"
 
 
-def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision: str) -> Built:
+def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision: str,
+          node_local_checkpoints: bool = False) -> Built:
+    """`node_local_checkpoints`: no shared filesystem, every node saves the model states (train/nodelocal.py)."""
     import deepspeed
 
     notes: list[str] = []
@@ -182,6 +184,8 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
     spe = sampler.steps_per_epoch
     total = spe * cfg.epochs if cfg.max_steps <= 0 else min(cfg.max_steps, spe * cfg.epochs)
     ds_cfg = build_ds_config(cfg, plan, precision, on_gpu=device.type == "cuda")
+    if node_local_checkpoints:
+        ds_cfg.setdefault("checkpoint", {})["use_node_local_storage"] = True
     fused = cfg.optim.fused == "true" or (cfg.optim.fused == "auto" and device.type == "cuda")
     opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=peak_lr(cfg, plan.global_batch),
                             betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, fused=fused or None)

@@ -1,0 +1,62 @@
+"""Checkpoints on a lab without a shared filesystem: every node keeps what its ranks need.
+
+Each node writes its ranks' part of the run into its own runs/<id>/ (same path). At start-up
+the ranks find out which layout they have (`run_dir_shared`: rank 0 drops a marker, every rank
+looks for it). Without a shared run directory:
+- DeepSpeed saves with `checkpoint.use_node_local_storage`: the local rank 0 of every node writes
+  the model states into its node's copy, beside its ranks' own files;
+- `latest` is committed on every node by its local rank 0 (atomically, after all ranks agreed the
+  save succeeded), so every node can resume on its own;
+- a resume where the nodes name different checkpoints (one node lacks it: a node replaced, a
+  folder deleted) stops before training, naming the node and the fix (`resume_agreement`): never
+  step 0 on some ranks and step N on others.
+With ZeRO stage 1 or above, DeepSpeed reads every rank's optimizer shard on load, which a node
+does not have; see docs/file-layouts.md.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+from dscluster.errors import UsageError
+from dscluster.train import dist
+
+
+def run_dir_shared(rdir: Path, rank: int) -> bool:
+    """Collective: True when every rank sees the run directory rank 0 sees (NFS)."""
+    token = dist.all_gather_strings(secrets.token_hex(8) if rank == 0 else "")[0]
+    marker = Path(rdir) / f".shared-probe-{token}"
+    if rank == 0:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text("a rank that sees this file shares rank 0's run directory\n")
+    dist.all_gather_strings("")   # rank 0's marker is written before anyone looks
+    seen = dist.all_gather_strings("1" if marker.exists() else "0")
+    if rank == 0:
+        marker.unlink(missing_ok=True)
+    return all(s == "1" for s in seen)
+
+
+def writes_latest(rank: int, local_rank: int, shared: bool) -> bool:
+    """Who commits `latest`: rank 0 on shared storage, every node's local rank 0 without it."""
+    return rank == 0 if shared else local_rank == 0
+
+
+def resume_agreement(tags: list[str], hosts: list[str], ckpt_dir: Path, shared: bool) -> str | None:
+    """The tag every rank resumes from, or a UsageError naming the nodes that see another one."""
+    if len(set(tags)) <= 1:
+        return tags[0] if tags and tags[0] else None
+    best = max(t for t in tags if t)   # tags sort by epoch then step
+    have = sorted({hosts[r] for r, t in enumerate(tags) if t == best})
+    other = {}
+    for r, t in enumerate(tags):
+        if t != best:
+            other.setdefault(hosts[r], t or "no checkpoint ('latest' missing)")
+    lacking = "; ".join(f"{h} has {t}" for h, t in sorted(other.items()))
+    if shared:
+        fix = "checkpoint.dir must be storage every rank sees the same (like NFS)"
+    else:
+        fix = (f"no shared filesystem: copy {ckpt_dir}/{best} and {ckpt_dir}/latest from {have[0]} to "
+               f"{', '.join(sorted(other))} at the same path (e.g. scp -r), or start fresh with checkpoint.resume=false")
+    raise UsageError(f"the nodes would resume from different checkpoints in {ckpt_dir}: {', '.join(have)} "
+                     f"{'has' if len(have) == 1 else 'have'} {best}; {lacking}. Training did not start: {fix}")
