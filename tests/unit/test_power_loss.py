@@ -60,7 +60,12 @@ def hammer(path: Path, write: Callable[[int], None], read: Callable[[], object],
     rng = random.Random(1234)
     seen = {0: 0, 1: 0}
     interrupted = 0
-    for _ in range(iterations):
+    done = 0
+    # At least `iterations` kills, and on until one has landed inside a write: on a loaded machine the
+    # child starts late, so each further round of `iterations` kills spreads them over a longer span.
+    while done < iterations or (interrupted == 0 and done < 10 * iterations):
+        span = cycle * (1 + done // iterations)
+        done += 1
         pid = os.fork()
         if pid == 0:  # the writer: never returns into pytest
             try:
@@ -69,7 +74,7 @@ def hammer(path: Path, write: Callable[[int], None], read: Callable[[], object],
                     write(0)
             finally:
                 os._exit(0)
-        time.sleep(rng.uniform(0, cycle))
+        time.sleep(rng.uniform(0, span))
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         got = read()
