@@ -97,9 +97,11 @@ def notes_of(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict]
                      "(--no-calibration ignores them)")
     if p.model_step_s + p.calibration_s < p.compute_s:
         notes.append(f"the calibration puts the step at {(p.model_step_s + p.calibration_s) * 1e3:.1f} ms, less than the "
-                     f"{p.compute_s * 1e3:.1f} ms of compute the compute figure gives alone: that figure is too slow "
-                     "(a disturbed probe, or eager against compiled training), and the step shown is the compute; "
-                     "pass --compute-s from a training run, or plan with --no-calibration when the machine is idle")
+                     f"{p.compute_s * 1e3:.1f} ms of compute the compute figure ({inputs.how['seconds']:.4f} s a "
+                     "micro-batch) gives alone: that figure is too slow (a disturbed probe, or eager against compiled "
+                     "training), so the steps shown follow what the runs measured; settings far from the measured one "
+                     "are uncertain: pass --compute-s from a training run, or plan with --no-calibration when the "
+                     "machine is idle")
     if uses_powersgd(cfg, rec, world):
         notes.append((f"PowerSGD: its own work {powersgd_s * 1e3:.1f} ms a step"
                       + (" (--powersgd-s)" if opts.powersgd_s is not None else ", measured here")

@@ -26,11 +26,15 @@ buckets during the last micro-step's backward; the other accumulation micro-step
     backward = BACKWARD_SHARE × slowest compute_s the last micro-step's backward, the only one that
                                                   overlaps the all-reduce
     hidden   = min(overlap_fraction × backward, comm × (1 − last bucket's share))
-    step     = max(compute + hook + comm − hidden + calibration, compute)
+    step     = compute + hook + comm − hidden + calibration     (compute alone where a negative
+                                                  calibration would leave nothing)
 
 calibration is 0 s unless runs of this model, precision and rank count measured their step against
 this model before (`dscluster train` keeps each outcome, plan/predicted.py): then it is the median
-of measured − modelled step for the compression in question, seconds per optimizer step.
+of measured − modelled step for the compression in question, seconds per optimizer step. It may
+bring the step below the compute figure: with the compute figure its runs were planned with (plan
+keeps it), that happens only where the figure was too slow (a probe disturbed by a busy machine,
+eager against compiled training), and the run's measured step is the better evidence.
 
 The last bucket is the one DDP can only reduce after backward has finished, so its time is never
 hidden. PowerSGD's products run on the compute stream between backward's kernels, so they are
@@ -231,7 +235,7 @@ class Prediction:
     exposed_s: float
     """Part of comm_s the step waits for: comm_s − hidden_s."""
     step_s: float
-    """model_step_s + calibration_s, never below compute_s."""
+    """model_step_s + calibration_s (compute_s where that would be 0 or less)."""
     model_step_s: float
     """compute_s + hook_s + exposed_s: the model's step before any calibration."""
     calibration_s: float
@@ -261,7 +265,7 @@ def predict(s: Scenario) -> Prediction:
     hidden = min(s.overlap_fraction * BACKWARD_SHARE * slowest, comm * (1 - last_share))
     model_step = compute + s.hook_s + comm - hidden
     extra = dict(s.calibration).get(s.compression, 0.0)
-    step = max(model_step + extra, compute)
+    step = model_step + extra if model_step + extra > 0 else compute
     rate = s.global_batch / step
     alone = {n.name: n.images_per_s(s.micro_batch) for n in s.nodes}
     fastest = max(alone, key=alone.get)
