@@ -44,6 +44,7 @@ from dscluster.sim.ns import (
     SimError, host_mounts_under, kill_and_wait, link_names, netns_exists, netns_pids, nsenter_argv,
     pid_in_netns, read_pid, sh, wait_for,
 )
+from dscluster.sim.netfaults import NetFaults
 from dscluster.sim.options import LINK_NONE, parse_link, resolve_size, validate_env, validate_lab_name
 from dscluster.sim.plan import (
     HOST_KEY_TYPES, ROOT_PATH, SIM_ROOT, USER_PATH, LabState, SimNode, free_id, node_path,
@@ -244,29 +245,32 @@ def up(
     gpus: list[int] | None = None,
     link: str = LINK_NONE,
     env: dict[str, str] | None = None,
+    faults: NetFaults | None = None,
 ) -> Lab:
     """Build the lab, or return it if it is already up with the same nodes, GPUs and link.
     `gpus=[1, 1, 2]`: three nodes owning GPUs 0, 1 and 2-3 (sets the node count; one hostfile
-    slot per GPU). `link="1gbit"`: every node's cable shaped to that rate, both ways."""
+    slot per GPU). `link="1gbit"`: every node's cable shaped to that rate, both ways. `faults`:
+    per-node MTU, link rate, firewall and second NIC (sim.netfaults)."""
     validate_lab_name(lab)
     nodes, slots = resolve_size(nodes, slots, gpus)
     link, env = parse_link(link), validate_env(env or {})
+    faults = (faults or NetFaults()).check_nodes(nodes)
     require_root()
-    tools = require_tools(link)
+    tools = require_tools(link, faults)
     if gpus:
         check_gpus(gpus)
-    check_link(link)
+    check_link(link, faults)
     with _lock():
         state = _read_state(lab)
         if state is not None:
             if all(_node_healthy(n) for n in state.nodes):
-                _same_lab_or_refuse(state, nodes, gpus, link, env)
+                _same_lab_or_refuse(state, nodes, gpus, link, env, faults)
                 _refresh(state, slots, hostfile)
                 return Lab(state)
             _teardown(state)  # half-built or broken (e.g. after a reboot): start again
         else:
             _teardown_netns(_stray_netns(lab))  # namespaces of a lab whose state was lost
-        state = _plan(lab, nodes, slots, hostfile, gpus=gpus, link=link, env=env, tools=tools)
+        state = _plan(lab, nodes, slots, hostfile, gpus=gpus, link=link, env=env, tools=tools, faults=faults)
         try:
             build(state)
         except BaseException:
@@ -275,14 +279,14 @@ def up(
         return Lab(state)
 
 
-def _same_lab_or_refuse(state: LabState, nodes: int, gpus, link: str, env) -> None:
+def _same_lab_or_refuse(state: LabState, nodes: int, gpus, link: str, env, faults: NetFaults) -> None:
     """`up` again changes no node, GPU, link or environment of a running lab: say how to rebuild."""
-    def described(n, g, lk, e) -> list[str]:
+    def described(n, g, lk, e, fl) -> list[str]:
         return [f"{n} nodes", f"GPUs {','.join(map(str, g))}" if g else "no GPUs", f"link {lk}",
-                f"env {' '.join(f'{k}={v}' for k, v in e.items()) or 'none'}"]
+                f"env {' '.join(f'{k}={v}' for k, v in e.items()) or 'none'}", f"faults {fl.describe()}"]
     had = described(len(state.nodes), [len(n.gpus) for n in state.nodes] if state.uses_gpus else None,
-                    state.link, state.env)
-    asked = described(nodes, gpus, link, dict(env or {}))
+                    state.link, state.env, NetFaults.from_dict(state.faults))
+    asked = described(nodes, gpus, link, dict(env or {}), faults)
     diff = [i for i in range(len(had)) if had[i] != asked[i]]
     if diff:
         raise UsageError(
@@ -307,7 +311,8 @@ def _refresh(state: LabState, slots: int, hostfile: str | os.PathLike | None) ->
     save_state(state)
 
 
-def _plan(lab: str, nodes: int, slots: int, hostfile, *, gpus, link: str, env, tools: dict[str, str]) -> LabState:
+def _plan(lab: str, nodes: int, slots: int, hostfile, *, gpus, link: str, env, tools: dict[str, str],
+          faults: NetFaults) -> LabState:
     used = set()
     for p in SIM_ROOT.glob("*/state.json"):
         try:
@@ -324,7 +329,7 @@ def _plan(lab: str, nodes: int, slots: int, hostfile, *, gpus, link: str, env, t
     state = plan_lab(
         lab, index=index, nodes=nodes, slots=slots, uid=uid, gid=uid, password=password,
         created=time.time(), hostfile=str(Path(hostfile).absolute()) if hostfile else None,
-        gpus=gpus, link=link, sshd=tools["sshd"], extra_path=extra_path_dirs(tools), env=env,
+        gpus=gpus, link=link, sshd=tools["sshd"], extra_path=extra_path_dirs(tools), env=env, faults=faults,
     )
     # Refused here, before anything is made, if the lab user cannot reach what the nodes share.
     state.mounts = plan_shared_reach(state.shared, state.hostfile, state.extra_path, uid, uid)

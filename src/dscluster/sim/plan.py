@@ -24,6 +24,7 @@ from dscluster.errors import UsageError
 from dscluster.sim.options import (  # noqa: F401  (validators re-exported: callers import them here)
     LINK_NONE, MAX_NODES, assign_gpus, parse_link, validate_lab_name, validate_node_count, validate_slots,
 )
+from dscluster.sim.netfaults import NetFaults
 
 SIM_ROOT = Path("/run/dscluster-sim")
 SUBNET_BASE = "10.77"
@@ -164,6 +165,7 @@ class LabState:
     extra_path: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)   # --env, set in every node
     mounts: list[list[str]] = field(default_factory=list)  # sim_reach ops: [kind, path]
+    faults: dict = field(default_factory=dict)   # NetFaults.to_dict(): per-node MTU, link, firewall, NIC
     version: int = STATE_VERSION
 
     def to_dict(self) -> dict:
@@ -212,6 +214,7 @@ def plan_lab(
     sshd: str = "/usr/sbin/sshd",
     extra_path: list[str] = (),
     env: dict[str, str] | None = None,
+    faults: NetFaults | None = None,
 ) -> LabState:
     """The whole lab on paper: names, addresses and paths for `nodes` machines."""
     validate_lab_name(name)
@@ -261,6 +264,7 @@ def plan_lab(
         sshd=sshd,
         extra_path=list(extra_path),
         env=dict(env or {}),
+        faults=(faults or NetFaults()).check_nodes(nodes).to_dict(),
     )
 
 
