@@ -112,6 +112,11 @@ if port is not None:
                         "tx": {i: after[i] - before.get(i, 0) for i in after if after[i] - before.get(i, 0) > 0}}
     except Exception as e:
         out["speed"] = {"error": "%s: %s" % (type(e).__name__, e)}
+try:
+    import subprocess
+    out["route"] = subprocess.run(["ip", "-o", "route", "get", addr], capture_output=True, text=True, timeout=5).stdout.strip()
+except Exception:
+    out["route"] = None
 print("LINK " + json.dumps(out), flush=True)
 """.replace("@DISCOVER@", str(IP_MTU_DISCOVER)).replace("@DO@", str(IP_PMTUDISC_DO)).replace(
     "@HEADERS@", str(UDP_HEADERS))

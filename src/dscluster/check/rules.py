@@ -19,7 +19,7 @@ from dscluster.netif import NetworkPlan, is_excluded, plan_network
 
 # Table columns, in order.
 CHECKS = ("reach", "hostname", "network", "versions", "gpu", "precision", "p2p",
-          "shm", "clock", "disk", "mesh", "port", "mpi", "allreduce")
+          "shm", "clock", "disk", "mesh", "port", "mtu", "speed", "nic", "mpi", "allreduce")
 
 SHM_MIN_BYTES = 1 << 30
 CLOCK_SKEW_MAX_S = 1.0

@@ -23,8 +23,10 @@ from dscluster.check.facts import NodeFacts
 from dscluster.hosts import Hostfile, hostfile_sha256, parse_hostfile
 from dscluster.launch.mpirun import App, mpirun_argv, mpirun_path
 from dscluster.check.rules import Evaluation, Finding, evaluate, has_errors, node_envs
+from dscluster.check.netprobe import run_pairs
+from dscluster.check.netrules import evaluate_links, iface_mtus, links_summary
 from dscluster.check.probe import (ProbeSettings, default_key, open_session, parse_reach, probe_node,
-                             reach_script, runs_dir_for_probe, start_listener)
+                             reach_script, runs_dir_for_probe, start_listener, start_ready)
 
 # Findings that make an mpirun across the cluster hang or fail for a known reason.
 BLOCKING_CHECKS = {"reach", "hostname", "network", "mesh", "port", "mpi"}
@@ -134,6 +136,17 @@ def reach_phase(hf: Hostfile, targets, sessions, facts, ev: Evaluation, opts: Ch
     return findings
 
 
+def link_phase(sessions, facts, ev: Evaluation, opts: CheckOptions, python: str) -> tuple[dict, list[Finding]]:
+    """Every ordered pair of nodes: ephemeral ports, a don't-fragment frame of full size, a short
+    TCP rate and the NIC its bytes left by (check.netprobe, check.netrules)."""
+    address = {n: a for n, a in ev.network.address.items() if n in facts and n in sessions}
+    if len(address) < 2:
+        return links_summary([]), []
+    records, failed = run_pairs(sessions, python, address, iface_mtus(facts, ev.network), min(opts.timeout, 20),
+                                start_ready, show_progress=opts.show_progress)
+    return links_summary(records), evaluate_links(records, facts, ev.network, failed)
+
+
 # ---------------------------------------------------------------------------- active tests
 
 def active_mpirun_argv(mpirun: str, hostfile: str, np: int, cidr: str | None, program: list[str],
@@ -234,12 +247,15 @@ def run_check(opts: CheckOptions) -> CheckRun:
     try:
         ev = evaluate(facts, hf, unreachable=unreachable, allow_deprecated_fp16=opts.allow_deprecated_fp16)
         findings = list(ev.findings)
+        links = links_summary([])
         if facts:
             findings += reach_phase(hf, targets, sessions, facts, ev, opts, python)
+            links, more = link_phase(sessions, facts, ev, opts, python)
+            findings += more
     finally:
         for c in sessions.values():
             c.close()
-    active: dict = {"mpi_hello": None, "allreduce": None, "skipped": None}
+    active: dict = {"mpi_hello": None, "allreduce": None, "skipped": None, "links": links}
     if opts.skip_active:
         active["skipped"] = "--skip-active"
     elif any(f.severity == "error" and f.check in BLOCKING_CHECKS for f in findings):

@@ -4,7 +4,7 @@ The result, printed with --json and written to <state>/check.json, is `check.che
 its schema is described in docs/schemas.md.
 
 Check names (table columns): reach hostname network versions gpu precision p2p shm clock
-disk mesh port mpi allreduce. Exit status: 0 no errors (warnings allowed), 1 errors,
+disk mesh port mtu speed nic mpi allreduce. Exit status: 0 no errors (warnings allowed), 1 errors,
 2 bad input (hostfile, flags, no state from `dscluster setup`).
 """
 
@@ -27,7 +27,8 @@ SEVERITY_STYLE = {"error": "red", "warning": "yellow", "info": "cyan"}
 # Short column headers: the table must fit an 80-column terminal with 14 checks.
 HEADER = {"reach": "ssh", "hostname": "name", "network": "net", "versions": "vers", "gpu": "gpu",
           "precision": "prec", "p2p": "p2p", "shm": "shm", "clock": "clock", "disk": "disk",
-          "mesh": "mesh", "port": "port", "mpi": "mpi", "allreduce": "allred"}
+          "mesh": "mesh", "port": "port", "mtu": "mtu", "speed": "speed", "nic": "nic", "mpi": "mpi",
+          "allreduce": "allred"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:

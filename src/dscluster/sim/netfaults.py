@@ -224,3 +224,21 @@ def apply_faults(state, run: Callable[..., object]) -> None:
             run(argv)
         if node.name in faults.firewall:
             run(["ip", "netns", "exec", node.netns, "nft", "-f", "-"], input=nft_ruleset(faults.firewall[node.name]))
+
+
+def repair_argv(state, node) -> list[list[str]]:
+    """Host-side commands that undo one node's faults the way its admin would fix them: the MTU
+    back to the lab's 1500, the shaping removed, the firewall's table deleted, the stealing route
+    deleted (the second NIC stays, as it would in the machine)."""
+    faults = NetFaults.from_dict(getattr(state, "faults", None))
+    ns, out = node.netns, []
+    if node.name in faults.mtu:
+        out.append(["ip", "-n", ns, "link", "set", node.iface, "mtu", "1500"])
+    if node.name in faults.link:
+        out += [["tc", "-n", ns, "qdisc", "del", "dev", node.iface, "root"],
+                ["tc", "-n", state.switch_netns, "qdisc", "del", "dev", node.switch_port, "root"]]
+    if node.name in faults.firewall:
+        out.append(["ip", "netns", "exec", ns, "nft", "delete", "table", "inet", NFT_TABLE])
+    if node.name in faults.second_nic:
+        out.append(["ip", "-n", ns, "route", "del", stolen_route(state.subnet), "dev", SECOND_NIC])
+    return out
