@@ -137,25 +137,30 @@ def rule_speed(records: list[dict]) -> list[Finding]:
 
 
 def rule_nic(records: list[dict], plan: NetworkPlan) -> list[Finding]:
-    """The bytes of the speed test must leave by the chosen interface."""
-    out = []
+    """The bytes of the speed test must leave by the chosen interface: one finding per sender,
+    naming the peers whose traffic took another NIC and the route that sent it there."""
+    wrong: dict[str, list[tuple[str, str, int, int, str]]] = defaultdict(list)
     for r in records:
-        tx = (r.get("speed") or {}).get("tx") if isinstance(r.get("speed"), dict) else None
+        tx = r["speed"].get("tx") if isinstance(r.get("speed"), dict) else None
         a, chosen = r["from"], plan.iface.get(r["from"])
         if not tx or not chosen:
             continue
         total = sum(v for i, v in tx.items() if i != "lo")
         other = max(((i, v) for i, v in tx.items() if i not in ("lo", chosen)), key=lambda x: x[1], default=None)
-        if total and tx.get(chosen, 0) < WRONG_NIC_FRACTION * total and other:
-            route = (r.get("route") or "").split(" uid ")[0].strip() or \
-                f"see `ip route get {plan.address.get(r['to'], '<peer>')}` on {a}"
-            out.append(Finding("error", a, "nic",
-                               f"{a} → {r['to']}: {other[1] / 1e6:.0f} MB left by {other[0]}, "
-                               f"{tx.get(chosen, 0) / 1e6:.0f} MB by {chosen} (the interface NCCL_SOCKET_IFNAME and "
-                               f"GLOO_SOCKET_IFNAME name): the kernel routes the traffic by {other[0]} ({route})",
-                               f"on {a}: remove the route or address that sends the cluster subnet through "
-                               f"{other[0]} (`ip route` lists it; `sudo ip route del <that route>`), or take "
-                               f"{other[0]} off the cluster subnet"))
+        if total and other and tx.get(chosen, 0) < WRONG_NIC_FRACTION * total:
+            route = (r.get("route") or "").split(" uid ")[0].strip() or f"`ip route get {plan.address.get(r['to'])}`"
+            wrong[a].append((r["to"], other[0], other[1], tx.get(chosen, 0), route))
+    out = []
+    for a, rows in sorted(wrong.items()):
+        chosen, nics = plan.iface[a], sorted({nic for _, nic, _, _, _ in rows})
+        pairs = "; ".join(f"{a} → {b}: {sent / 1e6:.0f} MB left by {nic}, {ok / 1e6:.0f} MB by {chosen} (route: {route})"
+                          for b, nic, sent, ok, route in rows)
+        out.append(Finding("error", a, "nic",
+                           f"traffic to the other nodes leaves by {', '.join(nics)}, not by {chosen}, the interface "
+                           f"NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME name: {pairs}",
+                           f"on {a}: remove the route or address that sends the cluster subnet through "
+                           f"{', '.join(nics)} (`ip route` lists it; `sudo ip route del <that route>`), or take "
+                           f"{', '.join(nics)} off the cluster subnet"))
     return out
 
 
