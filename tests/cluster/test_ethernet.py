@@ -97,7 +97,8 @@ def test_mtu_firewall_and_slow_link_are_named_before_the_run_and_the_fix_makes_i
 
     repair(lab)
     rc, doc = check(lab)
-    assert rc == 0, [(f["node"], f["check"], f["what"]) for f in doc["findings"] if f["severity"] != "info"]
+    assert rc == 0, ([(f["node"], f["check"], f["what"]) for f in doc["findings"] if f["severity"] != "info"],
+                     (doc["active"].get("mpi_hello") or {}).get("output"))
     assert doc["active"]["allreduce"]["ok"]
     readme_command_trains(lab)
 
@@ -115,5 +116,6 @@ def test_traffic_leaving_by_a_second_nic_is_named_and_the_fix_makes_it_train(lab
 
     repair(lab)
     rc, doc = check(lab)
-    assert rc == 0, [(f["node"], f["check"], f["what"]) for f in doc["findings"] if f["severity"] != "info"]
+    assert rc == 0, ([(f["node"], f["check"], f["what"]) for f in doc["findings"] if f["severity"] != "info"],
+                     (doc["active"].get("mpi_hello") or {}).get("output"))
     readme_command_trains(lab)

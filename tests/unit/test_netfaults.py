@@ -79,7 +79,8 @@ def test_repair_undoes_each_fault_the_way_an_admin_would():
     state = _plan(NetFaults(mtu={"node2": 9000}, firewall={"node2": [29500]}, link={"node3": "20mbit"},
                             second_nic=["node1"]))
     n1, n2, n3 = state.nodes
-    assert repair_argv(state, n1) == [["ip", "-n", n1.netns, "route", "del", "10.77.4.0/25", "dev", "eno1"]]
+    assert repair_argv(state, n1) == [["ip", "-n", n1.netns, "route", "del", "10.77.4.0/25", "dev", "eno1"],
+                                      ["ip", "-n", n1.netns, "addr", "del", "10.77.4.101/24", "dev", "eno1"]]
     assert repair_argv(state, n2) == [["ip", "-n", n2.netns, "link", "set", "enp3s0", "mtu", "1500"],
                                       ["ip", "netns", "exec", n2.netns, "nft", "delete", "table", "inet", "dscluster_fw"]]
     assert [c[:4] for c in repair_argv(state, n3)] == [["tc", "-n", n3.netns, "qdisc"],

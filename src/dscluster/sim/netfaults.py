@@ -229,7 +229,7 @@ def apply_faults(state, run: Callable[..., object]) -> None:
 def repair_argv(state, node) -> list[list[str]]:
     """Host-side commands that undo one node's faults the way its admin would fix them: the MTU
     back to the lab's 1500, the shaping removed, the firewall's table deleted, the stealing route
-    deleted (the second NIC stays, as it would in the machine)."""
+    and the second NIC's address on the cluster subnet deleted (the NIC itself stays)."""
     faults = NetFaults.from_dict(getattr(state, "faults", None))
     ns, out = node.netns, []
     if node.name in faults.mtu:
@@ -240,5 +240,7 @@ def repair_argv(state, node) -> list[list[str]]:
     if node.name in faults.firewall:
         out.append(["ip", "netns", "exec", ns, "nft", "delete", "table", "inet", NFT_TABLE])
     if node.name in faults.second_nic:
-        out.append(["ip", "-n", ns, "route", "del", stolen_route(state.subnet), "dev", SECOND_NIC])
+        index = int(_NODE_RE.match(node.name).group(1))
+        out += [["ip", "-n", ns, "route", "del", stolen_route(state.subnet), "dev", SECOND_NIC],
+                ["ip", "-n", ns, "addr", "del", second_nic_address(state.subnet, index), "dev", SECOND_NIC]]
     return out
