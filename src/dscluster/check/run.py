@@ -23,6 +23,7 @@ from dscluster.check.facts import NodeFacts
 from dscluster.hosts import Hostfile, hostfile_sha256, parse_hostfile
 from dscluster.launch.mpirun import App, mpirun_argv, mpirun_path
 from dscluster.check.rules import Evaluation, Finding, evaluate, has_errors, node_envs
+from dscluster.check.nccltune import decide_socket_tuning
 from dscluster.check.netprobe import run_pairs
 from dscluster.check.netrules import evaluate_links, iface_mtus, links_summary
 from dscluster.check.probe import (ProbeSettings, default_key, open_session, parse_reach, probe_node,
@@ -266,6 +267,8 @@ def run_check(opts: CheckOptions) -> CheckRun:
         got, more = run_active(hf, ev, opts, python)
         active.update(got)
         findings += more
+        _, tuning = decide_socket_tuning(active.get("nccl_socket"))
+        findings += [tuning] if tuning else []
     return CheckRun(hostfile=hf, hostfile_sha256=hostfile_sha256(hf.path), created=created, facts=facts,
                     unreachable=unreachable, evaluation=ev, findings=findings, active=active,
                     wall_s=time.monotonic() - t0)
@@ -276,5 +279,6 @@ def ok(run: CheckRun) -> bool:
 
 
 def envs(run: CheckRun, master_port: int):
+    tuned, _ = decide_socket_tuning((run.active or {}).get("nccl_socket"))
     return node_envs(run.evaluation, run.facts, master_port=master_port, created=run.created,
-                     hostfile_sha256=run.hostfile_sha256)
+                     hostfile_sha256=run.hostfile_sha256, tuned=tuned)
