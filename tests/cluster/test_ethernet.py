@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from _wait import scaled
+
 from dscluster.sim.netfaults import SECOND_NIC, NetFaults, repair_argv
 
 pytestmark = pytest.mark.cluster
@@ -67,6 +69,30 @@ def readme_command_trains(lab) -> None:
     assert any(s["status"] == "complete" and s["world_size"] == len(lab.nodes) for s in summaries), summaries
 
 
+def plain_mpirun_keeps_off_the_decoy_docker0(lab) -> None:
+    """node2 and node3 both carry docker0 at 172.17.0.1. An mpirun typed without --mca options
+    reads the subnet check wrote into ~/.openmpi and ~/.prte (launch.mcaparams): MPI hello, whose
+    gather and barrier go over OpenMPI's TCP transport, answers from all three nodes. With the
+    ~/.openmpi file set aside, the same command does not finish (its TCP transport tries the
+    decoy; by hand it hung for more than 120 s)."""
+    hello = f"{MPIRUN} -np 3 --hostfile {lab.hostfile} {REPO}/.venv/bin/python {REPO}/setup/hello_mpi.py"
+    for node in lab.nodes:
+        conf = Path(node.home) / ".openmpi" / "mca-params.conf"
+        assert f"btl_tcp_if_include = {lab.subnet}" in conf.read_text()
+        assert f"oob_tcp_if_include = {lab.subnet}" in (Path(node.home) / ".prte" / "mca-params.conf").read_text()
+    res = in_work(lab, hello, timeout=scaled(60))
+    assert res.returncode == 0 and "all 3 ranks answered from 3 hosts" in res.stdout, res.stdout + res.stderr[-2000:]
+    confs = [Path(n.home) / ".openmpi" / "mca-params.conf" for n in lab.nodes]
+    for conf in confs:
+        conf.rename(conf.with_suffix(".aside"))
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            in_work(lab, hello, timeout=scaled(20))
+    finally:
+        for conf in confs:
+            conf.with_suffix(".aside").rename(conf)
+
+
 def test_mtu_firewall_and_slow_link_are_named_before_the_run_and_the_fix_makes_it_train(lab_factory):
     faults = NetFaults(mtu={"node2": 9000}, firewall={"node2": [29500]}, link={"node3": "20mbit"})
     lab = prepared(lab_factory, "ethlab", 3, faults)
@@ -100,6 +126,7 @@ def test_mtu_firewall_and_slow_link_are_named_before_the_run_and_the_fix_makes_i
     assert rc == 0, ([(f["node"], f["check"], f["what"]) for f in doc["findings"] if f["severity"] != "info"],
                      (doc["active"].get("mpi_hello") or {}).get("output"))
     assert doc["active"]["allreduce"]["ok"]
+    plain_mpirun_keeps_off_the_decoy_docker0(lab)
     readme_command_trains(lab)
 
 

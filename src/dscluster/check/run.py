@@ -21,6 +21,7 @@ from dscluster import paths, remote, state
 from dscluster.errors import UsageError
 from dscluster.check.facts import NodeFacts
 from dscluster.hosts import Hostfile, hostfile_sha256, parse_hostfile
+from dscluster.launch.mcaparams import parse_writer, writer_command
 from dscluster.launch.mpirun import App, mpirun_argv, mpirun_path
 from dscluster.check.rules import Evaluation, Finding, evaluate, has_errors, node_envs
 from dscluster.check.nccltune import decide_socket_tuning
@@ -148,6 +149,33 @@ def link_phase(sessions, facts, ev: Evaluation, opts: CheckOptions, python: str)
     return links_summary(records), evaluate_links(records, facts, ev.network, failed)
 
 
+def mca_phase(sessions, facts, ev: Evaluation, opts: CheckOptions, python: str) -> list[Finding]:
+    """Pin a hand-typed mpirun's own traffic to the cluster subnet: OpenMPI's and PRRTE's parameter
+    files in every node's home (launch.mcaparams)."""
+    subnet = ev.network.subnet
+    if not subnet:
+        return []
+
+    def work(t: remote.Target) -> dict | None:
+        return parse_writer(remote.run(sessions[t.name], writer_command(python, subnet), timeout=opts.timeout).stdout)
+
+    outcomes = remote.fan_out([remote.Target(name=n, host=n) for n in facts if n in sessions], work,
+                              timeout=opts.timeout + 5, description="mpirun's subnet", show_progress=opts.show_progress)
+    out = []
+    for name, o in sorted(outcomes.items()):
+        for rel, r in ((o.value or {}) if o.ok else {".openmpi and ~/.prte parameter files": {"ok": False, "error": str(o.error)}}).items():
+            if not r.get("ok"):
+                out.append(Finding("warning", name, "mpi", f"could not write ~/{rel}: {r.get('error')}: a "
+                                   "hand-typed mpirun may send its own traffic through docker0 or a down interface",
+                                   f"run mpirun with --mca btl_tcp_if_include {subnet} --mca oob_tcp_if_include "
+                                   f"{subnet}, or use `dscluster launch`"))
+            elif r.get("theirs"):
+                out.append(Finding("warning", name, "mpi", f"~/{rel} already has '{r['theirs']}', which wins over "
+                                   f"the cluster subnet {subnet} check wrote below it",
+                                   f"on {name}: delete that line from ~/{rel}, or make it {subnet}"))
+    return out
+
+
 # ---------------------------------------------------------------------------- active tests
 
 def active_mpirun_argv(mpirun: str, hostfile: str, np: int, cidr: str | None, program: list[str],
@@ -252,7 +280,7 @@ def run_check(opts: CheckOptions) -> CheckRun:
         if facts:
             findings += reach_phase(hf, targets, sessions, facts, ev, opts, python)
             links, more = link_phase(sessions, facts, ev, opts, python)
-            findings += more
+            findings += more + mca_phase(sessions, facts, ev, opts, python)
     finally:
         for c in sessions.values():
             c.close()
