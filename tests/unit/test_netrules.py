@@ -110,3 +110,15 @@ def test_probe_lines_parse_and_garbage_does_not():
     assert parse_server_ready("LISTENING {") is None and parse_server_ready("Traceback") is None
     assert parse_client('noise\nLINK {"peer": "n2", "ports": {}}\n') == {"peer": "n2", "ports": {}}
     assert parse_client("LINK {bad") is None and parse_client("") is None
+
+
+def test_two_jumbo_nodes_of_three_are_both_told_to_come_down_to_what_every_path_carries():
+    plan = NetworkPlan(subnet="10.0.0.0/24", common=["10.0.0.0/24"], iface={"a": "eth0", "b": "eth1", "c": "eth2"},
+                       address={})
+    found = rule_mtu({"a": 1500, "b": 9000, "c": 9000}, plan)
+    assert [(f.node, "MTU 9000, a 1500" in f.what) for f in found] == [("b", True), ("c", True)]
+    assert all("mtu 1500" in f.fix and "the switch" in f.fix for f in found)
+    lost = [{"from": x, "to": y, "mtu": {"size": 8972, "large": "no answer", "small": "ok"}}
+            for x, y in (("b", "a"), ("b", "c"), ("c", "a"), ("c", "b"))]
+    assert [(f.node, "mtu 1500" in f.fix) for f in rule_df(lost, {"a": 1500, "b": 9000, "c": 9000}, plan)] == \
+        [("b", True), ("c", True)]

@@ -11,7 +11,7 @@ A record is one ordered pair as the sender saw it:
 from __future__ import annotations
 
 import statistics
-from collections import Counter, defaultdict
+from collections import defaultdict
 
 from dscluster.check.facts import NodeFacts
 from dscluster.check.rules import Finding
@@ -41,26 +41,23 @@ def _mtu_fix(name: str, iface: str | None, common: int) -> str:
 
 
 def rule_mtu(mtus: dict[str, int], plan: NetworkPlan) -> list[Finding]:
-    """Every node's chosen interface should have the MTU most nodes have."""
+    """Every node's chosen interface should have the same MTU. The nodes above the smallest are
+    named: the smallest is what every path carries (raising the others needs the switch too)."""
     if len(set(mtus.values())) <= 1:
         return []
-    counts = Counter(mtus.values())
-    common = max(counts, key=lambda m: (counts[m], -m))
-    out = []
-    for name, mtu in mtus.items():
-        if mtu != common:
-            others = sorted(n for n, m in mtus.items() if m == common)
-            out.append(Finding("error", name, "mtu",
-                               f"{plan.iface.get(name)} has MTU {mtu}, {', '.join(others)} {common}: frames over "
-                               f"{min(mtu, common)} bytes are dropped on the way and NCCL stalls or crawls",
-                               _mtu_fix(name, plan.iface.get(name), common)))
-    return out
+    low = min(mtus.values())
+    others = sorted(n for n, m in mtus.items() if m == low)
+    return [Finding("error", name, "mtu",
+                    f"{plan.iface.get(name)} has MTU {mtu}, {', '.join(others)} {low}: frames over {low} bytes "
+                    "are dropped on the way and NCCL stalls or crawls",
+                    _mtu_fix(name, plan.iface.get(name), low))
+            for name, mtu in sorted(mtus.items()) if mtu > low]
 
 
 def rule_df(records: list[dict], mtus: dict[str, int], plan: NetworkPlan) -> list[Finding]:
     """A full-size don't-fragment datagram that gets no answer while a small one does: one
     finding per sending node, naming every peer its large frames did not reach."""
-    common = Counter(mtus.values()).most_common(1)[0][0] if mtus else 1500
+    low = min(mtus.values(), default=1500)
     lost: dict[str, list[str]] = defaultdict(list)
     size: dict[str, int] = {}
     out = []
@@ -81,7 +78,7 @@ def rule_df(records: list[dict], mtus: dict[str, int], plan: NetworkPlan) -> lis
                            f"{a} → {', '.join(sorted(peers))}: a {size[a] + 28}-byte frame ({a}'s MTU) with "
                            "don't-fragment set got no answer while a 64-byte one did: large frames from this "
                            "node are dropped on the way",
-                           _mtu_fix(a, plan.iface.get(a), min(common, mtus.get(a, common)))))
+                           _mtu_fix(a, plan.iface.get(a), low)))
     return out
 
 
