@@ -13,6 +13,7 @@ import json
 import os
 import shlex
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,22 @@ def readme_command_trains(lab) -> None:
     assert any(s["status"] == "complete" and s["world_size"] == len(lab.nodes) for s in summaries), summaries
 
 
+def readme_command_fails_within_the_timeout_and_diagnose_names_the_data_path(lab) -> None:
+    """Run anyway, check's errors unfixed: the first collective cannot connect into node2, so the
+    run fails at the process-group timeout (10 s here) instead of hanging, and diagnose says why."""
+    before = set((lab.shared / "work" / "runs").glob("*"))
+    start = time.monotonic()
+    res = in_work(lab, f"{MPIRUN} -np 3 --hostfile {lab.hostfile} {REPO}/entry_cn.sh "
+                       f"{README_ARGS.replace('configs/', f'{REPO}/configs/')} dist.timeout_s=10", timeout=scaled(300))
+    took = time.monotonic() - start
+    assert res.returncode != 0, res.stdout[-2000:]
+    [run] = set((lab.shared / "work" / "runs").glob("*")) - before
+    diag = in_work(lab, f"{DSCLUSTER} diagnose {run} --json", timeout=120)
+    kinds = [f["kind"] for f in json.loads(diag.stdout)["findings"]]
+    assert kinds[0] == "data_path_blocked", kinds
+    print(f"README command with node2 firewalled: exit {res.returncode} after {took:.1f} s (dist.timeout_s 10)")
+
+
 def plain_mpirun_keeps_off_the_decoy_docker0(lab) -> None:
     """node2 and node3 both carry docker0 at 172.17.0.1. An mpirun typed without --mca options
     reads the subnet check wrote into ~/.openmpi and ~/.prte (launch.mcaparams): MPI hello, whose
@@ -120,6 +137,7 @@ def test_mtu_firewall_and_slow_link_are_named_before_the_run_and_the_fix_makes_i
     assert "node3" in (slowest["from"], slowest["to"]) and slowest["bps"] < 40e6, slowest
     # A firewall that would hang the run: the active tests were not started.
     assert doc["active"]["mpi_hello"] is None
+    readme_command_fails_within_the_timeout_and_diagnose_names_the_data_path(lab)
 
     repair(lab)
     rc, doc = check(lab)
