@@ -66,6 +66,8 @@ what it was before (nothing half-written, no run directory, no state).
 | diagnose-foreign          | dscluster diagnose                      | a directory that is not a run                    |
 | sim-zero-nodes            | dscluster sim up --nodes 0              | no nodes                                         |
 | sim-zero-slots            | dscluster sim up --slots 0              | no slots                                         |
+| sim-mtu-no-value          | dscluster sim up --mtu node2            | NODE=MTU without the MTU                         |
+| sim-fault-unknown-node    | dscluster sim up --nodes 2 --firewall node3 | a fault on a node the lab does not have      |
 | setup-no-password         | dscluster setup (stdin not a terminal)  | no DSCLUSTER_SSH_PASSWORD, no key, no prompt     |
 | telemetry-period-zero     | dscluster telemetry --period 0          | zero period                                      |
 | telemetry-run-dir-file    | dscluster telemetry --run-dir FILE      | a file, not a directory                          |
@@ -275,6 +277,10 @@ CASES = [
          ("--nodes 0", "1 to 32 nodes", "1 to 32")),
     Case("sim-zero-slots", ["sim", "up", "--slots", "0", "--lab", "badinput"], {},
          ("--slots 0", "slot", "at least one")),
+    Case("sim-mtu-no-value", ["sim", "up", "--mtu", "node2", "--lab", "badinput"], {},
+         ("--mtu 'node2'", "NODE=VALUE", "--mtu node2=9000")),
+    Case("sim-fault-unknown-node", ["sim", "up", "--nodes", "2", "--firewall", "node3", "--lab", "badinput"], {},
+         ("--firewall node3", "node1 to node2", "name one of them")),
     Case("setup-no-password", ["setup", "--hostfile", "hosts.txt", "--timeout", "2"], {"hosts.txt": GOOD_HOSTS},
          ("DSCLUSTER_SSH_PASSWORD", "password"), runner="proc"),
     Case("telemetry-period-zero", ["telemetry", "--run-dir", "runs/x", "--period", "0"], {},

@@ -162,3 +162,27 @@ def test_a_vanished_node_is_named_and_the_ranks_stopped_with_it_are_only_warning
     assert stopped["severity"] == "warning" and "after node3 vanished" in stopped["message"]
     assert not [f for f in findings if f["kind"] == "run_failed"]  # said once, by host_vanished
     assert "node3 vanished" in _diag_cli(run).stdout
+
+
+RECORDED = ROOT / "tests" / "data" / "runs"
+
+
+def test_a_first_collective_that_never_connects_is_named_as_the_data_path_with_checks_columns():
+    # Recorded: the README command on a 3-node lab where node2's firewall leaves only ssh and the
+    # master port open (tests/data/runs/README.md, firewall-3node).
+    result = diagnose(load_run(RECORDED / "firewall-3node"))
+    [f] = [f for f in result["findings"] if f["kind"] == "data_path_blocked"]
+    assert f["severity"] == "error" and result["findings"][0] == f
+    assert "all 3 ranks reached the rendezvous" in f["message"] and "Timed out waiting 10000ms" in f["message"]
+    assert "firewall" in f["message"] and "(columns port, mtu, nic)" in f["message"]
+
+
+def test_a_timeout_after_steps_completed_is_not_blamed_on_the_data_path(tmp_path):
+    # The same recorded failure, but rank 0 had completed a step: the connections worked then.
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(RECORDED / "firewall-3node", run)
+    rank0 = run / "metrics" / "rank-0.jsonl"
+    step = {"kind": "step", "t": 1.0, "rank": 0, "host": "node1", "step": 1, "epoch": 0, "loss": 2.3}
+    rank0.write_text(json.dumps(step) + "\n" + rank0.read_text())
+    assert not [f for f in diagnose(load_run(run))["findings"] if f["kind"] == "data_path_blocked"]

@@ -32,6 +32,11 @@ MUST_AGREE = (
 )
 _VERSION_KEY = re.compile(r"version", re.IGNORECASE)
 _TRACE_RANK = re.compile(r"(\d+)(?:\.\w+)?$")
+# A collective's data connection that never got through: gloo's and c10d's timeouts, NCCL's socket
+# transport (NET/Socket) failing to connect or to progress, the kernel's own errors.
+_DATA_PATH_ERROR = re.compile(
+    r"Timed out waiting \d+ ?ms for (?:send|recv)|Connection timed out|No route to host|"
+    r"socketStartConnect|socketProgress|NET/Socket|Connect to \S+ failed", re.IGNORECASE)
 
 
 def _clock(t: float) -> str:
@@ -237,6 +242,28 @@ def vanished_findings(run: RunData, findings: list[Finding]) -> list[Finding]:
     return out
 
 
+def data_path_findings(run: RunData) -> list[Finding]:
+    """Every rank got through the rendezvous (each wrote its metrics file), none completed a step,
+    and a collective timed out or could not connect: the master port works but the nodes' data
+    connections do not get through. What the ranks see of a firewall that drops the ephemeral
+    ports, an MTU the switch does not carry, or traffic routed out of another NIC."""
+    world = run.world_size or 0
+    if world < 2 or len(run.ranks) < world or any(rm.last_step for rm in run.ranks.values()):
+        return []
+    texts = [rm.end.get("error") for rm in run.ranks.values() if rm.end] + [(run.summary or {}).get("error")]
+    hit = next((t for t in texts if t and _DATA_PATH_ERROR.search(t)), None)
+    if hit is None:
+        return []
+    what = _DATA_PATH_ERROR.search(hit).group(0)
+    return [Finding("error", "data_path_blocked",
+                    f"all {world} ranks reached the rendezvous, but the first collective failed before any step "
+                    f"('{what}'): the data connections between the nodes do not get through. Usual causes: a "
+                    "firewall that opens the master port but drops the ephemeral ports NCCL and gloo connect to, "
+                    "an MTU the switch does not carry, traffic leaving by another NIC than NCCL_SOCKET_IFNAME "
+                    "names. `dscluster check` tests each between every pair of nodes (columns port, mtu, nic) "
+                    "and names the node and the fix")]
+
+
 def comm_findings(run: RunData) -> list[Finding]:
     """A job that spends much of each step waiting for the network (measured in the step records)."""
     share = comm_share(step_split(run))
@@ -264,7 +291,7 @@ def diagnose(run: RunData, unshared_hosts: list[str] = ()) -> dict[str, Any]:
     """Everything found, as the stable `--json` document. `unshared_hosts`: the job's hosts when
     check found that they do not share the run directory."""
     findings = vanished_findings(run, progress_findings(run)) + env_findings(run) + comm_findings(run)
-    findings = not_here_findings(run, findings, list(unshared_hosts))
+    findings = data_path_findings(run) + not_here_findings(run, findings, list(unshared_hosts))
     tfind, traces = trace_findings(run)
     findings += tfind
     if not run.ranks:

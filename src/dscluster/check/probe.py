@@ -233,9 +233,16 @@ def listener_code(addr: str, port: int, expected: int, seconds: float) -> str:
 
 def start_listener(client, python: str, addr: str, port: int, expected: int, seconds: float):
     """Start the listener over an open session; returns (channel, None) or (None, reason)."""
-    transport = client.get_transport()
-    chan = transport.open_session(timeout=seconds)
-    chan.exec_command(f"{shlex.quote(python)} -c {shlex.quote(listener_code(addr, port, expected, seconds))}")
+    chan, line = start_ready(client, f"{shlex.quote(python)} -c {shlex.quote(listener_code(addr, port, expected, seconds))}",
+                             seconds)
+    return (chan, None) if chan is not None else (None, line.replace("BINDFAIL", "").strip() or "listener did not start")
+
+
+def start_ready(client, command: str, seconds: float):
+    """Start a server over an open session and wait for its line starting with LISTENING:
+    (channel, that line), or (None, why it did not come) once it failed or 15 s passed."""
+    chan = client.get_transport().open_session(timeout=seconds)
+    chan.exec_command(command)
     buf = b""
     deadline = time.monotonic() + min(seconds, 15)
     chan.settimeout(0.2)
@@ -248,16 +255,17 @@ def start_listener(client, python: str, addr: str, port: int, expected: int, sec
             break
         if data:
             buf += data
-            if b"LISTENING" in buf:
-                return chan, None
+            for line in buf.decode("utf-8", "replace").splitlines(keepends=True):
+                if line.startswith("LISTENING") and line.endswith("\n"):
+                    return chan, line.strip()
             if b"BINDFAIL" in buf:
                 break
-    reason = buf.decode("utf-8", "replace").replace("BINDFAIL", "").strip()
+    reason = buf.decode("utf-8", "replace").strip()
     if not reason:
         err = b""
         while chan.recv_stderr_ready():
             err += chan.recv_stderr(4096)
-        reason = err.decode("utf-8", "replace").strip()[-300:] or "listener did not start"
+        reason = err.decode("utf-8", "replace").strip()[-300:] or "server did not start"
     chan.close()
     return None, reason
 

@@ -19,7 +19,7 @@ from dscluster.netif import NetworkPlan, is_excluded, plan_network
 
 # Table columns, in order.
 CHECKS = ("reach", "hostname", "network", "versions", "gpu", "precision", "p2p",
-          "shm", "clock", "disk", "mesh", "port", "mpi", "allreduce", "files")
+          "shm", "clock", "disk", "mesh", "port", "mtu", "speed", "nic", "mpi", "allreduce", "files")
 
 SHM_MIN_BYTES = 1 << 30
 CLOCK_SKEW_MAX_S = 1.0
@@ -386,8 +386,9 @@ def evaluate(facts: dict[str, NodeFacts], hostfile: Hostfile, *, unreachable: di
 
 
 def node_envs(ev: Evaluation, facts: dict[str, NodeFacts], *, master_port: int, created: float,
-              hostfile_sha256: str) -> tuple[dict[str, dict[str, str]], dict[str, str]]:
-    """(per-node env keyed by hostfile name, cluster-wide env) as entry_cn.sh will source them."""
+              hostfile_sha256: str, tuned: dict[str, str] | None = None) -> tuple[dict[str, dict[str, str]], dict[str, str]]:
+    """(per-node env keyed by hostfile name, cluster-wide env) as entry_cn.sh will source them;
+    `tuned`: cluster-wide settings check measured (NCCL's socket threads, check.nccltune)."""
     cluster: dict[str, str] = {
         "DSCLUSTER_PRECISION": ev.precision.value,
         "DSCLUSTER_BATCHING": ev.batching.value,
@@ -397,6 +398,7 @@ def node_envs(ev: Evaluation, facts: dict[str, NodeFacts], *, master_port: int, 
     }
     if ev.precision.deprecated_fp16:
         cluster["DS_ALLOW_DEPRECATED_FP16"] = "1"
+    cluster.update(tuned or {})
     plan = ev.network
     if plan.subnet:
         cluster["DSCLUSTER_BTL_TCP_IF_INCLUDE"] = plan.subnet

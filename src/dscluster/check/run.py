@@ -22,10 +22,14 @@ from dscluster.errors import UsageError
 from dscluster.check.facts import NodeFacts
 from dscluster.check.layout import layout_findings, probe_layout
 from dscluster.hosts import Hostfile, hostfile_sha256, parse_hostfile
+from dscluster.launch.mcaparams import parse_writer, writer_command
 from dscluster.launch.mpirun import App, mpirun_argv, mpirun_path
 from dscluster.check.rules import Evaluation, Finding, evaluate, has_errors, node_envs
+from dscluster.check.nccltune import decide_socket_tuning
+from dscluster.check.netprobe import run_pairs
+from dscluster.check.netrules import evaluate_links, iface_mtus, links_summary
 from dscluster.check.probe import (ProbeSettings, default_key, open_session, parse_reach, probe_node,
-                             reach_script, runs_dir_for_probe, start_listener)
+                             reach_script, runs_dir_for_probe, start_listener, start_ready)
 
 # Findings that make an mpirun across the cluster hang or fail for a known reason.
 BLOCKING_CHECKS = {"reach", "hostname", "network", "mesh", "port", "mpi"}
@@ -137,6 +141,44 @@ def reach_phase(hf: Hostfile, targets, sessions, facts, ev: Evaluation, opts: Ch
     return findings
 
 
+def link_phase(sessions, facts, ev: Evaluation, opts: CheckOptions, python: str) -> tuple[dict, list[Finding]]:
+    """Every ordered pair of nodes: ephemeral ports, a don't-fragment frame of full size, a short
+    TCP rate and the NIC its bytes left by (check.netprobe, check.netrules)."""
+    address = {n: a for n, a in ev.network.address.items() if n in facts and n in sessions}
+    if len(address) < 2:
+        return links_summary([]), []
+    records, failed = run_pairs(sessions, python, address, iface_mtus(facts, ev.network), min(opts.timeout, 20),
+                                start_ready, show_progress=opts.show_progress)
+    return links_summary(records), evaluate_links(records, facts, ev.network, failed)
+
+
+def mca_phase(sessions, facts, ev: Evaluation, opts: CheckOptions, python: str) -> list[Finding]:
+    """Pin a hand-typed mpirun's own traffic to the cluster subnet: OpenMPI's and PRRTE's parameter
+    files in every node's home (launch.mcaparams)."""
+    subnet = ev.network.subnet
+    if not subnet:
+        return []
+
+    def work(t: remote.Target) -> dict | None:
+        return parse_writer(remote.run(sessions[t.name], writer_command(python, subnet), timeout=opts.timeout).stdout)
+
+    outcomes = remote.fan_out([remote.Target(name=n, host=n) for n in facts if n in sessions], work,
+                              timeout=opts.timeout + 5, description="mpirun's subnet", show_progress=opts.show_progress)
+    out = []
+    for name, o in sorted(outcomes.items()):
+        for rel, r in ((o.value or {}) if o.ok else {".openmpi and ~/.prte parameter files": {"ok": False, "error": str(o.error)}}).items():
+            if not r.get("ok"):
+                out.append(Finding("warning", name, "mpi", f"could not write ~/{rel}: {r.get('error')}: a "
+                                   "hand-typed mpirun may send its own traffic through docker0 or a down interface",
+                                   f"run mpirun with --mca btl_tcp_if_include {subnet} --mca oob_tcp_if_include "
+                                   f"{subnet}, or use `dscluster launch`"))
+            elif r.get("theirs"):
+                out.append(Finding("warning", name, "mpi", f"~/{rel} already has '{r['theirs']}', which wins over "
+                                   f"the cluster subnet {subnet} check wrote below it",
+                                   f"on {name}: delete that line from ~/{rel}, or make it {subnet}"))
+    return out
+
+
 # ---------------------------------------------------------------------------- active tests
 
 def active_mpirun_argv(mpirun: str, hostfile: str, np: int, cidr: str | None, program: list[str],
@@ -240,15 +282,18 @@ def run_check(opts: CheckOptions) -> CheckRun:
         ev = evaluate(facts, hf, unreachable=unreachable, allow_deprecated_fp16=opts.allow_deprecated_fp16)
         findings = list(ev.findings)
         layout: dict = {}
+        links = links_summary([])
         if facts:
             findings += reach_phase(hf, targets, sessions, facts, ev, opts, python)
+            links, more = link_phase(sessions, facts, ev, opts, python)
+            findings += more + mca_phase(sessions, facts, ev, opts, python)
             layout = probe_layout(targets, sessions, facts, python, opts.timeout, settings.runs_dir,
                                   opts.data_dir, opts.show_progress)
             findings += layout_findings(layout, opts.hostfile)
     finally:
         for c in sessions.values():
             c.close()
-    active: dict = {"mpi_hello": None, "allreduce": None, "skipped": None}
+    active: dict = {"mpi_hello": None, "allreduce": None, "skipped": None, "links": links}
     if opts.skip_active:
         active["skipped"] = "--skip-active"
     elif any(f.severity == "error" and f.check in BLOCKING_CHECKS for f in findings):
@@ -259,6 +304,8 @@ def run_check(opts: CheckOptions) -> CheckRun:
         got, more = run_active(hf, ev, opts, python)
         active.update(got)
         findings += more
+        _, tuning = decide_socket_tuning(active.get("nccl_socket"))
+        findings += [tuning] if tuning else []
     return CheckRun(hostfile=hf, hostfile_sha256=hostfile_sha256(hf.path), created=created, facts=facts,
                     unreachable=unreachable, evaluation=ev, findings=findings, active=active,
                     wall_s=time.monotonic() - t0, layout=layout)
@@ -269,5 +316,6 @@ def ok(run: CheckRun) -> bool:
 
 
 def envs(run: CheckRun, master_port: int):
+    tuned, _ = decide_socket_tuning((run.active or {}).get("nccl_socket"))
     return node_envs(run.evaluation, run.facts, master_port=master_port, created=run.created,
-                     hostfile_sha256=run.hostfile_sha256)
+                     hostfile_sha256=run.hostfile_sha256, tuned=tuned)

@@ -4,7 +4,7 @@ The result, printed with --json and written to <state>/check.json, is `check.che
 its schema is described in docs/schemas.md.
 
 Check names (table columns): reach hostname network versions gpu precision p2p shm clock
-disk mesh port mpi allreduce files. Exit status: 0 no errors (warnings allowed), 1 errors,
+disk mesh port mtu speed nic mpi allreduce files. Exit status: 0 no errors (warnings allowed), 1 errors,
 2 bad input (hostfile, flags, no state from `dscluster setup`).
 """
 
@@ -27,7 +27,8 @@ SEVERITY_STYLE = {"error": "red", "warning": "yellow", "info": "cyan"}
 # Short column headers: the table must fit an 80-column terminal with 14 checks.
 HEADER = {"reach": "ssh", "hostname": "name", "network": "net", "versions": "vers", "gpu": "gpu",
           "precision": "prec", "p2p": "p2p", "shm": "shm", "clock": "clock", "disk": "disk",
-          "mesh": "mesh", "port": "port", "mpi": "mpi", "allreduce": "allred", "files": "files"}
+          "mesh": "mesh", "port": "port", "mtu": "mtu", "speed": "speed", "nic": "nic", "mpi": "mpi",
+          "allreduce": "allred", "files": "files"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,9 +36,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "check",
         help="preflight every node: what would hang or crash the run, and the fix",
         description="Probe every node of the hostfile in parallel over SSH (versions, GPUs, interfaces, "
-        "/dev/shm, clocks, disk), test the passwordless mesh and the master port, run an MPI hello "
+        "/dev/shm, clocks, disk), test the passwordless mesh and the master port, test every pair of "
+        "nodes (ephemeral ports, MTU, speed, the NIC the bytes leave by), run an MPI hello "
         "and an all-reduce, then write the per-node environment launch needs "
-        "(<state>/env/<hostname>.env, <state>/cluster.env, .deepspeed_env, <state>/check.json). "
+        "(<state>/env/<hostname>.env, <state>/cluster.env, .deepspeed_env, <state>/check.json) and the "
+        "cluster subnet into each node's ~/.openmpi and ~/.prte mca-params.conf for a hand-typed mpirun. "
         "Exit 0 no errors, 1 errors found, 2 bad input.",
         epilog="example: dscluster check --hostfile hosts.txt --skip-active --json",
     )

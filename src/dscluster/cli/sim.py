@@ -15,7 +15,8 @@ from rich.table import Table
 from dscluster import console
 from dscluster.sim import lab as sim
 from dscluster.errors import JobFailed, UsageError
-from dscluster.sim.options import parse_env, parse_gpus, parse_link, resolve_size
+from dscluster.sim.netfaults import parse_faults
+from dscluster.sim.options import parse_env, parse_gpus, resolve_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -46,9 +47,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "each node's GPU count)")
     u.add_argument("--gpus", metavar="N,N,...", help="GPUs per node, e.g. 1,1,2: three nodes owning GPUs 0, 1 "
                    "and 2-3 (CUDA_VISIBLE_DEVICES in every process of the node); needs nvidia-smi")
-    u.add_argument("--link", default="none", metavar="RATE",
+    u.add_argument("--link", action="append", default=[], metavar="[NODE=]RATE",
                    help="shape every node's link, both directions, with tc tbf: 1gbit, 10gbit, <n>mbit or "
-                   "none (default)")
+                   "none (default); NODE=RATE shapes one node's (repeatable), e.g. --link node2=100mbit")
+    _fault_options(u)
     u.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="set in every process of every node (repeatable), e.g. --env NCCL_DEBUG=INFO")
     u.add_argument("--no-shared-fs", action="store_true",
@@ -92,6 +94,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.set_defaults(func=exec_command)
 
 
+def _fault_options(parser: argparse.ArgumentParser) -> None:
+    """Per-node network faults real labs have (sim.netfaults); each repeatable."""
+    parser.add_argument("--mtu", action="append", default=[], metavar="NODE=MTU",
+                        help="that node's NIC MTU (the switch stays at 1500), e.g. --mtu node2=9000")
+    parser.add_argument("--firewall", action="append", default=[], metavar="NODE[=PORT,...]",
+                        help="that node drops inbound TCP except ssh and the ports given (default 29500, "
+                        "the master port), e.g. --firewall node2")
+    parser.add_argument("--second-nic", action="append", default=[], metavar="NODE",
+                        help="that node gets a second NIC on the lab subnet and a route through it that "
+                        "takes its traffic to the other nodes, e.g. --second-nic node2")
+
+
 def _exec_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--root", action="store_true", help="run as root instead of the lab user")
     parser.add_argument("--timeout", type=float, default=600, help="seconds before CMD is killed (default 600)")
@@ -102,7 +116,7 @@ def _lab_dict(lab: sim.Lab) -> dict:
     return {
         "lab": lab.name, "subnet": lab.subnet, "host_ip": lab.host_ip, "user": lab.user,
         "hostfile": str(lab.hostfile), "shared": str(lab.shared), "link": lab.state.link,
-        "env": lab.state.env, "shared_fs": lab.state.shared_fs,
+        "env": lab.state.env, "shared_fs": lab.state.shared_fs, "faults": lab.state.faults,
         "nodes": [{"name": n.name, "hostname": n.hostname, "ip": n.ip, "iface": n.iface,
                    "decoys": n.decoys, "netns": n.netns, "gpus": n.gpus} for n in lab.nodes],
     }
@@ -116,10 +130,11 @@ def up_command(args: argparse.Namespace) -> int:
     # Every input is checked before anything is built or written (exit 2).
     gpus = parse_gpus(args.gpus) if args.gpus is not None else None
     resolve_size(args.nodes, args.slots, gpus)
-    link, env = parse_link(args.link), parse_env(args.env)
+    link, faults = parse_faults(mtu=args.mtu, link=args.link, firewall=args.firewall, second_nic=args.second_nic)
+    env = parse_env(args.env)
     start = time.monotonic()
     lab = sim.up(nodes=args.nodes, slots=args.slots, lab=args.lab, hostfile=args.hostfile,
-                 gpus=gpus, link=link, env=env, shared_fs=not args.no_shared_fs)
+                 gpus=gpus, link=link, env=env, shared_fs=not args.no_shared_fs, faults=faults)
     seconds = time.monotonic() - start
     if args.json:
         print(json.dumps(_lab_dict(lab) | {"seconds": round(seconds, 2)}, indent=2))
@@ -129,7 +144,8 @@ def up_command(args: argparse.Namespace) -> int:
     for col in ("node", "hostname", "ip", "iface", "gpus", "link", "user", "decoys"):
         table.add_column(col)
     for n in lab.nodes:
-        table.add_row(n.name, n.hostname, n.ip, n.iface, _gpu_cell(n.gpus), lab.state.link, lab.user,
+        rate = lab.state.faults.get("link", {}).get(n.name, lab.state.link)
+        table.add_row(n.name, n.hostname, n.ip, n.iface, _gpu_cell(n.gpus), rate, lab.user,
                       " ".join(n.decoys))
     console.out.print(table)
     where = "same path on every node" if lab.state.shared_fs else "same path, each node its own; so is the checkout"

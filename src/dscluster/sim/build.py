@@ -20,6 +20,7 @@ from dscluster.sim.ns import (
     SimError, anchor_script, kill_and_wait, netns_exists, pid_in_netns, read_pid, sh, start_anchor,
     start_sshd, wait_anchor, wait_sshd,
 )
+from dscluster.sim.netfaults import apply_faults
 from dscluster.sim.options import LINK_NONE, tbf_argv
 from dscluster.sim.plan import (
     DECOY_CIDR, HOST_KEY_TYPES, LabState, SimNode, free_id, node_path, node_session_env, render_group,
@@ -188,6 +189,7 @@ def build_network(state: LabState) -> None:
             # the bridge port what it receives.
             sh(tbf_argv(ns, node.iface, state.link))
             sh(tbf_argv(sw, node.switch_port, state.link))
+    apply_faults(state, sh)
 
 
 def restart_sshd(state: LabState, node: SimNode) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from dscluster import paths
 from dscluster.errors import UsageError
+from dscluster.sim.netfaults import NetFaults, fault_tools
 from dscluster.sim.ns import LINK_TOOLS, REQUIRED_TOOLS, TOOL_PACKAGES, find_tool, tbf_available
 from dscluster.sim.options import LINK_NONE, check_gpu_supply, count_listed_gpus
 from dscluster.sim.plan import SIM_ROOT, USER_PATH
@@ -34,14 +35,16 @@ def require_root() -> None:
         )
 
 
-def require_tools(link: str = LINK_NONE) -> dict[str, str]:
+def require_tools(link: str = LINK_NONE, faults: NetFaults | None = None) -> dict[str, str]:
     """{tool: absolute path} of every tool the lab runs, found on PATH."""
     wanted = REQUIRED_TOOLS + (LINK_TOOLS if link != LINK_NONE else ())
+    wanted += tuple(t for t in fault_tools(faults or NetFaults()) if t not in wanted)
     found = {t: find_tool(t) for t in wanted}
     missing = [t for t, path in found.items() if path is None]
     if missing:
         raise UsageError(
-            f"not on PATH: {', '.join(missing)}. Install them (`apt-get install {TOOL_PACKAGES}`), "
+            f"not on PATH: {', '.join(missing)}. Install them (`apt-get install {TOOL_PACKAGES}"
+            f"{' nftables' if 'nft' in missing else ''}`), "
             "or, on a host without them, put a folder of carried binaries first on PATH"
         )
     return found
@@ -83,7 +86,9 @@ def check_gpus(counts: list[int]) -> None:
         )
 
 
-def check_link(link: str) -> None:
+def check_link(link: str, faults: NetFaults | None = None) -> None:
+    if link == LINK_NONE and faults and faults.link:
+        link = next(iter(faults.link.values()))
     if link == LINK_NONE:
         return
     reason = tbf_available(f"dscluster-tbfprobe-{os.getpid()}")

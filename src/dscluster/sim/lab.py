@@ -45,6 +45,7 @@ from dscluster.sim.ns import (
     SimError, host_mounts_under, kill_and_wait, link_names, netns_exists, netns_pids, nsenter_argv,
     pid_in_netns, read_pid, sh, wait_for,
 )
+from dscluster.sim.netfaults import NetFaults
 from dscluster.sim.options import LINK_NONE, parse_link, resolve_size, validate_env, validate_lab_name
 from dscluster.sim.private import host_path, plan_private
 from dscluster.sim.plan import (
@@ -251,30 +252,34 @@ def up(
     link: str = LINK_NONE,
     env: dict[str, str] | None = None,
     shared_fs: bool = True,
+    faults: NetFaults | None = None,
 ) -> Lab:
     """Build the lab, or return it if it is already up with the same nodes, GPUs and link.
     `gpus=[1, 1, 2]`: three nodes owning GPUs 0, 1 and 2-3 (sets the node count; one hostfile
     slot per GPU). `link="1gbit"`: every node's cable shaped to that rate, both ways.
-    `shared_fs=False`: each node its own checkout copy and shared folder (sim.private)."""
+    `shared_fs=False`: each node its own checkout copy and shared folder (sim.private). `faults`:
+    per-node MTU, link rate, firewall and second NIC (sim.netfaults)."""
     validate_lab_name(lab)
     nodes, slots = resolve_size(nodes, slots, gpus)
     link, env = parse_link(link), validate_env(env or {})
+    faults = (faults or NetFaults()).check_nodes(nodes)
     require_root()
-    tools = require_tools(link)
+    tools = require_tools(link, faults)
     if gpus:
         check_gpus(gpus)
-    check_link(link)
+    check_link(link, faults)
     with _lock():
         state = _read_state(lab)
         if state is not None:
             if all(_node_healthy(n) for n in state.nodes):
-                same_lab_or_refuse(state, nodes, gpus, link, env, shared_fs)
+                same_lab_or_refuse(state, nodes, gpus, link, env, shared_fs, faults)
                 _refresh(state, slots, hostfile)
                 return Lab(state)
             _teardown(state)  # half-built or broken (e.g. after a reboot): start again
         else:
             _teardown_netns(_stray_netns(lab))  # namespaces of a lab whose state was lost
-        state = _plan(lab, nodes, slots, hostfile, gpus=gpus, link=link, env=env, tools=tools, shared_fs=shared_fs)
+        state = _plan(lab, nodes, slots, hostfile, gpus=gpus, link=link, env=env, tools=tools, shared_fs=shared_fs,
+                      faults=faults)
         try:
             build(state)
         except BaseException:
@@ -300,7 +305,7 @@ def _refresh(state: LabState, slots: int, hostfile: str | os.PathLike | None) ->
 
 
 def _plan(lab: str, nodes: int, slots: int, hostfile, *, gpus, link: str, env, tools: dict[str, str],
-          shared_fs: bool) -> LabState:
+          shared_fs: bool, faults: NetFaults) -> LabState:
     used = set()
     for p in SIM_ROOT.glob("*/state.json"):
         try:
@@ -317,7 +322,7 @@ def _plan(lab: str, nodes: int, slots: int, hostfile, *, gpus, link: str, env, t
     state = plan_lab(
         lab, index=index, nodes=nodes, slots=slots, uid=uid, gid=uid, password=password,
         created=time.time(), hostfile=str(Path(hostfile).absolute()) if hostfile else None,
-        gpus=gpus, link=link, sshd=tools["sshd"], extra_path=extra_path_dirs(tools), env=env,
+        gpus=gpus, link=link, sshd=tools["sshd"], extra_path=extra_path_dirs(tools), env=env, faults=faults,
     )
     # Refused here, before anything is made, if the lab user cannot reach what the nodes share.
     state.mounts = plan_shared_reach(state.shared, state.hostfile, state.extra_path, uid, uid)

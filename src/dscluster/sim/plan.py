@@ -24,6 +24,7 @@ from dscluster.errors import UsageError
 from dscluster.sim.options import (  # noqa: F401  (validators re-exported: callers import them here)
     LINK_NONE, MAX_NODES, assign_gpus, parse_link, validate_lab_name, validate_node_count, validate_slots,
 )
+from dscluster.sim.netfaults import NetFaults
 
 SIM_ROOT = Path("/run/dscluster-sim")
 SUBNET_BASE = "10.77"
@@ -165,6 +166,7 @@ class LabState:
     env: dict[str, str] = field(default_factory=dict)   # --env, set in every node
     mounts: list[list[str]] = field(default_factory=list)  # sim_reach ops: [kind, path]
     private: list[list[str]] = field(default_factory=list)  # sim.private ops; [] = a shared filesystem
+    faults: dict = field(default_factory=dict)   # NetFaults.to_dict(): per-node MTU, link, firewall, NIC
     version: int = STATE_VERSION
 
     def to_dict(self) -> dict:
@@ -218,6 +220,7 @@ def plan_lab(
     sshd: str = "/usr/sbin/sshd",
     extra_path: list[str] = (),
     env: dict[str, str] | None = None,
+    faults: NetFaults | None = None,
 ) -> LabState:
     """The whole lab on paper: names, addresses and paths for `nodes` machines."""
     validate_lab_name(name)
@@ -267,18 +270,21 @@ def plan_lab(
         sshd=sshd,
         extra_path=list(extra_path),
         env=dict(env or {}),
+        faults=(faults or NetFaults()).check_nodes(nodes).to_dict(),
     )
 
 
-def same_lab_or_refuse(state: LabState, nodes: int, gpus, link: str, env, shared_fs: bool) -> None:
-    """`up` again changes no node, GPU, link, environment or file layout of a running lab: say how to rebuild."""
-    def described(n, g, lk, e, fs) -> list[str]:
+def same_lab_or_refuse(state: LabState, nodes: int, gpus, link: str, env, shared_fs: bool,
+                       faults: NetFaults | None = None) -> None:
+    """`up` again changes no node, GPU, link, environment, file layout or network fault of a running
+    lab: say how to rebuild."""
+    def described(n, g, lk, e, fs, fl) -> list[str]:
         return [f"{n} nodes", f"GPUs {','.join(map(str, g))}" if g else "no GPUs", f"link {lk}",
                 f"env {' '.join(f'{k}={v}' for k, v in e.items()) or 'none'}",
-                "a shared filesystem" if fs else "no shared filesystem"]
+                "a shared filesystem" if fs else "no shared filesystem", f"faults {fl.describe()}"]
     had = described(len(state.nodes), [len(n.gpus) for n in state.nodes] if state.uses_gpus else None,
-                    state.link, state.env, state.shared_fs)
-    asked = described(nodes, gpus, link, dict(env or {}), shared_fs)
+                    state.link, state.env, state.shared_fs, NetFaults.from_dict(state.faults))
+    asked = described(nodes, gpus, link, dict(env or {}), shared_fs, faults or NetFaults())
     diff = [i for i in range(len(had)) if had[i] != asked[i]]
     if diff:
         raise UsageError(
