@@ -184,6 +184,15 @@ def peak_mem_mb(on_cuda: bool) -> float | None:
         return None
 
 
+def _run_facts(cfg: TrainConfig, b, pos, last: int) -> dict:
+    """What plan's phase-aware comparison needs of this run (plan/predicted.py `timed`)."""
+    from dscluster.train.comm import powersgd_start
+
+    powersgd = b.comm is not None and cfg.comm.compression == "powersgd"
+    return {"resumed_at": pos.global_step, "last": last, "total": b.total_steps, "epochs": cfg.epochs,
+            "steps_per_epoch": b.sampler.steps_per_epoch, "start_step": powersgd_start(cfg) if powersgd else None}
+
+
 def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Path, facts: dict,
          my_fault: dict, calibrate: bool, primary: bool) -> Outcome:
     from dscluster.train.setup_engine import build
@@ -312,9 +321,9 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
     facts.update(steps=global_step, images_per_s=out.images_per_s, accuracy=accuracy,
                  timed_steps=window.window.timed_steps, timed_s=round(window.window.timed_s, 4))
     if primary and not calibrate:
-        cmp = predicted.compare(predicted.key(model=cfg.model.name, micro_batch=max(b.shares), global_batch=gb,
-                                              precision=precision, compression=cfg.comm.compression,
-                                              ranks=info.world_size), out.images_per_s)
+        plan_key = predicted.key(model=cfg.model.name, micro_batch=max(b.shares), global_batch=gb,
+                                 precision=precision, compression=cfg.comm.compression, ranks=info.world_size)
+        cmp = predicted.compare(plan_key, out.images_per_s, run=_run_facts(cfg, b, pos, global_step))
         if cmp is not None:
             facts["plan"] = cmp
             console.err.print(f"dscluster train: {predicted.line(cmp)}")
