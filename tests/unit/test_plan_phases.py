@@ -126,3 +126,42 @@ def test_pasted_recommendation_includes_the_start_step_and_the_whole_run(tmp_pat
     text = capsys.readouterr().out
     assert "comm.powersgd_start_step=30" in text and "start-step rule" in text
     assert "whole run as configured" in text and "whole run with the recommendation" in text
+
+
+def test_the_compute_figure_is_cached_per_host_device_and_config_and_its_first_step_cost_is_the_warmup(
+        tmp_path, monkeypatch, capsys):
+    from dscluster.plan import probe
+
+    monkeypatch.setenv("DSCLUSTER_STATE", str(tmp_path / "state"))
+    (tmp_path / "hosts.txt").write_text("node1 slots=1\nnode2 slots=1\n")
+    calls = []
+
+    def measured(cfg, in_chans, num_classes, micro, measure=None):
+        calls.append(micro)
+        return probe.ComputeFigure(seconds=0.05, device="cuda (test GPU)", note="compiled, as training runs it",
+                                   spread=0.01, samples=10, warmup_extra_s=12.0, compiled=True)
+
+    monkeypatch.setattr(probe, "measure_steady_compute", measured)
+    argv = ["plan", "--config", str(REPO / "configs/digits.yaml"), "--hostfile", str(tmp_path / "hosts.txt"),
+            "--busbw", "1.0", "--powersgd-s", "0.001", "--json"]
+    assert main(argv) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["compute"]["source"] == "measured" and first["compute"]["compiled"] is True
+    warm = first["runs"]["now"]["phases"][0]
+    assert warm["name"] == "warm-up" and warm["seconds"] >= 12.0
+    assert main(argv) == 0  # the same host, device and config: the figure is used again, not measured
+    again = json.loads(capsys.readouterr().out)
+    assert calls == [first["micro_batch"]]
+    assert again["compute"]["source"] == "cached" and again["compute"]["seconds"] == 0.05
+    assert again["runs"]["now"]["seconds"] == pytest.approx(first["runs"]["now"]["seconds"])
+    assert main([*argv, "--no-calibration"]) == 0  # measures again
+    assert len(calls) == 2
+
+
+def test_the_probe_compiles_only_where_training_compiles():
+    from dscluster.plan import probe
+    from dscluster.train.config import load_config
+
+    cfg = load_config(str(REPO / "configs/vit_tiny.yaml"), [])
+    assert cfg.compile == "auto" and probe.compiles_here(cfg) is False  # no GPU here: eager, as training
+    assert "compile=auto" in probe.probe_key(cfg, 32, "fp16")

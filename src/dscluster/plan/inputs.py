@@ -273,15 +273,21 @@ def measure(opts: PlanOptions) -> PlanInputs:
                                                                        ranks=world)
     notes: list[str] = []
     if compute is None:
-        how = compute_figure(cfg, in_chans, num_classes, micro, precision, calibration, notes)
+        how = compute_figure(cfg, in_chans, num_classes, micro, precision, calibration, notes,
+                             reuse=not opts.no_calibration)
         compute = dict.fromkeys(names, how["seconds"])
     else:
         how = {"seconds": max(compute.values()), "source": "--compute-s", "device": None, "note": None,
                **dict.fromkeys(FIGURE_KEYS[1:])}
     calibration = calibrations_with(calibration, how, notes)
     powersgd_s = opts.powersgd_s if opts.powersgd_s is not None else how["powersgd_s"]
-    if powersgd_s is None and allowed.get("powersgd") and world > 1 and how["source"] == "measured":
+    if powersgd_s is None and allowed.get("powersgd") and world > 1 and how["source"] in ("measured", "cached"):
         powersgd_s = how["powersgd_s"] = measure_powersgd(cfg, in_chans, num_classes, micro)
+    if how["source"] in ("measured", "cached") and not how.get("disturbed"):
+        try:  # cached per host, device and config (plans.json `figures`)
+            predicted.save_figure(how["probe"], figure_of(how))
+        except OSError:
+            pass  # a read-only state directory costs the next plan a measurement, not this one
     return PlanInputs(cfg=cfg, hostfile=hostfile, compute=compute, how=how, source=source, busbw=busbw,
                       check_world=check_world, latency=latency, world=world, micro=micro, accum=accum,
                       batch_note=batch_note, params=params, matrices=matrices, precision=precision,
@@ -290,7 +296,7 @@ def measure(opts: PlanOptions) -> PlanInputs:
 
 
 def compute_figure(cfg, in_chans: int, num_classes: int, micro: int, precision: str, calibration: dict[str, dict],
-                   notes: list[str]) -> dict:
+                   notes: list[str], reuse: bool = True) -> dict:
     """The compute figure of a plan without --compute-s (the document's `compute`): the one kept with a
     calibration made on this host, device and config (`probe_key`), else measured now. A calibration
     is measured − modelled step with the figure its plan had; a figure measured now, under another
@@ -308,11 +314,18 @@ def compute_figure(cfg, in_chans: int, num_classes: int, micro: int, precision: 
                "note": f"compute figure {figure['seconds']:.4f} s per micro-batch ({figure['device']}), measured at "
                        f"{when} for the plan the calibration's runs were measured against: used again, not measured "
                        "now (plan measures again when the host, GPU or config change, or with --no-calibration)"}
+    elif reuse and predicted.figure(key) is not None:
+        figure = predicted.figure(key)
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(figure["measured_at"]))
+        how = {**figure, "source": "cached",
+               "note": f"compute figure {figure['seconds']:.4f} s per micro-batch ({figure['device']}), measured at "
+                       f"{when} for this host, device and config: used again (--no-calibration measures again)"}
     else:
         f = measure_steady_compute(cfg, in_chans, num_classes, micro)
         how = {"seconds": f.seconds, "source": "measured", "device": f.device, "note": f.note, "probe": key,
                "measured_at": time.time(), "spread": round(f.spread, 4), "samples": f.samples,
-               "disturbed": f.disturbed, "powersgd_s": None}
+               "disturbed": f.disturbed, "powersgd_s": None, "warmup_extra_s": round(f.warmup_extra_s, 4),
+               "compiled": f.compiled}
         if f.disturbed:
             notes.append(f"the compute probe was disturbed: its {f.samples} samples spread {f.spread:.0%} around "
                          f"their median{' twice' if f.tries > 1 else ''} ({host_load()}); its figure "
@@ -323,7 +336,8 @@ def compute_figure(cfg, in_chans: int, num_classes: int, micro: int, precision: 
     return how
 
 
-FIGURE_KEYS = ("seconds", "device", "probe", "measured_at", "spread", "samples", "disturbed", "powersgd_s")
+FIGURE_KEYS = ("seconds", "device", "probe", "measured_at", "spread", "samples", "disturbed", "powersgd_s",
+               "warmup_extra_s", "compiled")
 """A compute figure as plans.json keeps it with each saved setting (`figure_of`)."""
 
 

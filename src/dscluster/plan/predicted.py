@@ -9,11 +9,15 @@
                      "compute": FIGURE, "costs": RUNCOSTS, "model_costs": RUNCOSTS}},
      "outcomes": [{"key": KEY, "model": str, "precision": str, "compression": str, "ranks": int,
                    "model_step_s": float, "measured_step_s": float, "run_id": str, "at": unix time,
-                   "compute": FIGURE | null}]}
+                   "compute": FIGURE | null}],
+     "figures": {PROBE_KEY: FIGURE}}
 
 FIGURE is the compute figure the setting's model step was made with (plan/inputs.py `figure_of`):
 {"seconds", "device", "probe" (host, device and config it holds for; null with --compute-s),
 "measured_at", "spread", "samples", "disturbed", "powersgd_s"}.
+
+`figures` caches each compute figure plan measured, by its probe key (host, device, config, compile:
+plan/probe.py `probe_key`): the next plan of the same key uses it instead of measuring again.
 
 RUNCOSTS (plan/phases.py RunCosts; absent in older entries) are what the setting's run is made of:
 plain and compressed step, first-step cost, an evaluation, a save; `model_costs` with the model's
@@ -85,7 +89,7 @@ def save(entries: dict[str, dict], env=None) -> Path:
     plans, outcomes = _read_doc(p)
     now = time.time()
     plans.update({k: {**v, "created": v.get("created", now)} for k, v in entries.items()})
-    return atomic_write_json(p, {"schema": SCHEMA, "plans": plans, "outcomes": outcomes})
+    return atomic_write_json(p, {"schema": SCHEMA, "plans": plans, "outcomes": outcomes, "figures": _figures(p)})
 
 
 def record(cmp: dict, *, model: str, precision: str, compression: str, ranks: int, global_batch: int,
@@ -107,7 +111,8 @@ def record(cmp: dict, *, model: str, precision: str, compression: str, ranks: in
                      "ranks": ranks, "model_step_s": float(model_step),
                      "measured_step_s": global_batch / float(cmp["measured_images_per_s"]), "run_id": run_id,
                      "at": time.time(), "compute": figure if isinstance(figure, dict) else None})
-    atomic_write_json(p, {"schema": SCHEMA, "plans": plans, "outcomes": outcomes[-MAX_OUTCOMES:]})
+    atomic_write_json(p, {"schema": SCHEMA, "plans": plans, "outcomes": outcomes[-MAX_OUTCOMES:],
+                          "figures": _figures(p)})
 
 
 def calibration(*, model: str, precision: str, ranks: int, env=None) -> dict[str, dict]:
@@ -131,6 +136,29 @@ def calibration(*, model: str, precision: str, ranks: int, env=None) -> dict[str
         extra = [x for x, figure in rows if figure == newest]
         out[c] = {"extra_s": statistics.median(extra), "runs": len(extra), "compute": newest}
     return out
+
+
+def _figures(p: Path) -> dict[str, dict]:
+    try:
+        figures = json.loads(p.read_text(encoding="utf-8")).get("figures")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return {}
+    return {k: v for k, v in figures.items() if isinstance(v, dict)} if isinstance(figures, dict) else {}
+
+
+def figure(probe_key: str, env=None) -> dict | None:
+    """The compute figure measured before for this probe key (host, device, config: plan/probe.py
+    `probe_key`), or None."""
+    found = _figures(path(env)).get(probe_key)
+    return found if isinstance(found, dict) and isinstance(found.get("seconds"), (int, float)) else None
+
+
+def save_figure(probe_key: str, fig: dict, env=None) -> None:
+    """Keep a measured compute figure for the next plan of the same probe key, atomically."""
+    p = path(env)
+    plans, outcomes = _read_doc(p)
+    atomic_write_json(p, {"schema": SCHEMA, "plans": plans, "outcomes": outcomes,
+                          "figures": {**_figures(p), probe_key: fig}})
 
 
 def lookup(plan_key: str, env=None) -> dict | None:
