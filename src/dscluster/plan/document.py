@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from dscluster.plan import calibrate as calibration_run, model, predicted, wholerun
+from dscluster.plan import calibrate as calibration_run, model, nodes as node_probe, predicted, wholerun
 from dscluster.plan.inputs import COMPRESSION_KEY, PlanInputs, PlanOptions, figure_of
 
 SCHEMA_VERSION = 1
@@ -81,7 +81,8 @@ def scenario_of(inputs: PlanInputs, calibration: dict[str, dict]) -> model.Scena
                           busbw_GBps=inputs.busbw, bucket_bytes=cfg.ddp_bucket_mb * 2**20,
                           latency_s=inputs.latency, powersgd_s=inputs.powersgd_s or 0.0,
                           calibration=tuple((c, v["extra_s"]) for c, v in calibration.items()),
-                          samples_per_step=cfg.global_batch if cfg.global_batch and cfg.global_batch < even else None)
+                          samples_per_step=cfg.global_batch if cfg.global_batch and cfg.global_batch < even else None,
+                          balanced=node_probe.uses_balanced(cfg))
 
 
 def uses_powersgd(cfg, rec: model.Recommendation, world: int) -> bool:
@@ -128,9 +129,9 @@ def notes_of(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict]
 
 
 def setting_runs(inputs: PlanInputs, scenario: model.Scenario, prediction: model.Prediction,
-                 rec: model.Recommendation) -> tuple[dict[str, dict | None], list[str]]:
-    """The whole-run prediction of the config as given ("now") and of each recommended setting, and
-    the notes on them (`wholerun`)."""
+                 rec: model.Recommendation, rec_scenario: model.Scenario) -> tuple[dict[str, dict | None], list[str]]:
+    """The whole-run prediction of the config as given ("now") and of each recommended setting (made
+    from `rec_scenario`), and the notes on them (`wholerun`)."""
     cfg, world = inputs.cfg, inputs.world
     sizes = wholerun.dataset_sizes(cfg)
     extra = float(inputs.how.get("warmup_extra_s") or 0.0)
@@ -145,7 +146,7 @@ def setting_runs(inputs: PlanInputs, scenario: model.Scenario, prediction: model
         start = wholerun.start_for(cfg, o.compression, world, recommended=True)
         if name == "choice" and start is not None and start != wholerun.powersgd_start(cfg):
             choice_start = start  # the rule moved it: say why
-        s = replace(scenario, grad_accum=o.grad_accum, compression=o.compression, samples_per_step=None)
+        s = replace(rec_scenario, grad_accum=o.grad_accum, compression=o.compression, samples_per_step=None)
         runs[name] = wholerun.setting_run(cfg, s, o.prediction, sizes, start=start, warmup_extra_s=extra,
                                           params=inputs.params)
     return runs, wholerun.run_note(cfg, sizes, now_start, choice_start, world)
@@ -157,9 +158,11 @@ def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
     cfg, world = inputs.cfg, inputs.world
     scenario = scenario_of(inputs, calibration)
     prediction = model.predict(scenario)
-    rec = model.recommend(scenario, max_global_batch=opts.max_global_batch,
+    mixed, balance = node_probe.mixed_notes(scenario, prediction, scenario.balanced)
+    rec_scenario = replace(scenario, balanced=True) if balance else scenario
+    rec = model.recommend(rec_scenario, max_global_batch=opts.max_global_batch,
                           compressions=model.ladder(cfg.comm.compression, allowed=inputs.allowed.get))
-    whole, run_notes = setting_runs(inputs, scenario, prediction, rec)
+    whole, run_notes = setting_runs(inputs, scenario, prediction, rec, rec_scenario)
     choice_start = ((whole.get("choice") or {}).get("costs") or {}).get("start_step")
     doc = {
         "schema": SCHEMA_VERSION, "config": opts.config, "model": cfg.model.name, "params": inputs.params,
@@ -180,8 +183,10 @@ def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
                                                                    inputs.micro, choice_start),
                            "pending": inputs.refused},
         "saved_to": None,
-        "notes": notes_of(opts, inputs, calibration, rec, prediction) + run_notes,
+        "notes": notes_of(opts, inputs, calibration, rec, prediction) + mixed + run_notes,
     }
+    if balance:
+        doc["recommendation"]["overrides"].append("batching=balanced")
     save(doc, saved_entries(doc, cfg, rec, opts))
     return doc, rec
 

@@ -43,6 +43,8 @@ class PlanOptions:
     """Ignore what earlier runs measured against their plans."""
     max_global_batch: int = model.MAX_GLOBAL_BATCH
     """Largest global batch to recommend."""
+    probe_here: bool = False
+    """Measure compute on this machine only and give every node its figure (default: on each node)."""
 
     def __post_init__(self):
         if self.calibrate and self.no_calibration:
@@ -251,6 +253,7 @@ def measure(opts: PlanOptions) -> PlanInputs:
     """Everything the prediction is made from that costs a measurement or a model build, once: a
     calibration run rebuilds the plan from the same inputs."""
     from dscluster.hosts import parse_hostfile
+    from dscluster.plan import nodes
     from dscluster.plan.probe import measure_powersgd
     from dscluster.train.config import load_config
     from dscluster.train.precision import gradient_format
@@ -272,16 +275,25 @@ def measure(opts: PlanOptions) -> PlanInputs:
     calibration = {} if opts.no_calibration else predicted.calibration(model=cfg.model.name, precision=precision,
                                                                        ranks=world)
     notes: list[str] = []
-    if compute is None:
-        how = compute_figure(cfg, in_chans, num_classes, micro, precision, calibration, notes,
-                             reuse=not opts.no_calibration)
-        compute = dict.fromkeys(names, how["seconds"])
-    else:
+    how = None
+    if compute is not None:
         how = {"seconds": max(compute.values()), "source": "--compute-s", "device": None, "note": None,
                **dict.fromkeys(FIGURE_KEYS[1:])}
+    elif not (opts.probe_here or nodes.is_here(names)):
+        compute, how, failed = nodes.node_compute(opts, cfg, hostfile, micro, precision,
+                                                  reuse=not opts.no_calibration, check_json=state.check_json_path())
+        if failed:  # those nodes get this machine's figure, said in a note
+            notes.append(f"could not measure compute on {', '.join(failed)} ({next(iter(failed.values()))}): "
+                         "given this machine's figure; pass --compute-s NODE=S,... or --probe-here")
+    if compute is None or len(compute) < len(names):
+        local = compute_figure(cfg, in_chans, num_classes, micro, precision, calibration, notes,
+                               reuse=not opts.no_calibration)
+        how = how if compute else local
+        compute = {**dict.fromkeys(names, local["seconds"]), **(compute or {})}
     calibration = calibrations_with(calibration, how, notes)
     powersgd_s = opts.powersgd_s if opts.powersgd_s is not None else how["powersgd_s"]
-    if powersgd_s is None and allowed.get("powersgd") and world > 1 and how["source"] in ("measured", "cached"):
+    if powersgd_s is None and allowed.get("powersgd") and world > 1 and how["source"] in ("measured", "cached",
+                                                                                            nodes.MEASURED):
         powersgd_s = how["powersgd_s"] = measure_powersgd(cfg, in_chans, num_classes, micro)
     if how["source"] in ("measured", "cached") and not how.get("disturbed"):
         try:  # cached per host, device and config (plans.json `figures`)
