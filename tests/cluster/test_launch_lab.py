@@ -64,9 +64,9 @@ def explain(res: subprocess.CompletedProcess, tail: int = 4000) -> str:
     return f"exit {res.returncode}\n--- stdout\n{res.stdout[-tail:]}\n--- stderr\n{res.stderr[-tail:]}"
 
 
-@pytest.fixture(scope="module")
-def cluster(lab_factory):
-    lab = lab_factory("launchlab", nodes=3, slots=1)
+def set_up(lab_factory, name: str) -> Cluster:
+    """A 3-node lab with a shared working directory, keys installed and host keys pinned (`setup`)."""
+    lab = lab_factory(name, nodes=3, slots=1)
     work = lab.shared / "work"
     work.mkdir(parents=True, exist_ok=True)
     os.chown(work, lab.uid, lab.gid)
@@ -74,6 +74,13 @@ def cluster(lab_factory):
     setup = lab.run("node1", f"cd {work} && DSCLUSTER_SSH_PASSWORD={shlex.quote(lab.password)} "
                     f"{DSCLUSTER} setup --hostfile {c.hostfile} --trust-new-hosts --fix-path", timeout=300)
     assert setup.returncode == 0, explain(setup)
+    return c
+
+
+@pytest.fixture(scope="module")
+def cluster(lab_factory):
+    c = set_up(lab_factory, "launchlab")
+    work = c.work
     check = c.sh(f"{DSCLUSTER} check --hostfile {c.hostfile}", timeout=300)
     assert check.returncode == 0, explain(check)
     assert (work / ".dscluster" / "check.json").exists()

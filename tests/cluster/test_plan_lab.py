@@ -1,31 +1,22 @@
 """`dscluster plan` on a simulated 3-node lab: the compute probe runs on every node over SSH, and a
-node slowed by DSCLUSTER_FAULT is the one plan names (real sshd, setup and check, as in
+node slowed by DSCLUSTER_FAULT is the one plan names (real sshd and `dscluster setup`, as in
 test_launch_lab.py)."""
 
 from __future__ import annotations
 
 import json
-import os
 import shlex
 
 import pytest
 
-from test_launch_lab import DSCLUSTER, REPO, Cluster, explain
+from test_launch_lab import DSCLUSTER, REPO, explain, set_up
 
 pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture(scope="module")
 def cluster(lab_factory):
-    lab = lab_factory("planlab", nodes=3, slots=1)
-    work = lab.shared / "work"
-    work.mkdir(parents=True, exist_ok=True)
-    os.chown(work, lab.uid, lab.gid)
-    c = Cluster(lab=lab, work=work, hostfile=str(lab.hostfile))
-    setup = lab.run("node1", f"cd {work} && DSCLUSTER_SSH_PASSWORD={shlex.quote(lab.password)} "
-                    f"{DSCLUSTER} setup --hostfile {c.hostfile} --trust-new-hosts --fix-path", timeout=300)
-    assert setup.returncode == 0, explain(setup)  # keys and pinned host keys: what plan's probe needs
-    return c
+    return set_up(lab_factory, "planlab")  # keys and pinned host keys: what plan's probe needs
 
 
 def test_plan_measures_every_node_on_itself_and_names_the_slowed_one(cluster):

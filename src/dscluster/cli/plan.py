@@ -68,7 +68,7 @@ def options(args: argparse.Namespace) -> PlanOptions:
 
 def plan_command(args: argparse.Namespace) -> int:
     if args.measure_node:  # on a node, for the head's plan (plan/nodes.py)
-        from dscluster.plan.nodes import measure_here
+        from dscluster.plan.nodeprobe import measure_here
 
         print(json.dumps(measure_here(args.config, list(args.overrides), args.measure_node)))
         return 0
