@@ -165,3 +165,11 @@ def test_the_probe_compiles_only_where_training_compiles():
     cfg = load_config(str(REPO / "configs/vit_tiny.yaml"), [])
     assert cfg.compile == "auto" and probe.compiles_here(cfg) is False  # no GPU here: eager, as training
     assert "compile=auto" in probe.probe_key(cfg, 32, "fp16")
+
+
+def test_a_resumed_run_is_not_charged_the_evaluation_its_predecessor_ran():
+    c = costs(start_step=None, plain_step_s=0.2)
+    # resumed at step 100, the end of epoch 1: that epoch's evaluation and save ran before the resume
+    assert phases.timed_mean_step(c, 101, 103, total=1000, epochs=10, resumed_at=100) == pytest.approx(0.2)
+    # a fresh run's steps 96..110 hold the evaluation and save after step 100
+    assert phases.timed_mean_step(c, 96, 110, total=1000, epochs=10) == pytest.approx((15 * 0.2 + 5.0) / 15)

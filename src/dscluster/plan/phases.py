@@ -159,12 +159,15 @@ def timed_steps(resumed_at: int, last: int) -> tuple[int, int]:
     return (resumed_at + WARMUP_STEPS + 1 if run_length > WARMUP_STEPS else resumed_at + 1), last
 
 
-def timed_mean_step(c: RunCosts, first: int, last: int, *, total: int, epochs: int) -> float | None:
+def timed_mean_step(c: RunCosts, first: int, last: int, *, total: int, epochs: int,
+                    resumed_at: int = 0) -> float | None:
     """Mean seconds per step over the steps train timed (first..last), with the evaluations and saves
-    its windows hold: those after step first−1 (the warm-up's last) up to the step before the last."""
+    its windows hold: those after step first−1 (the warm-up's last, where this process ran it) up to
+    the step before the last."""
     if last < first:
         return None
-    s = span(c, first, last, total=total, epochs=epochs, events_from=first - 1, events_to=last - 1)
+    after = first - 1 if first - 1 > resumed_at else first
+    s = span(c, first, last, total=total, epochs=epochs, events_from=after, events_to=last - 1)
     return (s["plain_s"] + s["steady_s"] + s["evaluation_s"] + s["checkpoints_s"]) / (last - first + 1)
 
 

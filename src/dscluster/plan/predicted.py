@@ -203,7 +203,8 @@ def timed(entry: dict, run: dict) -> dict | None:
             known = {f.name for f in fields(phases.RunCosts)}
             c = phases.RunCosts(**{**{k: v for k, v in entry[name].items() if k in known},
                                    "steps_per_epoch": int(run["steps_per_epoch"]), "start_step": run.get("start_step")})
-            means.append(phases.timed_mean_step(c, first, last, total=int(run["total"]), epochs=int(run["epochs"])))
+            means.append(phases.timed_mean_step(c, first, last, total=int(run["total"]), epochs=int(run["epochs"]),
+                                                resumed_at=int(run["resumed_at"])))
         global_batch = float(entry["images_per_s"]) * float(entry["step_s"])
     except (KeyError, TypeError, ValueError, UsageError):
         return None
