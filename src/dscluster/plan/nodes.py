@@ -188,11 +188,16 @@ def node_compute(opts, cfg, hostfile, micro: int, precision: str, *, reuse: bool
 
 def uses_balanced(cfg) -> bool:
     """Whether training will balance the batch (train/balanced.py `resolve_batching`: the config's
-    batching, or check's DSCLUSTER_BATCHING for auto)."""
+    batching, or for auto DSCLUSTER_BATCHING from the environment or check's <state>/cluster.env)."""
+    from dscluster import state
     from dscluster.train.balanced import resolve_batching
 
     try:
-        return resolve_batching(cfg.batching) == "balanced"
+        cluster = state.read_env_file(state.cluster_env_path())
+    except (OSError, UsageError):
+        cluster = {}
+    try:
+        return resolve_batching(cfg.batching, {**cluster, **os.environ}) == "balanced"
     except UsageError:
         return False
 
