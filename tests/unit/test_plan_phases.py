@@ -71,7 +71,8 @@ def entry(**kw):
 ])
 def test_trains_comparison_predicts_the_steps_that_ran(tmp_path, steps, plain, predicted_ips):
     env = {"DSCLUSTER_STATE": str(tmp_path)}
-    key = predicted.key(model="m", micro_batch=128, global_batch=2048, precision="fp16", compression="powersgd", ranks=4)
+    key = predicted.key(model="m", micro_batch=128, global_batch=2048, precision="fp16", compression="powersgd",
+                        ranks=4)
     predicted.save({key: entry()}, env)
     run = {"resumed_at": 0, "last": steps, "total": steps, "epochs": 10, "steps_per_epoch": 100, "start_step": 200}
     cmp = predicted.compare(key, 450.0, env, run=run)
@@ -84,7 +85,8 @@ def test_trains_comparison_predicts_the_steps_that_ran(tmp_path, steps, plain, p
 
 def test_outcomes_of_plain_and_mixed_runs_calibrate_the_right_compression(tmp_path):
     env = {"DSCLUSTER_STATE": str(tmp_path)}
-    key = predicted.key(model="m", micro_batch=128, global_batch=2048, precision="fp16", compression="powersgd", ranks=4)
+    key = predicted.key(model="m", micro_batch=128, global_batch=2048, precision="fp16", compression="powersgd",
+                        ranks=4)
     predicted.save({key: entry()}, env)
     base = {"resumed_at": 0, "total": 300, "epochs": 10, "steps_per_epoch": 100, "start_step": 200}
     for last in (24, 300):

@@ -65,7 +65,8 @@ class RunCosts:
 
     def __post_init__(self):
         if self.steps_per_epoch < 1:
-            raise UsageError(f"steps per epoch {self.steps_per_epoch}: the training set is smaller than one global batch")
+            raise UsageError(f"steps per epoch {self.steps_per_epoch}: the training set is smaller than one "
+                             "global batch")
         if not (self.plain_step_s > 0 and self.step_s > 0 and min(self.warmup_extra_s, self.eval_s, self.save_s) >= 0):
             raise UsageError(f"run costs out of range: {self}")
 
