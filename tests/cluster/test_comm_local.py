@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from dscluster.fsutil import read_jsonl
+from dscluster.plan import phases
 from _local_mpirun import DSCLUSTER, ROOT, require_mpirun
 from test_train_local import mpirun as train_mpirun
 
@@ -93,7 +94,11 @@ def test_a_plain_runs_split_explains_its_steps_and_train_compares_the_plans_pred
                         "--busbw", "1.0", "--compute-s", "0.05", "--json", *SHORT], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
-    predicted = json.loads(p.stdout)["prediction"]["images_per_s"]
+    doc = json.loads(p.stdout)
+    # train judges its timed steps 6..10 and what its windows hold: the evaluation and save after step 5
+    costs = phases.RunCosts(**doc["runs"]["now"]["costs"])
+    predicted = doc["global_batch"] / phases.timed_mean_step(costs, 6, 10, total=10, epochs=2)
+    assert predicted < doc["prediction"]["images_per_s"]
     rc, out = mpirun(tmp_path, "planned", *SHORT, "epochs=2", env={"DSCLUSTER_STATE": str(state)})
     assert rc == 0, out[-3000:]
     summary = json.loads((tmp_path / "planned" / "summary.json").read_text())

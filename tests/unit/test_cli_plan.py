@@ -80,7 +80,8 @@ def test_busbw_comes_from_checks_largest_allreduce(lab, capsys):
     assert doc["prediction"]["step_s"] == pytest.approx(4.34, abs=0.05)
     assert doc["prediction"]["slower"] and not doc["recommendation"]["train_alone"]
     assert doc["recommendation"]["overrides"] == ["micro_batch=128", "grad_accum=2", "global_batch=1024",
-                                                   "optim.lr_reference_batch=512", "comm.compression=powersgd"]
+                                                   "optim.lr_reference_batch=512", "comm.compression=powersgd",
+                                                   "comm.powersgd_start_step=30"]
     assert doc["recommendation"]["pending"] == []
     assert not any("check measured" in n for n in doc["notes"])
     # --busbw wins over check.json

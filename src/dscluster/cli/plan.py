@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="all-reduce bus bandwidth in GB/s (default: what `dscluster check` measured)")
     p.add_argument("--compute-s", metavar="S|NODE=S,...",
                    help="seconds of one forward+backward of one micro-batch on one rank, for every node or "
-                   "per node (default: measured here)")
+                   "per node (default: measured on each node)")
     p.add_argument("--powersgd-s", type=float, metavar="S",
                    help="PowerSGD's own work per optimizer step on one rank, seconds (default: measured here "
                    "when compute is)")
@@ -51,6 +51,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="ignore what earlier runs measured against their plans (<state>/plans.json outcomes)")
     p.add_argument("--max-global-batch", type=int, default=model.MAX_GLOBAL_BATCH, metavar="N",
                    help=f"largest global batch to recommend (default: {model.MAX_GLOBAL_BATCH})")
+    p.add_argument("--probe-here", action="store_true",
+                   help="measure compute on this machine only and give every node its figure (default: a probe "
+                   "on each node over SSH, one per distinct GPU model, cached)")
+    p.add_argument("--measure-node", metavar="FIRST:RANKS", help=argparse.SUPPRESS)  # the probe plan runs on a node
     p.add_argument("--json", action="store_true", help="print the plan as JSON (schema: docs/schemas.md)")
     p.set_defaults(func=plan_command)
 
@@ -58,10 +62,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 def options(args: argparse.Namespace) -> PlanOptions:
     return PlanOptions(config=args.config, overrides=list(args.overrides), hostfile=args.hostfile, busbw=args.busbw,
                        compute_s=args.compute_s, powersgd_s=args.powersgd_s, calibrate=args.calibrate,
-                       no_calibration=args.no_calibration, max_global_batch=args.max_global_batch)
+                       no_calibration=args.no_calibration, max_global_batch=args.max_global_batch,
+                       probe_here=args.probe_here)
 
 
 def plan_command(args: argparse.Namespace) -> int:
+    if args.measure_node:  # on a node, for the head's plan (plan/nodes.py)
+        from dscluster.plan.nodeprobe import measure_here
+
+        print(json.dumps(measure_here(args.config, list(args.overrides), args.measure_node)))
+        return 0
     from dscluster.plan.run import run
 
     doc = run(options(args))

@@ -6,15 +6,18 @@ The `--json` document (schema version `SCHEMA_VERSION`) is described in docs/sch
 
 from __future__ import annotations
 
-from dscluster.plan import calibrate as calibration_run, model, predicted
+from dataclasses import replace
+
+from dscluster.plan import calibrate as calibration_run, model, nodes as node_probe, predicted, wholerun
 from dscluster.plan.inputs import COMPRESSION_KEY, PlanInputs, PlanOptions, figure_of
 
 SCHEMA_VERSION = 1
 
 
-def overrides(cfg, current_global: int, option: model.Option | None, micro: int) -> list[str]:
+def overrides(cfg, current_global: int, option: model.Option | None, micro: int, start: int | None = None) -> list[str]:
     """key=value for `./entry_cn.sh` / `dscluster train`: all three batch keys, so the trainer's
-    check micro × accum × world = global holds whatever the preset says, and the compression."""
+    check micro × accum × world = global holds whatever the preset says, the compression, and
+    PowerSGD's start step where the rule moves it (`wholerun.start_for`)."""
     out = []
     if option is not None and option.prediction.global_batch != current_global:
         out = [f"micro_batch={micro}", f"grad_accum={option.grad_accum}",
@@ -23,30 +26,38 @@ def overrides(cfg, current_global: int, option: model.Option | None, micro: int)
             out.append(f"optim.lr_reference_batch={current_global}")  # linear LR scaling, as DeiT's recipe
     if option is not None and option.compression != cfg.comm.compression:
         out.append(f"{COMPRESSION_KEY}={option.compression}")
+    if option is not None and start is not None and start != wholerun.start_for(cfg, option.compression, 2,
+                                                                               recommended=False):
+        out.append(f"comm.powersgd_start_step={start}")
     return out
 
 
 def saved_entries(doc: dict, cfg, rec: model.Recommendation, opts: PlanOptions) -> dict[str, dict]:
     """What `train` looks up at the end of a run (plan/predicted.py): the config as given and each
-    recommended setting, keyed by what decides its figure."""
-    settings = [("now", doc["grad_accum"], cfg.comm.compression, doc["prediction"], [])]
+    recommended setting, keyed by what decides its figure, with its run costs (plan/phases.py)."""
+    settings = [("now", cfg.comm.compression, doc["prediction"], [])]
     for name in ("choice", "without_compression"):
         o = getattr(rec, name)
         if o is not None:
-            settings.append((name, o.grad_accum, o.compression, o.to_dict()["prediction"],
-                             overrides(cfg, doc["global_batch"], o, doc["micro_batch"])))
+            start = (doc["runs"].get(name) or {}).get("costs", {}).get("start_step")
+            settings.append((name, o.compression, o.to_dict()["prediction"],
+                             overrides(cfg, doc["global_batch"], o, doc["micro_batch"], start)))
     out = {}
-    for name, _accum, comp, p, ovr in settings:
+    for name, comp, p, ovr in settings:
         k = run_key(doc, cfg, p["global_batch"] if any(o.startswith("global_batch=") for o in ovr) else None, comp)
-        out.setdefault(k, saved_entry(doc, opts, name, p, ovr))
+        out.setdefault(k, saved_entry(doc, opts, name, p, ovr, doc["runs"].get(name)))
     return out
 
 
-def saved_entry(doc: dict, opts: PlanOptions, setting: str, p: dict, ovr: list[str]) -> dict:
-    """One plans.json entry (plan/predicted.py): a setting's predicted figures and what they came from."""
-    return {"images_per_s": p["images_per_s"], "step_s": p["step_s"], "model_step_s": p["model_step_s"],
-            "setting": setting, "config": opts.config, "hostfile": doc["hostfile"], "busbw_GBps": doc["busbw_GBps"],
-            "compute_s": doc["compute"]["seconds"], "overrides": ovr, "compute": figure_of(doc["compute"])}
+def saved_entry(doc: dict, opts: PlanOptions, setting: str, p: dict, ovr: list[str], run: dict | None = None) -> dict:
+    """One plans.json entry (plan/predicted.py): a setting's predicted figures and what they came from;
+    with its whole-run prediction, the run costs train's comparison predicts the timed steps from."""
+    entry = {"images_per_s": p["images_per_s"], "step_s": p["step_s"], "model_step_s": p["model_step_s"],
+             "setting": setting, "config": opts.config, "hostfile": doc["hostfile"], "busbw_GBps": doc["busbw_GBps"],
+             "compute_s": doc["compute"]["seconds"], "overrides": ovr, "compute": figure_of(doc["compute"])}
+    if run is not None:
+        entry.update(costs=run["costs"], model_costs=run["model_costs"])
+    return entry
 
 
 def run_key(doc: dict, cfg, global_batch: int | None, compression: str) -> str:
@@ -70,7 +81,8 @@ def scenario_of(inputs: PlanInputs, calibration: dict[str, dict]) -> model.Scena
                           busbw_GBps=inputs.busbw, bucket_bytes=cfg.ddp_bucket_mb * 2**20,
                           latency_s=inputs.latency, powersgd_s=inputs.powersgd_s or 0.0,
                           calibration=tuple((c, v["extra_s"]) for c, v in calibration.items()),
-                          samples_per_step=inputs.global_batch if inputs.global_batch < full else None)
+                          samples_per_step=inputs.global_batch if inputs.global_batch < full else None,
+                          balanced=node_probe.uses_balanced(cfg))
 
 
 def uses_powersgd(cfg, rec: model.Recommendation, world: int) -> bool:
@@ -118,14 +130,42 @@ def notes_of(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict]
     return notes
 
 
+def setting_runs(inputs: PlanInputs, scenario: model.Scenario, prediction: model.Prediction,
+                 rec: model.Recommendation, rec_scenario: model.Scenario) -> tuple[dict[str, dict | None], list[str]]:
+    """The whole-run prediction of the config as given ("now") and of each recommended setting (made
+    from `rec_scenario`), and the notes on them (`wholerun`)."""
+    cfg, world = inputs.cfg, inputs.world
+    sizes = wholerun.dataset_sizes(cfg)
+    extra = float(inputs.how.get("warmup_extra_s") or 0.0)
+    now_start = wholerun.start_for(cfg, scenario.compression, world, recommended=False)
+    runs = {"now": wholerun.setting_run(cfg, scenario, prediction, sizes, start=now_start, warmup_extra_s=extra,
+                                        params=inputs.params)}
+    choice_start = None
+    for name in ("choice", "without_compression"):
+        o = getattr(rec, name)
+        if o is None:
+            continue
+        start = wholerun.start_for(cfg, o.compression, world, recommended=True)
+        if name == "choice" and start is not None and start != wholerun.powersgd_start(cfg):
+            choice_start = start  # the rule moved it: say why
+        s = replace(rec_scenario, grad_accum=o.grad_accum, compression=o.compression, samples_per_step=None)
+        runs[name] = wholerun.setting_run(cfg, s, o.prediction, sizes, start=start, warmup_extra_s=extra,
+                                          params=inputs.params)
+    return runs, wholerun.run_note(cfg, sizes, now_start, choice_start, world)
+
+
 def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
           runs: list[dict] | None = None) -> tuple[dict, model.Recommendation]:
     """The plan document from measured inputs and the calibration, saved for `train` to compare with."""
     cfg, world = inputs.cfg, inputs.world
     scenario = scenario_of(inputs, calibration)
     prediction = model.predict(scenario)
-    rec = model.recommend(scenario, max_global_batch=opts.max_global_batch,
+    mixed, balance = node_probe.mixed_notes(scenario, prediction, scenario.balanced)
+    rec_scenario = replace(scenario, balanced=True) if balance else scenario
+    rec = model.recommend(rec_scenario, max_global_batch=opts.max_global_batch,
                           compressions=model.ladder(cfg.comm.compression, allowed=inputs.allowed.get))
+    whole, run_notes = setting_runs(inputs, scenario, prediction, rec, rec_scenario)
+    choice_start = ((whole.get("choice") or {}).get("costs") or {}).get("start_step")
     doc = {
         "schema": SCHEMA_VERSION, "config": opts.config, "model": cfg.model.name, "params": inputs.params,
         "hostfile": inputs.hostfile.path, "world_size": world,
@@ -140,12 +180,15 @@ def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
         "assumptions": {"backward_share": model.BACKWARD_SHARE, "overlap_fraction": scenario.overlap_fraction,
                         "bucket_bytes": int(scenario.bucket_bytes)},
         "prediction": prediction.to_dict(),
+        "runs": whole,
         "recommendation": {**rec.to_dict(), "overrides": overrides(cfg, scenario.global_batch, rec.choice,
-                                                                   inputs.micro),
+                                                                   inputs.micro, choice_start),
                            "pending": inputs.refused},
         "saved_to": None,
-        "notes": notes_of(opts, inputs, calibration, rec, prediction),
+        "notes": notes_of(opts, inputs, calibration, rec, prediction) + mixed + run_notes,
     }
+    if balance:
+        doc["recommendation"]["overrides"].append("batching=balanced")
     save(doc, saved_entries(doc, cfg, rec, opts))
     return doc, rec
 

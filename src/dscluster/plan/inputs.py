@@ -44,6 +44,8 @@ class PlanOptions:
     """Ignore what earlier runs measured against their plans."""
     max_global_batch: int = model.MAX_GLOBAL_BATCH
     """Largest global batch to recommend."""
+    probe_here: bool = False
+    """Measure compute on this machine only and give every node its figure (default: on each node)."""
 
     def __post_init__(self):
         if self.calibrate and self.no_calibration:
@@ -248,6 +250,7 @@ def measure(opts: PlanOptions) -> PlanInputs:
     """Everything the prediction is made from that costs a measurement or a model build, once: a
     calibration run rebuilds the plan from the same inputs."""
     from dscluster.hosts import parse_hostfile
+    from dscluster.plan import nodes
     from dscluster.plan.probe import measure_powersgd
     from dscluster.train.config import load_config
     from dscluster.train.precision import gradient_format
@@ -269,16 +272,31 @@ def measure(opts: PlanOptions) -> PlanInputs:
     calibration = {} if opts.no_calibration else predicted.calibration(model=cfg.model.name, precision=precision,
                                                                        ranks=world)
     notes: list[str] = []
-    if compute is None:
-        how = compute_figure(cfg, in_chans, num_classes, micro, precision, calibration, notes)
-        compute = dict.fromkeys(names, how["seconds"])
-    else:
+    how = None
+    if compute is not None:
         how = {"seconds": max(compute.values()), "source": "--compute-s", "device": None, "note": None,
                **dict.fromkeys(FIGURE_KEYS[1:])}
+    elif not (opts.probe_here or nodes.is_here(names)):
+        compute, how, failed = nodes.node_compute(opts, cfg, hostfile, micro, precision,
+                                                  reuse=not opts.no_calibration, check_json=state.check_json_path())
+        if failed:  # those nodes get this machine's figure, said in a note
+            notes.append(f"could not measure compute on {', '.join(failed)} ({next(iter(failed.values()))}): "
+                         "given this machine's figure; pass --compute-s NODE=S,... or --probe-here")
+    if compute is None or len(compute) < len(names):
+        local = compute_figure(cfg, in_chans, num_classes, micro, precision, calibration, notes,
+                               reuse=not opts.no_calibration)
+        how = how if compute else local
+        compute = {**dict.fromkeys(names, local["seconds"]), **(compute or {})}
     calibration = calibrations_with(calibration, how, notes)
     powersgd_s = opts.powersgd_s if opts.powersgd_s is not None else how["powersgd_s"]
-    if powersgd_s is None and allowed.get("powersgd") and world > 1 and how["source"] == "measured":
+    if powersgd_s is None and allowed.get("powersgd") and world > 1 and how["source"] in ("measured", "cached",
+                                                                                            nodes.MEASURED):
         powersgd_s = how["powersgd_s"] = measure_powersgd(cfg, in_chans, num_classes, micro)
+    if how["source"] in ("measured", "cached") and not how.get("disturbed"):
+        try:  # cached per host, device and config (plans.json `figures`)
+            predicted.save_figure(how["probe"], figure_of(how))
+        except OSError:
+            pass  # a read-only state directory costs the next plan a measurement, not this one
     return PlanInputs(cfg=cfg, hostfile=hostfile, compute=compute, how=how, source=source, busbw=busbw,
                       check_world=check_world, latency=latency, world=world, micro=micro, accum=accum,
                       global_batch=shape.global_batch, batch_note=batch_note, params=params, matrices=matrices, precision=precision,
@@ -287,7 +305,7 @@ def measure(opts: PlanOptions) -> PlanInputs:
 
 
 def compute_figure(cfg, in_chans: int, num_classes: int, micro: int, precision: str, calibration: dict[str, dict],
-                   notes: list[str]) -> dict:
+                   notes: list[str], reuse: bool = True) -> dict:
     """The compute figure of a plan without --compute-s (the document's `compute`): the one kept with a
     calibration made on this host, device and config (`probe_key`), else measured now. A calibration
     is measured − modelled step with the figure its plan had; a figure measured now, under another
@@ -305,11 +323,18 @@ def compute_figure(cfg, in_chans: int, num_classes: int, micro: int, precision: 
                "note": f"compute figure {figure['seconds']:.4f} s per micro-batch ({figure['device']}), measured at "
                        f"{when} for the plan the calibration's runs were measured against: used again, not measured "
                        "now (plan measures again when the host, GPU or config change, or with --no-calibration)"}
+    elif reuse and predicted.figure(key) is not None:
+        figure = predicted.figure(key)
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(figure["measured_at"]))
+        how = {**figure, "source": "cached",
+               "note": f"compute figure {figure['seconds']:.4f} s per micro-batch ({figure['device']}), measured at "
+                       f"{when} for this host, device and config: used again (--no-calibration measures again)"}
     else:
         f = measure_steady_compute(cfg, in_chans, num_classes, micro)
         how = {"seconds": f.seconds, "source": "measured", "device": f.device, "note": f.note, "probe": key,
                "measured_at": time.time(), "spread": round(f.spread, 4), "samples": f.samples,
-               "disturbed": f.disturbed, "powersgd_s": None}
+               "disturbed": f.disturbed, "powersgd_s": None, "warmup_extra_s": round(f.warmup_extra_s, 4),
+               "compiled": f.compiled}
         if f.disturbed:
             notes.append(f"the compute probe was disturbed: its {f.samples} samples spread {f.spread:.0%} around "
                          f"their median{' twice' if f.tries > 1 else ''} ({host_load()}); its figure "
@@ -320,7 +345,8 @@ def compute_figure(cfg, in_chans: int, num_classes: int, micro: int, precision: 
     return how
 
 
-FIGURE_KEYS = ("seconds", "device", "probe", "measured_at", "spread", "samples", "disturbed", "powersgd_s")
+FIGURE_KEYS = ("seconds", "device", "probe", "measured_at", "spread", "samples", "disturbed", "powersgd_s",
+               "warmup_extra_s", "compiled")
 """A compute figure as plans.json keeps it with each saved setting (`figure_of`)."""
 
 

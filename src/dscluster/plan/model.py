@@ -160,6 +160,9 @@ class Scenario:
     calibration: tuple[tuple[str, float], ...] = ()
     """(compression, measured − modelled step in seconds) from earlier runs of the same model, precision
     and ranks."""
+    balanced: bool = False
+    """Balanced batching (train/balanced.py): each rank's share of the global micro-batch is proportional to
+    its speed, so a micro-step lasts about as long on every rank (`micro_step_s`)."""
     samples_per_step: int | None = None
     """Images an optimizer step trains where that is not micro_batch × grad_accum × ranks: a global
     batch the ranks split unevenly (64 on 3 ranks: 22, 21, 21), whose step lasts as long as the
@@ -257,8 +260,20 @@ class Prediction:
         return asdict(self)
 
 
+def micro_step_s(s: Scenario) -> float:
+    """One micro-step's compute: the slowest rank's with uniform batches; with balanced batching the
+    longest share × that rank's seconds per sample, the shares as training plans them (`plan_shares`)."""
+    if not s.balanced:
+        return max(n.compute_s for n in s.nodes)
+    from dscluster.train.balanced import plan_shares  # pure: no torch
+
+    per_rank = [n.compute_s for n in s.nodes for _ in range(n.ranks)]
+    shares = plan_shares([s.micro_batch / c for c in per_rank], s.micro_batch * s.world)
+    return max(b * c / s.micro_batch for b, c in zip(shares, per_rank))
+
+
 def predict(s: Scenario) -> Prediction:
-    slowest = max(n.compute_s for n in s.nodes)
+    slowest = micro_step_s(s)
     compute = s.grad_accum * slowest
     comm = ring_allreduce_s(s.wire_bytes, s.world, s.busbw_GBps) + s.allreduces * s.latency_s
     last_share = min(1.0, s.bucket_bytes / s.grad_bytes)
@@ -412,7 +427,7 @@ def _summary(s, choice, reached, needed, train_alone, target, limit) -> str:
 def implied_busbw_GBps(s: Scenario, measured_step_s: float) -> float | None:
     """The bus bandwidth that would explain a measured step time (the model inverted): what
     the all-reduce really reached in training. None when compute alone explains the step."""
-    slowest = max(n.compute_s for n in s.nodes)
+    slowest = micro_step_s(s)
     exposed = measured_step_s - s.grad_accum * slowest - s.hook_s - s.allreduces * s.latency_s
     if exposed <= 0 or s.world <= 1:
         return None

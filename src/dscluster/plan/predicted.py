@@ -6,14 +6,22 @@
      "plans": {KEY: {"images_per_s": float, "step_s": float, "setting": "now"|"choice"|"without_compression"|"calibration",
                      "model_step_s": float, "created": unix time, "config": str, "hostfile": str,
                      "busbw_GBps": float, "compute_s": float, "overrides": [str],
-                     "compute": FIGURE}},
+                     "compute": FIGURE, "costs": RUNCOSTS, "model_costs": RUNCOSTS}},
      "outcomes": [{"key": KEY, "model": str, "precision": str, "compression": str, "ranks": int,
                    "model_step_s": float, "measured_step_s": float, "run_id": str, "at": unix time,
-                   "compute": FIGURE | null}]}
+                   "compute": FIGURE | null}],
+     "figures": {PROBE_KEY: FIGURE}}
 
 FIGURE is the compute figure the setting's model step was made with (plan/inputs.py `figure_of`):
 {"seconds", "device", "probe" (host, device and config it holds for; null with --compute-s),
 "measured_at", "spread", "samples", "disturbed", "powersgd_s"}.
+
+`figures` caches each compute figure plan measured, by its probe key (host, device, config, compile:
+plan/probe.py `probe_key`): the next plan of the same key uses it instead of measuring again.
+
+RUNCOSTS (plan/phases.py RunCosts; absent in older entries) are what the setting's run is made of:
+plain and compressed step, first-step cost, an evaluation, a save; `model_costs` with the model's
+steps before calibration. train's comparison predicts the steps it timed from them (`timed`).
 
 KEY names what decides the figure (`key`): model, per-rank micro-batch, global batch, precision,
 gradient compression, ranks. `plan` saves its prediction for the config as given and for each
@@ -108,7 +116,7 @@ def save(entries: dict[str, dict], env=None) -> Path:
     plans, outcomes = _read_doc(p)
     now = time.time()
     plans.update({k: {**v, "created": v.get("created", now)} for k, v in entries.items()})
-    return atomic_write_json(p, {"schema": SCHEMA, "plans": plans, "outcomes": outcomes})
+    return atomic_write_json(p, {"schema": SCHEMA, "plans": plans, "outcomes": outcomes, "figures": _figures(p)})
 
 
 def record(cmp: dict, *, model: str, precision: str, compression: str, ranks: int, global_batch: int,
@@ -117,6 +125,11 @@ def record(cmp: dict, *, model: str, precision: str, compression: str, ranks: in
     model_step = cmp.get("model_step_s")
     if not isinstance(model_step, (int, float)) or model_step <= 0:
         return
+    plain, steps = cmp.get("timed_plain_steps", 0), cmp.get("timed_steps", 0)
+    if 0 < plain < steps:
+        return  # plain and compressed steps mixed: the difference belongs to neither alone
+    if plain and plain == steps:
+        compression = "none"  # PowerSGD had not started: these were plain all-reduces
     p = path(env)
     plans, outcomes = _read_doc(p)
     entry = plans.get(cmp["key"])
@@ -125,7 +138,8 @@ def record(cmp: dict, *, model: str, precision: str, compression: str, ranks: in
                      "ranks": ranks, "model_step_s": float(model_step),
                      "measured_step_s": global_batch / float(cmp["measured_images_per_s"]), "run_id": run_id,
                      "at": time.time(), "compute": figure if isinstance(figure, dict) else None})
-    atomic_write_json(p, {"schema": SCHEMA, "plans": plans, "outcomes": outcomes[-MAX_OUTCOMES:]})
+    atomic_write_json(p, {"schema": SCHEMA, "plans": plans, "outcomes": outcomes[-MAX_OUTCOMES:],
+                          "figures": _figures(p)})
 
 
 def calibration(*, model: str, precision: str, ranks: int, env=None) -> dict[str, dict]:
@@ -151,23 +165,81 @@ def calibration(*, model: str, precision: str, ranks: int, env=None) -> dict[str
     return out
 
 
+def _figures(p: Path) -> dict[str, dict]:
+    try:
+        figures = json.loads(p.read_text(encoding="utf-8")).get("figures")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return {}
+    return {k: v for k, v in figures.items() if isinstance(v, dict)} if isinstance(figures, dict) else {}
+
+
+def figure(probe_key: str, env=None) -> dict | None:
+    """The compute figure measured before for this probe key (host, device, config: plan/probe.py
+    `probe_key`), or None."""
+    found = _figures(path(env)).get(probe_key)
+    return found if isinstance(found, dict) and isinstance(found.get("seconds"), (int, float)) else None
+
+
+def save_figure(probe_key: str, fig: dict, env=None) -> None:
+    """Keep a measured compute figure for the next plan of the same probe key, atomically."""
+    p = path(env)
+    plans, outcomes = _read_doc(p)
+    atomic_write_json(p, {"schema": SCHEMA, "plans": plans, "outcomes": outcomes,
+                          "figures": {**_figures(p), probe_key: fig}})
+
+
 def lookup(plan_key: str, env=None) -> dict | None:
     entry = _read(path(env)).get(plan_key)
     return entry if isinstance(entry, dict) and isinstance(entry.get("images_per_s"), (int, float)) else None
 
 
-def compare(plan_key: str, measured_images_per_s: float | None, env=None) -> dict | None:
-    """What summary.json keeps as `plan` when a saved prediction matches this run, else None."""
+def compare(plan_key: str, measured_images_per_s: float | None, env=None, *, run: dict | None = None) -> dict | None:
+    """What summary.json keeps as `plan` when a saved prediction matches this run, else None.
+
+    `run` ({"resumed_at", "last", "total", "epochs", "steps_per_epoch", "start_step"}: train's own
+    facts) makes the prediction the one for the steps this run timed (`timed`): its uncompressed and
+    compressed steps, evaluations and saves, so a 24-step run and a 3,000-step one are judged alike."""
     entry = lookup(plan_key, env)
     if entry is None or not measured_images_per_s:
         return None
     predicted = float(entry["images_per_s"])
+    out = {"predicted_step_s": entry.get("step_s"),
+           # the model's step before calibration (plans older than calibration: their step_s)
+           "model_step_s": entry.get("model_step_s", entry.get("step_s"))}
+    phased = timed(entry, run) if run is not None else None
+    if phased is not None:
+        out.update(phased)
+        predicted = out.pop("images_per_s")
     return {"key": plan_key, "predicted_images_per_s": predicted, "measured_images_per_s": measured_images_per_s,
             "deviation_percent": round(100.0 * (measured_images_per_s - predicted) / predicted, 1),
-            "predicted_step_s": entry.get("step_s"), "planned_at": entry.get("created"),
-            # the model's step before calibration (plans older than calibration: their step_s)
-            "model_step_s": entry.get("model_step_s", entry.get("step_s")),
-            "setting": entry.get("setting"), "file": str(path(env))}
+            "planned_at": entry.get("created"), **out, "setting": entry.get("setting"), "file": str(path(env))}
+
+
+def timed(entry: dict, run: dict) -> dict | None:
+    """The saved setting's prediction for the steps a run timed (plan/phases.py), with train's own
+    steps per epoch and PowerSGD start; None for entries saved without run costs."""
+    from dataclasses import fields
+
+    from dscluster.errors import UsageError
+    from dscluster.plan import phases
+
+    try:
+        first, last = phases.timed_steps(int(run["resumed_at"]), int(run["last"]))
+        means = []
+        for name in ("costs", "model_costs"):
+            known = {f.name for f in fields(phases.RunCosts)}
+            c = phases.RunCosts(**{**{k: v for k, v in entry[name].items() if k in known},
+                                   "steps_per_epoch": int(run["steps_per_epoch"]), "start_step": run.get("start_step")})
+            means.append(phases.timed_mean_step(c, first, last, total=int(run["total"]), epochs=int(run["epochs"]),
+                                                resumed_at=int(run["resumed_at"])))
+        global_batch = float(entry["images_per_s"]) * float(entry["step_s"])
+    except (KeyError, TypeError, ValueError, UsageError):
+        return None
+    if None in means:
+        return None
+    plain = phases.plain_steps(first, last, c.start_step)
+    return {"images_per_s": global_batch / means[0], "predicted_step_s": means[0], "model_step_s": means[1],
+            "timed_steps": last - first + 1, "timed_plain_steps": plain, "phase_aware": True}
 
 
 def line(cmp: dict) -> str:

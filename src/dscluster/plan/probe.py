@@ -40,7 +40,18 @@ def probe_key(cfg, micro: int, precision: str) -> str:
     device = f"cuda ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else "cpu"
     return (f"host={socket.gethostname()} device={device} model={cfg.model.name} micro_batch={micro} "
             f"precision={precision} dataset={cfg.data.dataset} img_size={cfg.data.img_size} "
-            f"channels_last={cfg.channels_last}")
+            f"channels_last={cfg.channels_last} compile={cfg.compile}")
+
+
+def compiles_here(cfg) -> bool:
+    """Whether training compiles on this machine's first GPU (train/setup_engine.py `compiles`, its
+    rule): the probe then times the compiled step, as training runs it. Never on CPU unless forced."""
+    import torch
+
+    from dscluster.train.setup_engine import compiles
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    return device.type == "cuda" and compiles(cfg.compile, device)
 
 
 class Probe:
@@ -151,17 +162,53 @@ class ComputeFigure:
     """How many samples it was taken from."""
     tries: int = 1
     """Measurements taken: a disturbed one is taken again once (`measure_steady_compute`)."""
+    warmup_extra_s: float = 0.0
+    """The first step's time less a steady step's: compilation, allocator, kernel choice (plan/phases.py)."""
+    compiled: bool = False
+    """Timed through torch.compile, as training runs where it compiles (`compiles_here`)."""
 
     @property
     def disturbed(self) -> bool:
         return self.spread > DISTURBED_SPREAD
 
 
-def measure_steady_compute(cfg, in_chans: int, num_classes: int, micro: int, measure=None) -> ComputeFigure:
+def fault_ms(first_rank: int, ranks: int, env=None) -> int:
+    """DSCLUSTER_FAULT's slow_gpu milliseconds for one of these ranks (train/faults.py, test-only), 0
+    without: the probe on a node honours the fault training's rank there would have."""
+    from dscluster.train import faults
+
+    found = [faults.for_rank(r, env).get("slow_gpu") for r in range(first_rank, first_rank + ranks)]
+    return max((f.ms or 0 for f in found if f is not None), default=0)
+
+
+def slowed(step, ms: int, cuda: bool):
+    """`step` made `ms` slower, as training's slow_gpu fault makes a step: the GPU spins (queued), and
+    on CPU, where training's fault has no GPU to spin, the probe sleeps, so a CPU lab can test it."""
+    if not ms:
+        return step
+
+    def slow_step():
+        step()
+        if cuda:
+            import torch
+
+            from dscluster.train.faults import spin_cycles
+
+            torch.cuda._sleep(spin_cycles(ms))
+        else:
+            time.sleep(ms / 1000)
+
+    return slow_step
+
+
+def measure_steady_compute(cfg, in_chans: int, num_classes: int, micro: int, measure=None,
+                           slow_ms: int = 0) -> ComputeFigure:
     """`measure_compute`, taken again once where its samples spread more than DISTURBED_SPREAD (another
     process took the machine for a while); the steadier of the two. A figure still disturbed says so
     (`ComputeFigure.disturbed`), and plan reports it: never silently used."""
-    measure = measure or measure_compute
+    if measure is None:
+        def measure(*args):
+            return measure_compute(*args, slow_ms=slow_ms) if slow_ms else measure_compute(*args)
     first = measure(cfg, in_chans, num_classes, micro)
     if not first.disturbed:
         return first
@@ -169,7 +216,7 @@ def measure_steady_compute(cfg, in_chans: int, num_classes: int, micro: int, mea
     return replace(min(first, second, key=lambda f: f.spread), tries=2)
 
 
-def measure_compute(cfg, in_chans: int, num_classes: int, micro: int) -> ComputeFigure:
+def measure_compute(cfg, in_chans: int, num_classes: int, micro: int, slow_ms: int = 0) -> ComputeFigure:
     """Seconds per micro-batch, with its device, a note and its samples' spread: forward+backward
     passes of the configured model on this machine's first GPU (synchronised before the clock is
     read), else a few on CPU."""
@@ -177,13 +224,19 @@ def measure_compute(cfg, in_chans: int, num_classes: int, micro: int) -> Compute
 
     warmup, steps = 2, 3  # on CPU
     times: list[float] = []
+    compiled = compiles_here(cfg)
     try:  # an OOM can come from the batch, the model or the first backward
         probe = Probe(cfg, in_chans, num_classes, micro)
-        step = probe.step_of(probe.model())
+        net = probe.model()
+        step = slowed(probe.step_of(torch.compile(net) if compiled else net), slow_ms, probe.cuda)
+        first_batch, t0 = probe.batch, time.perf_counter()
+        step()  # the first step pays once: compilation where training compiles, allocator, kernels
+        probe.sync()
+        first = time.perf_counter() - t0
         if probe.cuda:
             per_batch = gpu_seconds_per_step(step, probe.sync, samples=times)
         else:
-            for _ in range(warmup):
+            for _ in range(warmup - 1):
                 t0 = time.perf_counter()
                 step()
             if probe.batch < micro and (time.perf_counter() - t0) * micro / probe.batch <= CPU_FULL_BATCH_S:
@@ -202,14 +255,19 @@ def measure_compute(cfg, in_chans: int, num_classes: int, micro: int) -> Compute
                          "(seconds per micro-batch on your nodes) or a smaller micro_batch=N") from None
     if probe.cuda:
         name = torch.cuda.get_device_name(probe.device)
+        how = ("compiled, as training runs it (compile: " + cfg.compile + ")" if compiled else
+               "eager, as training runs it here (compile: " + cfg.compile + ")")
         return ComputeFigure(seconds=per_batch, device=f"cuda ({name})", spread=spread(times), samples=len(times),
-                             note=f"measured here on {name}, {probe.precision}, eager (training compiles on GPUs "
-                             "of capability 7.0+, which is faster)")
+                             note=f"measured here on {name}, {probe.precision}, {how}",
+                             warmup_extra_s=max(0.0, first - per_batch), compiled=compiled)
     batch = probe.batch
     how = f"{batch}" if batch == micro else f"{batch} scaled to {micro}"
-    return ComputeFigure(seconds=per_batch * micro / batch, device="cpu", spread=spread(times), samples=len(times),
+    fault_s = slow_ms / 1000  # a fault's delay is per step, not per sample: not scaled
+    return ComputeFigure(seconds=(per_batch - fault_s) * micro / batch + fault_s, device="cpu", spread=spread(times),
+                         samples=len(times),
                          note=f"measured on CPU (no GPU here), median of {steps} steps of {how}: the plan is for "
-                         "CPU ranks; pass --compute-s from your GPU nodes")
+                         "CPU ranks; pass --compute-s from your GPU nodes",
+                         warmup_extra_s=max(0.0, first - per_batch * first_batch / batch))
 
 
 def measure_powersgd(cfg, in_chans: int, num_classes: int, micro: int) -> float | None:

@@ -17,6 +17,22 @@ def _row(label: str, p: dict, style: str = "") -> list[str]:
     return [f"[{style}]{c}[/]" if style else c for c in cells]
 
 
+def whole_run_line(label: str, r: dict) -> str:
+    """`whole run as configured (30 epochs, 660 steps): 41 s, mean 1,610 img/s (steady 1,952): warm-up …`."""
+    parts = ", ".join(f"{p['name']} {p['steps']:,} steps {p['seconds']:,.1f} s" if p["steps"] else
+                      f"{p['name']} {p['seconds']:,.1f} s" for p in r["phases"])
+    return (f"whole run {label} ({r['epochs']} epochs, {r['total_steps']:,} steps): {clock(r['seconds'])} to finish, "
+            f"mean {r['images_per_s']:,.0f} img/s (steady {r['steady_images_per_s']:,.0f}); {parts}")
+
+
+def clock(seconds: float) -> str:
+    """3 h 05 min, 12 min 40 s, 41 s."""
+    s = round(seconds)
+    if s >= 3600:
+        return f"{s // 3600} h {s % 3600 // 60:02d} min"
+    return f"{s // 60} min {s % 60:02d} s" if s >= 60 else f"{seconds:.1f} s"
+
+
 def render(doc: dict) -> None:
     out = console.out
     p, rec = doc["prediction"], doc["recommendation"]
@@ -49,6 +65,10 @@ def render(doc: dict) -> None:
     colour = "red" if p["slower"] else ("green" if p["efficiency"] >= rec["target_efficiency"] else "yellow")
     out.print(f"[{colour}]verdict[/]: {escape(p['verdict'])}")
     out.print(f"recommendation: {escape(rec['summary'])}")
+    for key, label in (("now", "as configured"), ("choice", "with the recommendation")):
+        r = (doc.get("runs") or {}).get(key)
+        if r and (key == "now" or rec["overrides"]):
+            out.print(escape(whole_run_line(label, r)))
     if rec["overrides"]:
         prefix = "if you keep every node, " if rec["train_alone"] else ""
         out.print(f"{prefix}paste after ./entry_cn.sh (or dscluster train):")

@@ -193,6 +193,15 @@ def peak_mem_mb(on_cuda: bool) -> float | None:
         return None
 
 
+def _run_facts(cfg: TrainConfig, b, pos, last: int) -> dict:
+    """What plan's phase-aware comparison needs of this run (plan/predicted.py `timed`)."""
+    from dscluster.train.comm import powersgd_start
+
+    powersgd = b.comm is not None and cfg.comm.compression == "powersgd"
+    return {"resumed_at": pos.global_step, "last": last, "total": b.total_steps, "epochs": cfg.epochs,
+            "steps_per_epoch": b.sampler.steps_per_epoch, "start_step": powersgd_start(cfg) if powersgd else None}
+
+
 def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Path, facts: dict,
          my_fault: dict, calibrate: bool, primary: bool, started: float) -> Outcome:
     from dscluster.train.setup_engine import build
@@ -325,17 +334,19 @@ def _run(cfg: TrainConfig, info, device, precision, hosts, log: RunLog, rdir: Pa
     facts.update(steps=global_step, images_per_s=out.images_per_s, accuracy=accuracy,
                  timed_steps=window.window.timed_steps, timed_s=round(window.window.timed_s, 4), **tta.summary())
     if primary and not calibrate:
-        plan_vs_measured(cfg, b, gb, precision, info, out, facts)
+        plan_vs_measured(cfg, b, gb, precision, info, out, facts, _run_facts(cfg, b, pos, global_step))
     return out
 
 
-def plan_vs_measured(cfg: TrainConfig, b, gb: int, precision: str, info, out: Outcome, facts: dict) -> None:
-    """Rank 0, at the end: the saved prediction against what this run measured (train/predicted.py).
-    A damaged plans.json costs only the comparison, with a warning that names it."""
+def plan_vs_measured(cfg: TrainConfig, b, gb: int, precision: str, info, out: Outcome, facts: dict,
+                     run: dict) -> None:
+    """Rank 0, at the end: the saved prediction against what this run measured (plan/predicted.py),
+    for the steps this run timed (`run`: _run_facts). A damaged plans.json costs only the
+    comparison, with a warning that names it."""
     try:
         cmp = predicted.compare(predicted.key(model=cfg.model.name, micro_batch=max(b.shares), global_batch=gb,
                                               precision=precision, compression=cfg.comm.compression,
-                                              ranks=info.world_size), out.images_per_s)
+                                              ranks=info.world_size), out.images_per_s, run=run)
     except UsageError as e:
         console.err.print(f"[yellow]warning:[/yellow] no plan comparison: {e}")
         return

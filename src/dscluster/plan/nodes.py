@@ -1,0 +1,230 @@
+"""Every node measured on itself: plan's compute probe run on the hostfile's nodes over SSH, in
+parallel (remote.fan_out, as `dscluster check` probes them), one probe per distinct GPU model (per
+node where the models are unknown, and for any node a test fault slows), each figure cached.
+
+The probe on a node is `<python> -m dscluster plan --config C --measure-node FIRST:COUNT OVERRIDES`
+(`node_command`): the same interpreter path as the head (shared software, like check's probes), the
+config and overrides as given, the planned micro-batch and precision pinned; it prints one JSON
+line (`parse_node_output`). It honours DSCLUSTER_FAULT's slow_gpu for the node's ranks (plan/probe.py
+`fault_ms`): plan passes the variable on, as mpirun's -x does for training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from dscluster.errors import UsageError
+
+MEASURED = "measured on the nodes"
+"""The document's compute.source for figures measured on each node."""
+PROBE_TIMEOUT_S = 600.0
+"""Seconds one node's probe may take (a first torch.compile of ViT-B takes about a minute)."""
+
+
+def rank_ranges(hostfile) -> dict[str, tuple[int, int]]:
+    """(first rank, ranks) of each node: mpirun --hostfile places ranks node by node in file order."""
+    out, first = {}, 0
+    for h in hostfile.hosts:
+        out[h.name] = (first, h.slots)
+        first += h.slots
+    return out
+
+
+def faulted(ranks: tuple[int, int], env=None) -> bool:
+    """Whether DSCLUSTER_FAULT slows one of these ranks (test-only, train/faults.py)."""
+    from dscluster.train import faults
+
+    return any("slow_gpu" in faults.for_rank(r, env) for r in range(ranks[0], ranks[0] + ranks[1]))
+
+
+def probe_groups(hostfile, models: dict[str, str | None], env=None) -> dict[str, list[str]]:
+    """{node to probe: the nodes given its figure}: one node per distinct GPU model, in hostfile order;
+    a node whose model is unknown, or whose ranks a fault slows, is probed alone."""
+    ranges, groups, by_model = rank_ranges(hostfile), {}, {}
+    for name in hostfile.names:
+        model = models.get(name)
+        if model is None or faulted(ranges[name], env):
+            groups[name] = [name]
+        elif model in by_model:
+            groups[by_model[model]].append(name)
+        else:
+            by_model[model] = name
+            groups[name] = [name]
+    return groups
+
+
+def gpu_models(check_json: Path) -> dict[str, str | None]:
+    """Each node's first GPU model as `dscluster check` saw it; {} when there is no check result."""
+    from dscluster.check import checkfile
+
+    try:
+        doc = checkfile.load(check_json)
+    except (OSError, checkfile.CheckFileError, UsageError):
+        return {}
+    out = {}
+    for n in doc.nodes:
+        gpus = (n.facts or {}).get("gpus") or []
+        first = gpus[0] if gpus and isinstance(gpus[0], dict) else {}
+        out[n.name] = first.get("name") if isinstance(first.get("name"), str) else None
+    return out
+
+
+def node_command(python: str, config: str, overrides: list[str], micro: int, precision: str,
+                 ranks: tuple[int, int], fault: str | None) -> str:
+    """The shell command that measures compute on a node (module docstring)."""
+    argv = [python, "-m", "dscluster", "plan", "--config", config, "--measure-node", f"{ranks[0]}:{ranks[1]}",
+            *overrides, f"micro_batch={micro}", f"precision={precision}"]
+    env = f"DSCLUSTER_FAULT={shlex.quote(fault)} " if fault else ""
+    return env + " ".join(shlex.quote(a) for a in argv)
+
+
+def parse_node_output(stdout: str, node: str) -> dict:
+    """The node probe's figure from its output: the last line that is a JSON object with `seconds`."""
+    for line in reversed(stdout.strip().splitlines()):
+        try:
+            doc = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(doc, dict) and isinstance(doc.get("seconds"), (int, float)) and doc["seconds"] > 0:
+            return doc
+    tail = stdout.strip().splitlines()[-1:] or ["no output"]
+    raise UsageError(f"{node}: the compute probe printed no figure ({tail[0][:200]})")
+
+
+def measure_nodes(hostfile, config: str, overrides: list[str], micro: int, precision: str, *, user: str | None = None,
+                  check_json: Path | None = None, env=None,
+                  only: set[str] | None = None) -> tuple[dict[str, dict], dict[str, str]]:
+    """({node: figure}, {node: why it could not be measured}) for the hostfile's nodes (those in `only`),
+    one probe per group (`probe_groups`), in parallel over SSH."""
+    from dscluster import remote, state
+    from dscluster.check.probe import ProbeSettings, default_key, open_session
+
+    env = os.environ if env is None else env
+    groups = probe_groups(hostfile, gpu_models(check_json) if check_json else {}, env)
+    if only is not None:
+        groups = {n: [m for m in g if m in only] for n, g in groups.items() if set(g) & only}
+        groups = {(n if n in g else g[0]): g for n, g in groups.items()}
+    ranges, fault = rank_ranges(hostfile), env.get("DSCLUSTER_FAULT") or None
+    settings = ProbeSettings(known_hosts=state.known_hosts_path(), key_filename=default_key(),
+                             password=env.get("DSCLUSTER_SSH_PASSWORD"), timeout=PROBE_TIMEOUT_S)
+    config = str(Path(config).resolve())
+
+    def work(t: remote.Target) -> dict:
+        client = open_session(t, settings)
+        try:
+            cmd = node_command(sys.executable, config, overrides, micro, precision, ranges[t.name], fault)
+            r = remote.run(client, f"cd {shlex.quote(os.getcwd())} 2>/dev/null; {cmd}", timeout=PROBE_TIMEOUT_S)
+            return parse_node_output(r.stdout if r.rc == 0 else r.stderr or r.stdout, t.name)
+        finally:
+            client.close()
+
+    targets = [remote.Target(name=n, host=n, user=user) for n in groups]
+    outcomes = remote.fan_out(targets, work, timeout=PROBE_TIMEOUT_S + 30, description="measuring compute on the nodes",
+                              show_progress=False)
+    figures, failed = {}, {}
+    for name, o in outcomes.items():
+        for member in groups[name]:
+            if o.ok:
+                figures[member] = {**o.value, "measured_on": name}
+            else:
+                failed[member] = f"{type(o.error).__name__}: {o.error}"
+    return figures, failed
+
+
+def is_here(names: list[str]) -> bool:
+    """Whether the hostfile's nodes are all this machine (a one-machine plan measures in-process)."""
+    import socket
+
+    return all(n in ("localhost", "127.0.0.1", socket.gethostname()) for n in names)
+
+
+def cache_key(cfg, node: str, micro: int, precision: str, fault: int) -> str:
+    """A node figure's key in plans.json `figures`: the node, the config part of plan/probe.py's key, any fault."""
+    return (f"node={node} model={cfg.model.name} micro_batch={micro} precision={precision} "
+            f"dataset={cfg.data.dataset} img_size={cfg.data.img_size} channels_last={cfg.channels_last} "
+            f"compile={cfg.compile}" + (f" fault_ms={fault}" if fault else ""))
+
+
+def node_compute(opts, cfg, hostfile, micro: int, precision: str, *, reuse: bool,
+                 check_json: Path | None) -> tuple[dict[str, float], dict, dict[str, str]]:
+    """({node: seconds per micro-batch}, the document's `compute`, {node: why not measured}) from a
+    probe on each node (cached per node and config; `reuse` false measures again)."""
+    from dscluster.plan import predicted
+    from dscluster.plan.probe import fault_ms
+
+    ranges = rank_ranges(hostfile)
+    keys = {n: cache_key(cfg, n, micro, precision, fault_ms(*ranges[n])) for n in hostfile.names}
+    figures = {n: predicted.figure(k) for n, k in keys.items()} if reuse else {}
+    figures = {n: {**f, "source": "cached"} for n, f in figures.items() if f}
+    missing = [h for h in hostfile.hosts if h.name not in figures]
+    failed: dict[str, str] = {}
+    if missing:
+        measured, failed = measure_nodes(hostfile, opts.config, opts.overrides, micro, precision, check_json=check_json,
+                                         only={h.name for h in missing})
+        for n, f in measured.items():
+            figures[n] = {**f, "source": "measured"}
+            try:
+                predicted.save_figure(keys[n], {k: v for k, v in f.items() if k != "source"})
+            except OSError:
+                pass
+    compute = {n: f["seconds"] for n, f in figures.items()}
+    slowest = max(compute, key=compute.get) if compute else None
+    how = {"seconds": compute[slowest] if slowest else None, "source": MEASURED,
+           "device": ", ".join(sorted({f["device"] for f in figures.values()})) or None,
+           "note": None, "probe": None, "measured_at": max((f.get("measured_at") or 0 for f in figures.values()),
+                                                             default=None),
+           "spread": None, "samples": None, "disturbed": any(f.get("disturbed") for f in figures.values()),
+           "powersgd_s": None, "warmup_extra_s": max((f.get("warmup_extra_s") or 0 for f in figures.values()),
+                                                     default=0.0),
+           "compiled": any(f.get("compiled") for f in figures.values()),
+           "nodes": {n: {k: f.get(k) for k in ("seconds", "device", "source", "measured_on", "host", "fault_ms")}
+                     for n, f in figures.items()}}
+    return compute, how, failed
+
+
+def uses_balanced(cfg) -> bool:
+    """Whether training will balance the batch (train/balanced.py `resolve_batching`: the config's
+    batching, or for auto DSCLUSTER_BATCHING from the environment or check's <state>/cluster.env)."""
+    from dscluster import state
+    from dscluster.train.balanced import resolve_batching
+
+    try:
+        cluster = state.read_env_file(state.cluster_env_path())
+    except (OSError, UsageError):
+        cluster = {}
+    try:
+        return resolve_batching(cfg.batching, {**cluster, **os.environ}) == "balanced"
+    except UsageError:
+        return False
+
+
+def mixed_notes(s, p, balanced_in_use: bool) -> tuple[list[str], bool]:
+    """(notes naming the slowest node and what it costs, whether balanced batching would be faster)
+    for a scenario `s` predicted as `p`; nothing where every node measured the same."""
+    from dataclasses import replace
+
+    from dscluster.plan import model
+
+    seconds = {n.name: n.compute_s for n in s.nodes}
+    if len(set(seconds.values())) <= 1:
+        return [], False
+    slow, fast = max(seconds, key=seconds.get), min(seconds, key=seconds.get)
+    even = model.predict(replace(s, nodes=tuple(replace(n, compute_s=seconds[fast]) for n in s.nodes)))
+    cost = 1 - p.images_per_s / even.images_per_s
+    how = "balanced batching gives its ranks smaller shares" if balanced_in_use else "every rank waits for it"
+    notes = [f"slowest node: {slow}, {seconds[slow] * 1e3:.1f} ms per micro-batch against {seconds[fast] * 1e3:.1f} "
+             f"on {fast} ({seconds[slow] / seconds[fast]:.1f}x); {how}: it costs {cost:.0%} of the img/s that "
+             f"nodes as fast as {fast} would give ({p.images_per_s:,.0f} against {even.images_per_s:,.0f})"]
+    if balanced_in_use:
+        return notes, False
+    b = model.predict(replace(s, balanced=True))
+    faster = b.images_per_s > p.images_per_s * 1.02
+    if faster:
+        notes.append(f"balanced batching (batching=balanced: shares proportional to each rank's speed) is faster here: "
+                     f"{b.images_per_s:,.0f} img/s against {p.images_per_s:,.0f} with equal shares; the recommendation "
+                     "uses it")
+    return notes, faster

@@ -1,0 +1,180 @@
+"""plan's whole-run model: a run as configured, phase by phase, from the step model's step times.
+
+Pure arithmetic, no torch. plan/model.py predicts one steady optimizer step; a run is more than
+its steady step (docs/plan.md, "The whole run"):
+
+    warm-up          the first WARMUP_STEPS steps (train/timing.py) at their own step time, plus
+                     what the first steps cost once: torch.compile where training compiles, the
+                     allocator, kernel choice (the probe's first step less its steady step)
+    uncompressed     with comm.compression=powersgd, every step up to comm.powersgd_start_step is a
+                     plain all-reduce of the fp32 gradients (torch's start_powerSGD_iter)
+    steady           the rest, at the setting's step time (compressed after the start step)
+    evaluation       rank 0 alone, a forward pass over the held-out set, after every
+                     eval_every_epochs-th epoch and after the last (the others wait)
+    checkpoints      one save per checkpoint.every_epochs epochs (and every every_steps steps)
+
+Step g (1-based, global) is uncompressed when g <= start_step. train's end-of-run comparison
+(plan/predicted.py) predicts with the same `span` for the steps it timed: the steps after the
+warm-up, and the evaluations and saves its windows hold (those after a timed step, or right after
+the warm-up, but not after the last step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from dscluster.errors import UsageError
+
+WARMUP_STEPS = 5
+"""train/timing.py's WARMUP_STEPS (kept equal by a test; this module imports no torch)."""
+POWERSGD_START_STEP = 30
+"""The start step the recommendation pastes with PowerSGD (when the config's is later): compressing
+from early on is what makes the recommendation's prediction hold for the whole run."""
+POWERSGD_START_EVIDENCE = ("digits on the 4-rank GPU lab at 1 Gbit, 4 seeds: PowerSGD from step 30 ended within "
+                           "0.1 point of no compression (96.0 % against 96.0 %), fp16 and bf16 within 1 point "
+                           "(bench/results/2026-11-27-nvidia-h100-lab-1gbit-digits-accuracy.json)")
+"""The measurement behind POWERSGD_START_STEP, cited in plan's output."""
+FORWARD_SHARE = 1 / 3
+"""A forward pass is about a third of a forward+backward (plan/model.py's BACKWARD_SHARE is the rest)."""
+CHECKPOINT_BYTES_PER_PARAM = 16
+"""A ZeRO-0 checkpoint: fp32 weights (4 bytes), AdamW's two moments (8), the module's copy (4)."""
+CHECKPOINT_WRITE_GBps = 0.5
+"""Assumed write rate of a checkpoint save (a local SSD or NFS); a stated guess, not measured."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunCosts:
+    """What a run's time is made of, for one setting (plans.json keeps it with each setting)."""
+
+    plain_step_s: float
+    """An optimizer step with a plain all-reduce (before PowerSGD starts)."""
+    step_s: float
+    """An optimizer step with the setting's compression."""
+    start_step: int | None = None
+    """Steps up to this one are plain (PowerSGD's start); None: every step takes step_s."""
+    warmup_extra_s: float = 0.0
+    """Paid once in the first steps: compilation, allocator, kernel choice."""
+    eval_s: float = 0.0
+    """One held-out evaluation (0: no held-out set)."""
+    save_s: float = 0.0
+    """One checkpoint save."""
+    steps_per_epoch: int
+    eval_every_epochs: int = 1
+    checkpoint_every_epochs: int = 0
+    checkpoint_every_steps: int = 0
+
+    def __post_init__(self):
+        if self.steps_per_epoch < 1:
+            raise UsageError(f"steps per epoch {self.steps_per_epoch}: the training set is smaller than one "
+                             "global batch")
+        if not (self.plain_step_s > 0 and self.step_s > 0 and min(self.warmup_extra_s, self.eval_s, self.save_s) >= 0):
+            raise UsageError(f"run costs out of range: {self}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def total_steps(steps_per_epoch: int, epochs: int, max_steps: int) -> int:
+    """train/setup_engine.py's rule: every epoch, or max_steps where it is smaller (0: no cap)."""
+    full = steps_per_epoch * epochs
+    return full if max_steps <= 0 else min(max_steps, full)
+
+
+def plain_steps(first: int, last: int, start_step: int | None) -> int:
+    """Steps of first..last (1-based, inclusive) that send a plain all-reduce."""
+    if start_step is None or last < first:
+        return 0
+    return max(0, min(last, start_step) - first + 1)
+
+
+def events_after(step: int, c: RunCosts, total: int, epochs: int) -> tuple[int, int]:
+    """(evaluations, checkpoint saves) train/loop.py runs after global step `step` of a `total`-step run."""
+    spe = c.steps_per_epoch
+    done, epoch_end = step >= total, step % spe == 0
+    last = done or (step - 1) // spe + 1 >= epochs
+    saves = int(bool(c.checkpoint_every_steps and step % c.checkpoint_every_steps == 0 and not epoch_end))
+    if not (epoch_end or done):
+        return 0, saves
+    epoch = (step - 1) // spe + 1  # 1-based: the epoch this step ended
+    evals = int(c.eval_s > 0 and (last or epoch % c.eval_every_epochs == 0))
+    if epoch_end and c.checkpoint_every_epochs and (epoch % c.checkpoint_every_epochs == 0 or last):
+        saves += 1
+    return evals, saves
+
+
+def _event_steps(first: int, last: int, c: RunCosts) -> list[int]:
+    """The steps of first..last after which an evaluation or a save may come."""
+    marks = {last}
+    for every in (c.steps_per_epoch, c.checkpoint_every_steps):
+        if every:
+            marks.update(range((first + every - 1) // every * every, last + 1, every))
+    return sorted(m for m in marks if first <= m <= last)
+
+
+def span(c: RunCosts, first: int, last: int, *, total: int, epochs: int, events_from: int | None = None,
+         events_to: int | None = None) -> dict[str, float]:
+    """Seconds of steps first..last by kind, and of the evaluations and saves after the steps
+    events_from..events_to (default first..last): {"plain_s", "steady_s", "evaluation_s",
+    "checkpoints_s", "evaluations", "saves"}."""
+    plain = plain_steps(first, last, c.start_step)
+    steady = max(0, last - first + 1) - plain
+    lo, hi = events_from if events_from is not None else first, events_to if events_to is not None else last
+    evals = saves = 0
+    for g in _event_steps(max(1, lo), hi, c):
+        e, s = events_after(g, c, total, epochs)
+        evals, saves = evals + e, saves + s
+    return {"plain_s": plain * c.plain_step_s, "steady_s": steady * c.step_s, "evaluation_s": evals * c.eval_s,
+            "checkpoints_s": saves * c.save_s, "evaluations": evals, "saves": saves, "plain_steps": plain,
+            "steady_steps": steady}
+
+
+def whole_run(c: RunCosts, *, epochs: int, max_steps: int, global_batch: int) -> dict:
+    """The run as configured: its phases (name, steps, seconds), the time to finish and the mean img/s."""
+    total = total_steps(c.steps_per_epoch, epochs, max_steps)
+    warm = min(WARMUP_STEPS, total)
+    head = span(c, 1, warm, total=total, epochs=epochs, events_to=0)
+    rest = span(c, warm + 1, total, total=total, epochs=epochs, events_from=1)
+    compressed = c.start_step is not None or c.step_s != c.plain_step_s
+    phases = [
+        {"name": "warm-up", "steps": warm, "seconds": head["plain_s"] + head["steady_s"] + c.warmup_extra_s,
+         "note": f"the first {warm} steps, compilation and first-step costs included"},
+        {"name": "uncompressed", "steps": rest["plain_steps"], "seconds": rest["plain_s"],
+         "note": f"plain all-reduces up to comm.powersgd_start_step={c.start_step}"},
+        {"name": "compressed" if compressed else "steady", "steps": rest["steady_steps"], "seconds": rest["steady_s"],
+         "note": "the setting's steady step"},
+        {"name": "evaluation", "steps": 0, "seconds": rest["evaluation_s"],
+         "note": f"{rest['evaluations']} held-out pass(es) on rank 0"},
+        {"name": "checkpoints", "steps": 0, "seconds": rest["checkpoints_s"], "note": f"{rest['saves']} save(s)"},
+    ]
+    phases = [p for p in phases if p["steps"] or p["seconds"] > 0 or p["name"] == "warm-up"]
+    seconds = sum(p["seconds"] for p in phases)
+    return {"total_steps": total, "steps_per_epoch": c.steps_per_epoch, "epochs": epochs, "phases": phases,
+            "seconds": seconds, "images_per_s": total * global_batch / seconds if seconds > 0 else None,
+            "steady_images_per_s": global_batch / c.step_s, "costs": c.to_dict()}
+
+
+def timed_steps(resumed_at: int, last: int) -> tuple[int, int]:
+    """(first, last) global steps train times (train/timing.py `is_timed`): those after the warm-up of
+    this process's run, or every step of a run no longer than the warm-up."""
+    run_length = last - resumed_at
+    return (resumed_at + WARMUP_STEPS + 1 if run_length > WARMUP_STEPS else resumed_at + 1), last
+
+
+def timed_mean_step(c: RunCosts, first: int, last: int, *, total: int, epochs: int,
+                    resumed_at: int = 0) -> float | None:
+    """Mean seconds per step over the steps train timed (first..last), with the evaluations and saves
+    its windows hold: those after step first−1 (the warm-up's last, where this process ran it) up to
+    the step before the last."""
+    if last < first:
+        return None
+    after = first - 1 if first - 1 > resumed_at else first
+    s = span(c, first, last, total=total, epochs=epochs, events_from=after, events_to=last - 1)
+    return (s["plain_s"] + s["steady_s"] + s["evaluation_s"] + s["checkpoints_s"]) / (last - first + 1)
+
+
+def recommended_start(config_start: int | None) -> int | None:
+    """The start step a recommendation that turns PowerSGD on pastes: POWERSGD_START_STEP where the
+    config's own (resolved) start is later; None where the config's is already that early."""
+    if config_start is not None and config_start <= POWERSGD_START_STEP:
+        return None
+    return POWERSGD_START_STEP

@@ -1,0 +1,80 @@
+"""plan's per-node compute probe (plan/nodes.py): which nodes are probed, the command each runs, its
+output read back, the fault it honours, and what mixed speeds do to the prediction."""
+
+import shlex
+
+import pytest
+
+from dscluster.errors import UsageError
+from dscluster.hosts import parse_hostfile_text
+from dscluster.plan import model, nodes, probe
+
+LAB = parse_hostfile_text("node1 slots=1\nnode2 slots=1\nnode3 slots=2\n", "hosts.txt")
+
+# what `python -m dscluster plan --measure-node 1:1 ...` printed on a lab node (a warning line first)
+RECORDED = """\
+/usr/lib/python3/dist-packages/torch/cuda/__init__.py:61: UserWarning: something about a driver
+{"seconds": 1.6112, "device": "cpu", "note": "measured on CPU (no GPU here), median of 7 steps of 4 scaled to 16", \
+"spread": 0.08, "samples": 7, "disturbed": false, "warmup_extra_s": 0.0, "compiled": false, "host": "node2", \
+"fault_ms": 1500, "measured_at": 1795779401.17, "probe": "host=node2 device=cpu model=vit_small_image"}
+"""
+
+
+def test_ranks_follow_the_hostfile_order():
+    assert nodes.rank_ranges(LAB) == {"node1": (0, 1), "node2": (1, 1), "node3": (2, 2)}
+
+
+def test_one_probe_per_gpu_model_and_alone_where_unknown_or_slowed():
+    models = {"node1": "NVIDIA H100", "node2": "NVIDIA H100", "node3": "NVIDIA RTX 3070"}
+    assert nodes.probe_groups(LAB, models, env={}) == {"node1": ["node1", "node2"], "node3": ["node3"]}
+    # a fault on rank 1 (node2's) makes node2 its own group; node1 stands for nobody else
+    assert nodes.probe_groups(LAB, models, env={"DSCLUSTER_FAULT": "slow_gpu:rank=1,ms=80"}) == {
+        "node1": ["node1"], "node2": ["node2"], "node3": ["node3"]}
+    assert nodes.probe_groups(LAB, {}, env={}) == {"node1": ["node1"], "node2": ["node2"], "node3": ["node3"]}
+
+
+def test_node_command_pins_the_planned_shape_and_passes_the_fault_on():
+    cmd = nodes.node_command("/opt/venv/bin/python", "/lab/configs/vit base.yaml", ["epochs=2"], 128, "fp16", (2, 2),
+                             "slow_gpu:rank=2,ms=80")
+    env, _, rest = cmd.partition(" ")
+    assert env == "DSCLUSTER_FAULT=slow_gpu:rank=2,ms=80"
+    assert shlex.split(rest) == ["/opt/venv/bin/python", "-m", "dscluster", "plan", "--config",
+                                 "/lab/configs/vit base.yaml", "--measure-node", "2:2", "epochs=2", "micro_batch=128",
+                                 "precision=fp16"]
+    assert not nodes.node_command("python", "c.yaml", [], 8, "fp32", (0, 1), None).startswith("DSCLUSTER_FAULT")
+
+
+def test_a_nodes_output_is_read_from_its_last_json_line():
+    fig = nodes.parse_node_output(RECORDED, "node2")
+    assert fig["seconds"] == 1.6112 and fig["host"] == "node2" and fig["fault_ms"] == 1500
+    with pytest.raises(UsageError, match="node3: the compute probe printed no figure .*No module named"):
+        nodes.parse_node_output("Traceback (most recent call last):\nModuleNotFoundError: No module named 'x'", "node3")
+
+
+def test_the_probe_honours_the_fault_of_its_nodes_ranks():
+    env = {"DSCLUSTER_FAULT": "slow_gpu:rank=3,ms=80;exit:rank=0,step=5"}
+    assert probe.fault_ms(2, 2, env) == 80  # node3 holds ranks 2 and 3
+    assert probe.fault_ms(0, 1, env) == 0 and probe.fault_ms(0, 1, {}) == 0
+
+
+def scenario(compute, balanced=False):
+    return model.Scenario(nodes=tuple(model.Node(name=n, ranks=r, compute_s=c) for n, r, c in compute),
+                          micro_batch=64, grad_bytes=4e6, busbw_GBps=10.0, balanced=balanced)
+
+
+def test_balanced_batching_gives_the_slow_node_a_smaller_share():
+    mixed = [("node1", 1, 0.1), ("node2", 1, 0.3)]
+    uniform, balanced = model.micro_step_s(scenario(mixed)), model.micro_step_s(scenario(mixed, balanced=True))
+    assert uniform == 0.3
+    # shares 96 and 32 of 128: each micro-step about 96 × 0.1/64 = 0.15 s
+    assert balanced == pytest.approx(0.15, rel=0.02)
+
+
+def test_the_slowest_node_is_named_with_its_cost_and_balanced_batching_recommended():
+    s = scenario([("node1", 1, 0.1), ("node2", 1, 0.3), ("node3", 2, 0.1)])
+    notes, balance = nodes.mixed_notes(s, model.predict(s), balanced_in_use=False)
+    assert notes[0].startswith("slowest node: node2, 300.0 ms per micro-batch against 100.0 on node1 (3.0x)")
+    assert "it costs 6" in notes[0]  # about two thirds of the img/s equal nodes would give
+    assert balance and "batching=balanced" in notes[1]
+    same = scenario([("node1", 1, 0.1), ("node2", 1, 0.1)])
+    assert nodes.mixed_notes(same, model.predict(same), balanced_in_use=False) == ([], False)

@@ -1,0 +1,177 @@
+"""plan's whole-run model (plan/phases.py): a run as configured, phase by phase, and train's
+end-of-run comparison for the steps a run timed (plan/predicted.py)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dscluster.cli import main
+from dscluster.plan import phases, predicted
+from dscluster.train import timing
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def costs(**kw) -> phases.RunCosts:
+    base = dict(plain_step_s=4.5, step_s=0.2, start_step=200, warmup_extra_s=20.0, eval_s=3.0, save_s=2.0,
+                steps_per_epoch=100, eval_every_epochs=1, checkpoint_every_epochs=1)
+    return phases.RunCosts(**{**base, **kw})
+
+
+def test_warmup_steps_agree_with_trainings_timing():
+    assert phases.WARMUP_STEPS == timing.WARMUP_STEPS
+
+
+def test_a_run_whose_first_200_steps_are_uncompressed_is_the_sum_of_its_phases():
+    c = costs()
+    run = phases.whole_run(c, epochs=10, max_steps=0, global_batch=2048)
+    by = {p["name"]: p for p in run["phases"]}
+    assert run["total_steps"] == 1000
+    assert by["warm-up"]["steps"] == 5 and by["warm-up"]["seconds"] == pytest.approx(5 * 4.5 + 20.0)
+    assert by["uncompressed"]["steps"] == 195 and by["uncompressed"]["seconds"] == pytest.approx(195 * 4.5)
+    assert by["compressed"]["steps"] == 800 and by["compressed"]["seconds"] == pytest.approx(800 * 0.2)
+    assert by["evaluation"]["seconds"] == pytest.approx(10 * 3.0)  # after every epoch
+    assert by["checkpoints"]["seconds"] == pytest.approx(10 * 2.0)
+    expected = 200 * 4.5 + 20.0 + 800 * 0.2 + 30.0 + 20.0
+    assert run["seconds"] == pytest.approx(expected)
+    assert run["images_per_s"] == pytest.approx(1000 * 2048 / expected)
+    # the steady figure alone would promise 10,240 img/s; the run as configured gives about 1,800
+    assert run["steady_images_per_s"] == pytest.approx(2048 / 0.2)
+    assert run["images_per_s"] < run["steady_images_per_s"] / 5
+
+
+def test_max_steps_mid_epoch_evaluates_once_at_the_end_and_saves_no_partial_epoch():
+    c = costs(start_step=None, plain_step_s=0.2, checkpoint_every_steps=30)
+    run = phases.whole_run(c, epochs=10, max_steps=150, global_batch=64)
+    by = {p["name"]: p for p in run["phases"]}
+    assert run["total_steps"] == 150
+    # evaluations after epoch 1 (step 100) and after the last step; saves at 30, 60, 90, 120, 150 and epoch 1
+    assert by["evaluation"]["seconds"] == pytest.approx(2 * 3.0)
+    assert by["checkpoints"]["seconds"] == pytest.approx(6 * 2.0)
+    assert "uncompressed" not in by
+
+
+def test_start_step_rule_moves_a_late_start_early_and_keeps_an_early_one():
+    assert phases.recommended_start(200) == phases.POWERSGD_START_STEP == 30
+    assert phases.recommended_start(10) is None
+
+
+def entry(**kw):
+    c = costs(**kw).to_dict()
+    return {"images_per_s": 2048 / 0.2, "step_s": 0.2, "model_step_s": 0.18, "costs": c,
+            "model_costs": {**c, "plain_step_s": 4.4, "step_s": 0.18}}
+
+
+@pytest.mark.parametrize("steps, plain, predicted_ips", [
+    # 24 steps with PowerSGD from step 200: the 19 timed steps are all plain all-reduces
+    (24, 19, 2048 / 4.5),
+    # 300 steps: timed 6..300, 195 plain, 100 compressed, and the evaluations and saves after steps 100 and 200
+    (300, 195, 2048 * 295 / (195 * 4.5 + 100 * 0.2 + 2 * (3.0 + 2.0))),
+])
+def test_trains_comparison_predicts_the_steps_that_ran(tmp_path, steps, plain, predicted_ips):
+    env = {"DSCLUSTER_STATE": str(tmp_path)}
+    key = predicted.key(model="m", micro_batch=128, global_batch=2048, precision="fp16", compression="powersgd",
+                        ranks=4)
+    predicted.save({key: entry()}, env)
+    run = {"resumed_at": 0, "last": steps, "total": steps, "epochs": 10, "steps_per_epoch": 100, "start_step": 200}
+    cmp = predicted.compare(key, 450.0, env, run=run)
+    assert cmp["phase_aware"] and cmp["timed_steps"] == steps - 5 and cmp["timed_plain_steps"] == plain
+    assert cmp["predicted_images_per_s"] == pytest.approx(predicted_ips)
+    if steps == 24:  # judged against plain steps, not the compressed figure: −1 %, not −95 %
+        assert abs(cmp["deviation_percent"]) < 2
+        assert "−95" not in predicted.line(cmp)
+
+
+def test_outcomes_of_plain_and_mixed_runs_calibrate_the_right_compression(tmp_path):
+    env = {"DSCLUSTER_STATE": str(tmp_path)}
+    key = predicted.key(model="m", micro_batch=128, global_batch=2048, precision="fp16", compression="powersgd",
+                        ranks=4)
+    predicted.save({key: entry()}, env)
+    base = {"resumed_at": 0, "total": 300, "epochs": 10, "steps_per_epoch": 100, "start_step": 200}
+    for last in (24, 300):
+        cmp = predicted.compare(key, 450.0, env, run={**base, "last": last})
+        predicted.record(cmp, model="m", precision="fp16", compression="powersgd", ranks=4, global_batch=2048,
+                         run_id=f"r{last}", env=env)
+    cal = predicted.calibration(model="m", precision="fp16", ranks=4, env=env)
+    # the 24-step run's steps were all plain: it calibrates `none`; the mixed 300-step run calibrates nothing
+    assert set(cal) == {"none"} and cal["none"]["extra_s"] == pytest.approx(2048 / 450.0 - 4.4)
+
+
+def test_entries_without_run_costs_compare_as_before(tmp_path):
+    env = {"DSCLUSTER_STATE": str(tmp_path)}
+    predicted.save({"k": {"images_per_s": 100.0, "step_s": 1.0}}, env)
+    run = {"resumed_at": 0, "last": 24, "total": 24, "epochs": 1, "steps_per_epoch": 24, "start_step": None}
+    assert predicted.compare("k", 90.0, env, run=run)["deviation_percent"] == -10.0
+
+
+def test_pasted_recommendation_includes_the_start_step_and_the_whole_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DSCLUSTER_STATE", str(tmp_path / "state"))
+    (tmp_path / "hosts.txt").write_text("node1 slots=1\nnode2 slots=1\nnode3 slots=2\n")
+    argv = ["plan", "--config", str(REPO / "configs/vit_base.yaml"), "--hostfile", str(tmp_path / "hosts.txt"),
+            "--busbw", "0.119", "--compute-s", "0.043", "--powersgd-s", "0.02", "micro_batch=128",
+            "data.dataset=synthetic", "data.synthetic_samples=50000", "precision=fp16"]
+    assert main([*argv, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    ovr = doc["recommendation"]["overrides"]
+    assert "comm.compression=powersgd" in ovr and "comm.powersgd_start_step=30" in ovr
+    choice = doc["runs"]["choice"]
+    names = [p["name"] for p in choice["phases"]]
+    assert names[:3] == ["warm-up", "uncompressed", "compressed"]
+    assert choice["costs"]["start_step"] == 30
+    assert choice["seconds"] == pytest.approx(sum(p["seconds"] for p in choice["phases"]))
+    # the config as given (plain all-reduces at 1 Gbit) takes over an hour; the recommendation minutes
+    assert doc["runs"]["now"]["seconds"] > 3600 > choice["seconds"]
+    saved = json.loads((tmp_path / "state" / "plans.json").read_text())["plans"]
+    assert any(e["setting"] == "choice" and e["costs"]["plain_step_s"] > e["costs"]["step_s"] for e in saved.values())
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "comm.powersgd_start_step=30" in text and "start-step rule" in text
+    assert "whole run as configured" in text and "whole run with the recommendation" in text
+
+
+def test_the_compute_figure_is_cached_per_host_device_and_config_and_its_first_step_cost_is_the_warmup(
+        tmp_path, monkeypatch, capsys):
+    from dscluster.plan import probe
+
+    monkeypatch.setenv("DSCLUSTER_STATE", str(tmp_path / "state"))
+    (tmp_path / "hosts.txt").write_text("node1 slots=1\nnode2 slots=1\n")
+    calls = []
+
+    def measured(cfg, in_chans, num_classes, micro, measure=None):
+        calls.append(micro)
+        return probe.ComputeFigure(seconds=0.05, device="cuda (test GPU)", note="compiled, as training runs it",
+                                   spread=0.01, samples=10, warmup_extra_s=12.0, compiled=True)
+
+    monkeypatch.setattr(probe, "measure_steady_compute", measured)
+    argv = ["plan", "--config", str(REPO / "configs/digits.yaml"), "--hostfile", str(tmp_path / "hosts.txt"),
+            "--busbw", "1.0", "--powersgd-s", "0.001", "--json"]
+    assert main(argv) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["compute"]["source"] == "measured" and first["compute"]["compiled"] is True
+    warm = first["runs"]["now"]["phases"][0]
+    assert warm["name"] == "warm-up" and warm["seconds"] >= 12.0
+    assert main(argv) == 0  # the same host, device and config: the figure is used again, not measured
+    again = json.loads(capsys.readouterr().out)
+    assert calls == [first["micro_batch"]]
+    assert again["compute"]["source"] == "cached" and again["compute"]["seconds"] == 0.05
+    assert again["runs"]["now"]["seconds"] == pytest.approx(first["runs"]["now"]["seconds"])
+    assert main([*argv, "--no-calibration"]) == 0  # measures again
+    assert len(calls) == 2
+
+
+def test_the_probe_compiles_only_where_training_compiles():
+    from dscluster.plan import probe
+    from dscluster.train.config import load_config
+
+    cfg = load_config(str(REPO / "configs/vit_tiny.yaml"), [])
+    assert cfg.compile == "auto" and probe.compiles_here(cfg) is False  # no GPU here: eager, as training
+    assert "compile=auto" in probe.probe_key(cfg, 32, "fp16")
+
+
+def test_a_resumed_run_is_not_charged_the_evaluation_its_predecessor_ran():
+    c = costs(start_step=None, plain_step_s=0.2)
+    # resumed at step 100, the end of epoch 1: that epoch's evaluation and save ran before the resume
+    assert phases.timed_mean_step(c, 101, 103, total=1000, epochs=10, resumed_at=100) == pytest.approx(0.2)
+    # a fresh run's steps 96..110 hold the evaluation and save after step 100
+    assert phases.timed_mean_step(c, 96, 110, total=1000, epochs=10) == pytest.approx((15 * 0.2 + 5.0) / 15)
