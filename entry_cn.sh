@@ -8,7 +8,8 @@
 #    would pick a wrong interface and hang, so a missing file stops the rank (exit 2);
 # 3. leaves the node's GPUs visible to every rank (train picks the local rank's own);
 # 4. local rank 0 starts this node's one telemetry sampler and stops it when training ends;
-# 5. runs `dscluster train "$@"` (default: --config configs/digits.yaml).
+# 5. runs `dscluster train "$@"` (default: --config configs/digits.yaml), or a user's program
+#    (`./entry_cn.sh python my_train.py`), recording each rank's exit in process/rank-R.json.
 # Run by hand (no launcher) it trains as a single process and says so.
 set -uo pipefail
 
@@ -111,11 +112,18 @@ fi
 # --- telemetry: exactly one sampler per node, owned by local rank 0 --------------------------
 SAMPLER_PID=""
 TRAIN_PID=""
+PROGRAM_RECORD=""  # set while a user's program runs: its rank's record (process/rank-R.json) awaits an end
+record_end() {
+  [ -n "$PROGRAM_RECORD" ] || return 0
+  PROGRAM_RECORD=""
+  python -m dscluster.rankrecord end "$1" || true
+}
 cleanup() {
   trap - EXIT TERM INT HUP
   if [ -n "$TRAIN_PID" ] && kill -0 "$TRAIN_PID" 2>/dev/null; then
     kill -TERM "$TRAIN_PID" 2>/dev/null
     wait "$TRAIN_PID" 2>/dev/null
+    record_end "${1:-143}"
   fi
   if [ -n "$SAMPLER_PID" ]; then
     kill -TERM "$SAMPLER_PID" 2>/dev/null
@@ -124,7 +132,7 @@ cleanup() {
 }
 on_signal() {
   say "received $1: stopping training"
-  cleanup
+  cleanup "$2"
   exit "$2"
 }
 trap cleanup EXIT
@@ -150,6 +158,8 @@ fi
 if [ "${1#-}" = "$1" ] && ! [[ "$1" =~ ^[A-Za-z_][A-Za-z0-9_.]*= ]]; then
   exports="$(python -m dscluster.userlog --exports)" || exit 2
   eval "$exports"
+  # Each rank's start, end, exit code, host and GPU, so a script without userlog still says how it ended.
+  python -m dscluster.rankrecord start -- "$@" && PROGRAM_RECORD=1
   # Not exec: the traps above must outlive the program to stop the sampler.
   "$@" &
   TRAIN_PID=$!
@@ -161,4 +171,5 @@ fi
 wait "$TRAIN_PID"
 rc=$?
 TRAIN_PID=""
+record_end "$rc"
 exit "$rc"

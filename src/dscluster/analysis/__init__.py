@@ -29,6 +29,7 @@ def analyse(run_dirs: list[str | Path], out: str | Path | None = None) -> list[R
     With --out and one run: OUT/*.png and OUT/report.html; with several: OUT/<run>/...
     """
     from dscluster.analysis.diagnose import diagnose
+    from dscluster.analysis.monitor_plot import plot_monitor
     from dscluster.analysis.plots import plot_run, plot_scaling
     from dscluster.analysis.report import render_report
     from dscluster.analysis.stats import summary_row
@@ -50,6 +51,9 @@ def analyse(run_dirs: list[str | Path], out: str | Path | None = None) -> list[R
             out_dir = Path(out) / sub
             report = out_dir / REPORT_FILE
         plots = plot_run(run, out_dir)
+        monitor = plot_monitor(run, out_dir)
+        if monitor is not None:
+            plots.append(monitor)
         if scaling_plot is not None:
             plots.append(scaling_plot)
         row = summary_row(run)

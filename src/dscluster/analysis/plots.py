@@ -17,6 +17,7 @@ matplotlib.use("Agg")
 from matplotlib.figure import Figure  # noqa: E402
 
 from dscluster.analysis.load import RunData  # noqa: E402
+from dscluster.analysis.monitor import by_kind  # noqa: E402
 from dscluster.analysis.stats import (  # noqa: E402
     COMM_BOUND_SHARE, SPLIT_PARTS, comm_share, find_stragglers, rank_stats, step_split, summary_row,
 )
@@ -211,8 +212,10 @@ def plot_loss(run: RunData, out: Path) -> Plot:
     ax2.set_ylabel("held-out accuracy (%)")
     ax2.set_ylim(0, 100)
     if not plot.series:
-        plot.notes.append("no loss records")
-        _empty(ax, "no step records with a loss")
+        monitored = "loss" in by_kind(run.monitor)
+        plot.notes.append("no step records: the loss DeepSpeed's monitor recorded is in monitor.png"
+                          if monitored else "no loss records")
+        _empty(ax, "no step records with a loss" + (" (see monitor.png)" if monitored else ""))
     lines = ax.get_legend_handles_labels()
     lines2 = ax2.get_legend_handles_labels()
     if lines[0] or lines2[0]:

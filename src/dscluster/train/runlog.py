@@ -62,17 +62,22 @@ class RunLog:
         atomic_write_json(self.run_dir / runinfo.ENV_DIR / f"rank-{self.rank}.json", snap)
 
     def write_summary(self, summary: dict, *, only_if_absent_or_not_failed: bool = False) -> None:
-        path = self.run_dir / runinfo.SUMMARY_FILE
-        if only_if_absent_or_not_failed and path.exists():
-            try:
-                if json.loads(path.read_text()).get("status") == "failed":
-                    return  # a better-informed rank already told the story
-            except (OSError, ValueError):
-                pass
-        atomic_write_json(path, summary)
+        write_summary(self.run_dir, summary, only_if_absent_or_not_failed=only_if_absent_or_not_failed)
 
     def close(self) -> None:
         self.metrics.close()
+
+
+def write_summary(run_dir: Path, summary: dict, *, only_if_absent_or_not_failed: bool = False) -> None:
+    """summary.json, atomically; with `only_if_absent_or_not_failed` a failure already there stays."""
+    path = Path(run_dir) / runinfo.SUMMARY_FILE
+    if only_if_absent_or_not_failed and path.exists():
+        try:
+            if json.loads(path.read_text()).get("status") == "failed":
+                return  # a better-informed rank already told the story
+        except (OSError, ValueError):
+            pass
+    atomic_write_json(path, summary)
 
 
 def summary_record(**fields) -> dict:
