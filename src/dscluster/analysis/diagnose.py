@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dscluster.analysis.gpusplit import busy_but_waiting_words, gpu_views
 from dscluster.analysis.load import RunData
 from dscluster.analysis.stats import COMM_BOUND_SHARE, comm_share, rank_stats, step_split
 from dscluster.rankrecord import exit_text
@@ -282,9 +283,16 @@ def comm_findings(run: RunData) -> list[Finding]:
                     "accumulation (global_batch=...) and comm.compression would scale")]
 
 
+def busy_waiting_findings(run: RunData) -> list[Finding]:
+    """NVML says the GPUs are busy while the step split says they wait for the network."""
+    words = busy_but_waiting_words(gpu_views(run))
+    return [Finding("warning", "gpu_busy_waiting", words)] if words else []
+
+
 def diagnose(run: RunData) -> dict[str, Any]:
     """Everything found, as the stable `--json` document."""
-    findings = vanished_findings(run, progress_findings(run)) + env_findings(run) + comm_findings(run)
+    findings = (vanished_findings(run, progress_findings(run)) + env_findings(run) + comm_findings(run)
+                + busy_waiting_findings(run))
     tfind, traces = trace_findings(run)
     findings += tfind
     if not run.ranks:
