@@ -66,3 +66,14 @@ def test_a_torn_csv_row_is_skipped_and_foreign_csv_files_are_ignored(tmp_path):
     (path / "notes.csv").write_text("a,b,c\n1,2,3\n")
     run = load_run(path)
     assert "notes" not in run.monitor and len(run.monitor["Train_Samples_train_loss"]) == 10
+
+
+def test_a_rank_the_launcher_killed_before_its_record_is_a_consequence_not_a_cause(tmp_path):
+    path = make_plain_run(tmp_path, exit_codes={0: 143, 1: 3})
+    rec = json.loads((path / "process" / "rank-0.json").read_text())
+    rec.update(exit_code=None, end_t=None, status="running")  # SIGKILL before entry_cn.sh wrote the end
+    (path / "process" / "rank-0.json").write_text(json.dumps(rec))
+    findings = diagnose(load_run(path))["findings"]
+    assert [(f["kind"], f["rank"]) for f in findings if f["severity"] == "error"] == [("rank_failed", 1)]
+    no_exit = next(f for f in findings if f["kind"] == "rank_no_exit")
+    assert no_exit["rank"] == 0 and "after rank 1 failed" in no_exit["message"]

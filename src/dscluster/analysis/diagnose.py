@@ -103,9 +103,10 @@ def exit_findings(run: RunData) -> list[Finding]:
     findings = []
     for r, rm in sorted(ended.items()):
         if rm.exit_code is None and rm.end is None:
-            findings.append(Finding("error" if failed else "warning", "rank_no_exit",
-                                    f"rank {r} on {rm.host or '?'} has no exit code: it is still running, or its "
-                                    "node stopped before the entry script could record the end", rank=r, host=rm.host))
+            why = (f"the launcher stopped it after rank {min(causes)} failed, before its end could be recorded"
+                   if causes else "it is still running, or its node stopped before the end could be recorded")
+            findings.append(Finding("warning", "rank_no_exit", f"rank {r} on {rm.host or '?'} has no exit code: {why}",
+                                    rank=r, host=rm.host))
         elif r in failed:
             code = rm.exit_code
             cause = r in causes
