@@ -32,7 +32,12 @@ TRAIN_TIMEOUT_S = 600
 @pytest.fixture(scope="module")
 def cluster(lab_factory) -> Cluster:
     """A 2-node lab after the user's own `dscluster setup` and `check` (no test key mesh)."""
-    lab = lab_factory("byolab", nodes=2, slots=1)
+    return set_up_and_checked(lab_factory("byolab", nodes=2, slots=1))
+
+
+def set_up_and_checked(lab, check_options: str = "") -> Cluster:
+    """The lab after the user's own `dscluster setup` and `check`, run as the lab user on node1
+    from a working directory on the shared disk."""
     work = lab.shared / "work"
     work.mkdir(parents=True, exist_ok=True)
     os.chown(work, lab.uid, lab.gid)
@@ -40,7 +45,7 @@ def cluster(lab_factory) -> Cluster:
     setup = c.sh(f"DSCLUSTER_SSH_PASSWORD={shlex.quote(lab.password)} {VENV_BIN}/dscluster setup "
                  f"--hostfile {c.hostfile} --trust-new-hosts --fix-path", timeout=300)
     assert setup.returncode == 0, explain(setup)
-    check = c.sh(f"{VENV_BIN}/dscluster check --hostfile {c.hostfile}", timeout=300)
+    check = c.sh(f"{VENV_BIN}/dscluster check --hostfile {c.hostfile} {check_options}", timeout=300)
     assert check.returncode == 0, explain(check)
     return c
 
