@@ -33,6 +33,7 @@ def analyse(run_dirs: list[str | Path], out: str | Path | None = None) -> list[R
     from dscluster.analysis.plots import plot_run, plot_scaling
     from dscluster.analysis.report import render_report
     from dscluster.analysis.stats import summary_row
+    from dscluster.analysis.tbexport import export as export_tensorboard
 
     runs = [load_run(d) for d in run_dirs]  # all validated before anything is written
     names = [r.name for r in runs]
@@ -56,6 +57,8 @@ def analyse(run_dirs: list[str | Path], out: str | Path | None = None) -> list[R
             plots.append(monitor)
         if scaling_plot is not None:
             plots.append(scaling_plot)
+        if out is None:  # beside DeepSpeed's own events, where the run turned TensorBoard on
+            export_tensorboard(run)
         row = summary_row(run)
         diag = diagnose(run)
         atomic_write_text(report, render_report(run, row, plots, diag), mode=0o644)

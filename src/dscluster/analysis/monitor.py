@@ -19,6 +19,8 @@ from pathlib import Path
 from dscluster.runinfo import CHECKPOINT_DIR
 
 Series = list[tuple[float, float]]
+EXPORT_DIR = Path("tensorboard") / "dscluster"
+"""Where `plot` writes dscluster's own series for TensorBoard (analysis/tbexport.py): not a monitor's."""
 
 
 def series_kind(name: str) -> str | None:
@@ -57,7 +59,9 @@ def read_event_series(path: Path) -> dict[str, Series]:
 
 
 def _outside_checkpoints(run_dir: Path, path: Path) -> bool:
-    return CHECKPOINT_DIR not in path.relative_to(run_dir).parts
+    """Not in checkpoints/ (large, never a monitor's) nor in our own TensorBoard export."""
+    parts = path.relative_to(run_dir).parts
+    return CHECKPOINT_DIR not in parts and parts[:2] != EXPORT_DIR.parts
 
 
 def read_monitor(run_dir: Path, problems: list[str]) -> dict[str, Series]:
