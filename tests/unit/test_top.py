@@ -9,6 +9,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+from _wait import scaled
+
 from dscluster.cli import main
 from dscluster.cli.top import render
 from dscluster.telemetry.live import tail_records
@@ -111,3 +113,78 @@ def test_bad_options_exit_2(tmp_path, capsys):
     assert main(["top", "--hostfile", str(tmp_path / "missing.txt"), "--once"]) == 2
     err = capsys.readouterr().err
     assert "--once" in err and "nope" in err and "missing.txt" in err
+
+
+def _controlling_terminal() -> None:
+    """In the child: a session of its own whose controlling terminal is the pty (its stdin), so that
+    Ctrl-C typed there is a SIGINT, as in a user's terminal."""
+    import fcntl
+    import os
+    import termios
+
+    os.setsid()
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def _live_top(tmp_path, now):
+    """`dscluster top` in a pseudo-terminal, as a user starts it; returns (process, the terminal's fd)."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    run = live_run(tmp_path, now)
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("node1 slots=1\nnode2 slots=1\n")
+    main_fd, child_fd = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "dscluster", "top", "--hostfile", str(hostfile), "--run-dir",
+                             str(run), "--no-ssh", "--interval", "0.2"], stdin=child_fd, stdout=child_fd,
+                            stderr=child_fd, env={**os.environ, "TERM": "xterm", "COLUMNS": "160"},
+                            preexec_fn=_controlling_terminal)
+    os.close(child_fd)
+    return proc, main_fd
+
+
+def _read_until(fd, text: str, seconds: float) -> str:
+    import os
+    import select
+
+    from _wait import Deadline
+
+    seen, deadline = b"", Deadline(seconds)
+    while text.encode() not in seen:
+        assert not deadline.passed(), f"{text!r} not shown; the terminal got {seen[-2000:]!r}"
+        if select.select([fd], [], [], 0.2)[0]:
+            try:
+                seen += os.read(fd, 65536)
+            except OSError:
+                break
+    return seen.decode(errors="replace")
+
+
+def test_the_live_view_refreshes_and_quits_on_q(tmp_path):
+    import os
+
+    proc, fd = _live_top(tmp_path, time.time())
+    try:
+        _read_until(fd, "straggler", 60)
+        os.write(fd, b"q")
+        assert proc.wait(timeout=scaled(20)) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(fd)
+
+
+def test_the_live_view_quits_on_ctrl_c(tmp_path):
+    import os
+
+    proc, fd = _live_top(tmp_path, time.time())
+    try:
+        _read_until(fd, "straggler", 60)
+        os.write(fd, b"\x03")  # the terminal turns it into SIGINT
+        assert proc.wait(timeout=scaled(20)) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(fd)
