@@ -44,7 +44,8 @@ def ds_op_facts() -> dict:
             out["ds_accelerator"] = ns.get("accelerator_name")
         except (OSError, SyntaxError):
             pass
-    bindir = os.path.dirname(os.path.realpath(_sys.executable))
+    # torch's extension builder runs `ninja` from PATH; entry_cn.sh puts the environment's bin/ first.
+    bindir = os.path.dirname(_sys.executable)
     out["ninja"] = bool(shutil.which("ninja") or os.path.exists(os.path.join(bindir, "ninja")))
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
     nvcc = shutil.which("nvcc") or (os.path.join(home, "bin", "nvcc") if os.path.exists(
