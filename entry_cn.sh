@@ -120,10 +120,14 @@ record_end() {
 }
 cleanup() {
   trap - EXIT TERM INT HUP
-  if [ -n "$TRAIN_PID" ] && kill -0 "$TRAIN_PID" 2>/dev/null; then
-    kill -TERM "$TRAIN_PID" 2>/dev/null
+  if [ -n "$TRAIN_PID" ]; then
+    # The launcher's SIGTERM may have reached the program too and ended it already: its own code then.
+    kill -0 "$TRAIN_PID" 2>/dev/null && kill -TERM "$TRAIN_PID" 2>/dev/null
     wait "$TRAIN_PID" 2>/dev/null
-    record_end "${1:-143}"
+    local code=$?
+    # 127, or -1 from bash when the interrupted wait had reaped it: no code to read, the signal's then.
+    case "$code" in 127|-*|'') code="${1:-143}" ;; esac
+    record_end "$code"
   fi
   if [ -n "$SAMPLER_PID" ]; then
     kill -TERM "$SAMPLER_PID" 2>/dev/null

@@ -414,3 +414,19 @@ def test_a_program_stopped_by_sigterm_records_exit_143(rig):
     assert json.loads((run / "process" / "rank-0.json").read_text())["exit_code"] == 143
     summary = json.loads((run / "summary.json").read_text())
     assert (summary["status"], summary["failed_rank"], summary["exit_code"]) == ("failed", 0, 143)
+
+
+def test_sigterm_to_the_whole_process_group_still_records_the_programs_exit(rig):
+    """A launcher that signals the rank's process group ends the program and entry_cn.sh at once."""
+    write_node_env(rig, "export GLOO_SOCKET_IFNAME='eth0'\n")
+    prog = rig["work"] / "sleeper.sh"
+    prog.write_text('#!/usr/bin/env bash\necho "program pid=$$" >> "$FAKE_LOG"\nexec sleep 60\n')
+    prog.chmod(0o755)
+    proc = subprocess.Popen([str(ENTRY), "./sleeper.sh"], cwd=rig["work"], env=dict(rig["env"], **under_mpirun()),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_until(lambda: any(l.startswith("program ") for l in log_lines(rig)), 30, "the program started")
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=scaled(15))
+    assert proc.returncode == 143, err
+    rec = json.loads((_only_run(rig) / "process" / "rank-0.json").read_text())
+    assert (rec["exit_code"], rec["status"]) == (143, "failed") and rec["end_t"] is not None, (rec, err)
