@@ -10,7 +10,8 @@
 # 4. checks what it will run (the program exists and is executable, or train's arguments parse and
 #    the config loads): bad input stops the rank (exit 2) before the sampler or the run directory start;
 #    then local rank 0 starts this node's one telemetry sampler and stops it when training ends;
-# 5. runs `dscluster train "$@"` (default: --config configs/digits.yaml).
+# 5. runs `dscluster train "$@"` (default: --config configs/digits.yaml), or a user's program
+#    (`./entry_cn.sh python my_train.py`), recording each rank's exit in process/rank-R.json.
 # Run by hand (no launcher) it trains as a single process and says so.
 set -uo pipefail
 
@@ -113,11 +114,22 @@ fi
 # --- telemetry: exactly one sampler per node, owned by local rank 0 --------------------------
 SAMPLER_PID=""
 TRAIN_PID=""
+PROGRAM_RECORD=""  # set while a user's program runs: its rank's record (process/rank-R.json) awaits an end
+record_end() {
+  [ -n "$PROGRAM_RECORD" ] || return 0
+  PROGRAM_RECORD=""
+  python -m dscluster.rankrecord end "$1" || true
+}
 cleanup() {
   trap - EXIT TERM INT HUP
-  if [ -n "$TRAIN_PID" ] && kill -0 "$TRAIN_PID" 2>/dev/null; then
-    kill -TERM "$TRAIN_PID" 2>/dev/null
+  if [ -n "$TRAIN_PID" ]; then
+    # The launcher's SIGTERM may have reached the program too and ended it already: its own code then.
+    kill -0 "$TRAIN_PID" 2>/dev/null && kill -TERM "$TRAIN_PID" 2>/dev/null
     wait "$TRAIN_PID" 2>/dev/null
+    local code=$?
+    # 127, or -1 from bash when the interrupted wait had reaped it: no code to read, the signal's then.
+    case "$code" in 127|-*|'') code="${1:-143}" ;; esac
+    record_end "$code"
   fi
   if [ -n "$SAMPLER_PID" ]; then
     kill -TERM "$SAMPLER_PID" 2>/dev/null
@@ -132,7 +144,7 @@ cleanup() {
 }
 on_signal() {
   say "received $1: stopping training"
-  cleanup
+  cleanup "$2"
   exit "$2"
 }
 trap cleanup EXIT
@@ -168,6 +180,8 @@ fi
 if [ "${1#-}" = "$1" ] && ! [[ "$1" =~ ^[A-Za-z_][A-Za-z0-9_.]*= ]]; then
   exports="$(python -m dscluster.userlog --exports)" || exit 2
   eval "$exports"
+  # Each rank's start, end, exit code, host and GPU, so a script without userlog still says how it ended.
+  python -m dscluster.rankrecord start -- "$@" && PROGRAM_RECORD=1
   # Not exec: the traps above must outlive the program to stop the sampler.
   "$@" &
   TRAIN_PID=$!
@@ -179,4 +193,5 @@ fi
 wait "$TRAIN_PID"
 rc=$?
 TRAIN_PID=""
+record_end "$rc"
 exit "$rc"

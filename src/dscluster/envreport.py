@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Mapping
 from dscluster import __version__, redact, state
 from dscluster.check import checkfile
 from dscluster.check.checkfile import CheckFile, CheckFileError
+from dscluster.check.dsops import ds_op_facts, ops_message, ops_verdict
 
 SCHEMA_VERSION = 1
 
@@ -188,6 +189,16 @@ def collect_deepspeed(probe_ops: bool = True) -> dict:
     return info
 
 
+def needed_ops(facts: dict, torch_cuda: str | None, on_gpu: bool) -> dict | None:
+    """FusedAdam/FusedLamb/CPUAdam: prebuilt, JIT-buildable or not, with what fails and the fix
+    (check/dsops.py's rule, the one `check` applies per node)."""
+    verdict = ops_verdict(facts, torch_cuda, on_gpu)
+    if verdict is None:
+        return None
+    what, fix = ops_message(verdict) if not verdict.ok else (f"DeepSpeed ops: {verdict.line()}", None)
+    return {"ops": verdict.ops, "ok": verdict.ok, "line": what, "fix": fix}
+
+
 def collect_mpi(mpirun: str, run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> dict:
     """Where `mpirun` (a path, or a bare name looked up on PATH) is, and its version line."""
     found = shutil.which(mpirun)
@@ -224,12 +235,14 @@ def collect(environ: Mapping[str, str] | None = None, probe_ops: bool = True) ->
 
     environ = os.environ if environ is None else environ
     torch_info, gpus = collect_torch()
+    deepspeed = collect_deepspeed(probe_ops)
+    deepspeed["ops_needed"] = needed_ops(ds_op_facts(), torch_info.get("cuda_build"), bool(gpus))
     return build_report(
         versions=package_versions(),
         python=collect_python(),
         torch=torch_info,
         gpus=gpus,
-        deepspeed=collect_deepspeed(probe_ops),
+        deepspeed=deepspeed,
         mpi=collect_mpi(mpirun_path(sys.executable, dict(environ))),
         env=relevant_env(environ),
         check=load_check(environ),

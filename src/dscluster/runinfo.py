@@ -52,6 +52,7 @@ SUMMARY_FILE = "summary.json"
 METRICS_DIR = "metrics"          # metrics/rank-R.jsonl, one writer per rank
 TELEMETRY_DIR = "telemetry"      # telemetry/<host>.jsonl, one sampler per node
 ENV_DIR = "env"                  # env/rank-R.json, each rank's effective environment
+PROCESS_DIR = "process"          # process/rank-R.json, entry_cn.sh's record of a user program's rank
 CHECKPOINT_DIR = "checkpoints"
 PLOTS_DIR = "plots"
 REPORT_FILE = "report.html"

@@ -1,6 +1,8 @@
 """Bring your own script: a plain DeepSpeed program run by entry_cn.sh under mpirun on a simulated
 2-node lab, after `dscluster setup` and `check`, gets dscluster's run directory (both ranks'
-metrics through dscluster.userlog, each node's telemetry) and `analysis/plot.py` draws it.
+metrics through dscluster.userlog, each node's telemetry) and `analysis/plot.py` draws it. A script
+that imports nothing from dscluster still gets each rank's exit record and a summary that says how
+it ended, and a failing one names the rank and its exit code.
 
 As in test_launch_lab.py, commands run in node1 as the lab user from a working directory on the
 lab's shared disk, so the literal mpirun line needs no exported variable.
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from dscluster.analysis.monitor import read_csv_series
 from dscluster.fsutil import read_jsonl
 from test_launch_lab import Cluster, explain
 
@@ -29,7 +32,12 @@ TRAIN_TIMEOUT_S = 600
 @pytest.fixture(scope="module")
 def cluster(lab_factory) -> Cluster:
     """A 2-node lab after the user's own `dscluster setup` and `check` (no test key mesh)."""
-    lab = lab_factory("byolab", nodes=2, slots=1)
+    return set_up_and_checked(lab_factory("byolab", nodes=2, slots=1))
+
+
+def set_up_and_checked(lab, check_options: str = "") -> Cluster:
+    """The lab after the user's own `dscluster setup` and `check`, run as the lab user on node1
+    from a working directory on the shared disk."""
     work = lab.shared / "work"
     work.mkdir(parents=True, exist_ok=True)
     os.chown(work, lab.uid, lab.gid)
@@ -37,7 +45,7 @@ def cluster(lab_factory) -> Cluster:
     setup = c.sh(f"DSCLUSTER_SSH_PASSWORD={shlex.quote(lab.password)} {VENV_BIN}/dscluster setup "
                  f"--hostfile {c.hostfile} --trust-new-hosts --fix-path", timeout=300)
     assert setup.returncode == 0, explain(setup)
-    check = c.sh(f"{VENV_BIN}/dscluster check --hostfile {c.hostfile}", timeout=300)
+    check = c.sh(f"{VENV_BIN}/dscluster check --hostfile {c.hostfile} {check_options}", timeout=300)
     assert check.returncode == 0, explain(check)
     return c
 
@@ -75,3 +83,58 @@ def test_plain_deepspeed_script_gets_metrics_telemetry_and_plots(cluster):
                           capture_output=True, text=True, timeout=300)
     assert plot.returncode == 0, explain(plot)
     assert (run / "plots" / "loss.png").exists() and (run / "report.html").exists()
+
+
+def _new_run(cluster, before: set) -> Path:
+    runs = (set(cluster.runs.iterdir()) if cluster.runs.is_dir() else set()) - before
+    assert len(runs) == 1, runs
+    return runs.pop()
+
+
+def test_an_unmodified_deepspeed_script_is_recorded_complete_with_its_monitor_series(cluster):
+    """examples/ds_train_plain.py imports nothing from dscluster: entry_cn.sh's records say how it ended
+    and DeepSpeed's csv_monitor (pointed at the run directory) gives the report its loss and lr."""
+    before = set(cluster.runs.iterdir()) if cluster.runs.is_dir() else set()
+    res = cluster.sh(f"{VENV_BIN}/mpirun -np 2 --hostfile {cluster.hostfile} {REPO}/entry_cn.sh "
+                     f"python {REPO}/examples/ds_train_plain.py --steps 6", timeout=TRAIN_TIMEOUT_S)
+    assert res.returncode == 0, explain(res)
+    run = _new_run(cluster, before)
+    hosts = set()
+    for rank in (0, 1):
+        rec = json.loads((run / "process" / f"rank-{rank}.json").read_text())
+        assert (rec["exit_code"], rec["world_size"]) == (0, 2) and rec["end_t"] > rec["start_t"]
+        hosts.add(rec["host"])
+    assert hosts == {n.hostname for n in cluster.lab.nodes}
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["status"], summary["exit_code"]) == ("complete", 0)
+    plot = subprocess.run([str(VENV_BIN / "python"), str(REPO / "analysis" / "plot.py"), str(run)],
+                          capture_output=True, text=True, timeout=300)
+    assert plot.returncode == 0, explain(plot)
+    html = (run / "report.html").read_text()
+    assert "complete (exit 0)" in html and "did not complete" not in html
+    assert (run / "plots" / "monitor.png").exists()
+    assert len(read_csv_series(run / "deepspeed" / "Train_Samples_train_loss.csv")) == 6
+
+
+FAILING = """import os, sys, time
+if os.environ["RANK"] == "1":
+    sys.exit(3)
+time.sleep(120)  # rank 0 waits, as in a collective its peer never joins: the launcher must stop it
+"""
+
+
+def test_a_failing_script_names_the_rank_and_its_exit_code(cluster):
+    script = cluster.work / "failing.py"
+    script.write_text(FAILING)
+    before = set(cluster.runs.iterdir()) if cluster.runs.is_dir() else set()
+    res = cluster.sh(f"{VENV_BIN}/mpirun -np 2 --hostfile {cluster.hostfile} {REPO}/entry_cn.sh "
+                     f"python {script}", timeout=TRAIN_TIMEOUT_S)
+    assert res.returncode != 0, explain(res)
+    run = _new_run(cluster, before)
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["status"], summary["failed_rank"], summary["exit_code"]) == ("failed", 1, 3), summary
+    diag = subprocess.run([str(VENV_BIN / "dscluster"), "diagnose", str(run), "--json"],
+                          capture_output=True, text=True, timeout=120)
+    errors = [f for f in json.loads(diag.stdout)["findings"] if f["severity"] == "error"]
+    assert [(f["kind"], f["rank"]) for f in errors] == [("rank_failed", 1)], errors
+    assert "exit 3" in errors[0]["message"]

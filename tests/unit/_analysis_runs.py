@@ -105,3 +105,30 @@ def write_flight_recorder(run: Path, seqs: dict[int, int], fmt: str = "pickle") 
             path.write_bytes(pickle.dumps(dump))
         else:
             path.write_text(json.dumps(dump))
+
+
+def make_plain_run(root: Path, name: str = "plain", *, exit_codes: dict[int, int] | None = None,
+                   monitor: bool = True, gpus: bool = False) -> Path:
+    """A user's own script run through entry_cn.sh without userlog: process/rank-R.json per rank,
+    each node's telemetry, DeepSpeed's csv_monitor files, and summary.json as rankrecord writes it."""
+    from dscluster import rankrecord
+
+    exit_codes = {0: 0, 1: 0} if exit_codes is None else exit_codes
+    world = len(exit_codes)
+    run = make_run(root, name, world=world, steps=0, gpus=gpus, summary=False)
+    for sub in ("metrics", "env"):
+        for f in (run / sub).iterdir():
+            f.unlink()
+    t0 = 1_700_000_000.0
+    order = sorted(exit_codes, key=lambda r: (exit_codes[r] in (0, 143), r))  # the failing rank ends first
+    for k, rank in enumerate(order):
+        env = {"RANK": str(rank), "WORLD_SIZE": str(world), "DSCLUSTER_RUN_DIR": str(run)}
+        rankrecord.start(run, ["python", "train.py"], env, now=t0)
+        rankrecord.end(run, exit_codes[rank], env, now=t0 + 5 + k)
+    if monitor:
+        mon = run / "deepspeed"
+        mon.mkdir()
+        (mon / "Train_Samples_train_loss.csv").write_text(
+            "step,train_loss\n" + "".join(f"{32 * s},{2.3 / s ** 0.5}\n" for s in range(1, 11)))
+        (mon / "Train_Samples_lr.csv").write_text("step,lr\n" + "".join(f"{32 * s},0.01\n" for s in range(1, 11)))
+    return run

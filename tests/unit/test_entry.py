@@ -6,6 +6,7 @@ command it ends in is a recording stand-in (DSCLUSTER_VENV points at a venv whos
 the cluster tests run the real one under mpirun.
 """
 
+import json
 import os
 import signal
 import socket
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _wait import scaled, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 ENTRY = ROOT / "entry_cn.sh"
@@ -369,3 +371,80 @@ def test_a_python_script_writes_its_metrics_beside_the_telemetry(rig):
     assert len(records) == 5  # start, 3 steps, end
     assert (runs[0] / "summary.json").exists()
     assert any(l.startswith("telemetry ") and f"--run-dir {runs[0]} " in l for l in log_lines(rig))
+
+
+def _only_run(rig) -> Path:
+    runs = list((rig["tmp"] / "runs").iterdir())
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def test_a_program_without_userlog_leaves_each_ranks_exit_and_a_complete_summary(rig):
+    """A plain script (no dscluster.userlog): its rank's record and the summary say it exited 0."""
+    write_node_env(rig, "export GLOO_SOCKET_IFNAME='eth0'\n")
+    prog = write_program(rig)
+    out = run_entry(rig, prog, extra=under_mpirun())
+    assert out.returncode == 0, out.stderr
+    run = _only_run(rig)
+    rec = json.loads((run / "process" / "rank-0.json").read_text())
+    assert (rec["rank"], rec["world_size"], rec["exit_code"], rec["status"]) == (0, 4, 0, "complete")
+    assert rec["host"] == socket.gethostname() and rec["argv"] == [prog]
+    assert rec["end_t"] >= rec["start_t"] > 0 and "gpu" in rec
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["status"], summary["exit_code"]) == ("complete", 0)
+
+    from dscluster.analysis import load_run
+    from dscluster.analysis.stats import summary_row
+    assert summary_row(load_run(run))["status"] == "complete (exit 0)"
+
+
+def test_a_failing_rank_names_itself_and_its_exit_code_in_the_summary(rig):
+    write_node_env(rig, "export GLOO_SOCKET_IFNAME='eth0'\n")
+    prog = write_program(rig)
+    out = run_entry(rig, prog, extra={**under_mpirun(local_rank=1, rank=3), "FAKE_PROGRAM_RC": "7"})
+    assert out.returncode == 7
+    run = _only_run(rig)
+    assert json.loads((run / "process" / "rank-3.json").read_text())["exit_code"] == 7
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["status"], summary["failed_rank"], summary["exit_code"]) == ("failed", 3, 7)
+
+    from dscluster.analysis import load_run
+    from dscluster.analysis.diagnose import diagnose
+    from dscluster.analysis.stats import summary_row
+    loaded = load_run(run)
+    assert summary_row(loaded)["status"] == "failed (exit 7) on rank 3"
+    assert any(f["kind"] == "rank_failed" and f["rank"] == 3 and "exit 7" in f["message"]
+               for f in diagnose(loaded)["findings"])
+
+
+def test_a_program_stopped_by_sigterm_records_exit_143(rig):
+    write_node_env(rig, "export GLOO_SOCKET_IFNAME='eth0'\n")
+    prog = rig["work"] / "sleeper.sh"
+    prog.write_text('#!/usr/bin/env bash\necho "program pid=$$" >> "$FAKE_LOG"\nsleep 60 & wait\n')
+    prog.chmod(0o755)
+    env = dict(rig["env"], **under_mpirun())
+    proc = subprocess.Popen([str(ENTRY), "./sleeper.sh"], cwd=rig["work"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    wait_until(lambda: any(l.startswith("program ") for l in log_lines(rig)), 30, "the program started")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=scaled(15)) == 143
+    run = _only_run(rig)
+    assert json.loads((run / "process" / "rank-0.json").read_text())["exit_code"] == 143
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["status"], summary["failed_rank"], summary["exit_code"]) == ("failed", 0, 143)
+
+
+def test_sigterm_to_the_whole_process_group_still_records_the_programs_exit(rig):
+    """A launcher that signals the rank's process group ends the program and entry_cn.sh at once."""
+    write_node_env(rig, "export GLOO_SOCKET_IFNAME='eth0'\n")
+    prog = rig["work"] / "sleeper.sh"
+    prog.write_text('#!/usr/bin/env bash\necho "program pid=$$" >> "$FAKE_LOG"\nexec sleep 60\n')
+    prog.chmod(0o755)
+    proc = subprocess.Popen([str(ENTRY), "./sleeper.sh"], cwd=rig["work"], env=dict(rig["env"], **under_mpirun()),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_until(lambda: any(l.startswith("program ") for l in log_lines(rig)), 30, "the program started")
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=scaled(15))
+    assert proc.returncode == 143, err
+    rec = json.loads((_only_run(rig) / "process" / "rank-0.json").read_text())
+    assert (rec["exit_code"], rec["status"]) == (143, "failed") and rec["end_t"] is not None, (rec, err)

@@ -141,7 +141,7 @@ def test_env_json_from_the_command_line(tmp_path):
     doc = json.loads(proc.stdout)  # DeepSpeed's own log lines must not land on stdout
     assert set(doc) == TOP_KEYS and doc["schema"] == 1
     assert set(doc["torch"]) == {"version", "cuda_build", "cuda_available", "nccl", "error"}
-    assert set(doc["deepspeed"]) == {"version", "accelerator", "ops", "error"}
+    assert set(doc["deepspeed"]) == {"version", "accelerator", "ops", "ops_needed", "error"}
     assert set(doc["mpi"]) == {"mpirun", "version", "error"}
     assert set(doc["check"]) == {"path", "created", "ok", "hostfile", "errors", "warnings", "nodes", "error"}
     assert doc["env"]["DSCLUSTER_SSH_PASSWORD"] == "***" and doc["env"]["NCCL_DEBUG"] == "INFO"

@@ -30,9 +30,11 @@ def analyse(run_dirs: list[str | Path], out: str | Path | None = None) -> list[R
     With --out and one run: OUT/*.png and OUT/report.html; with several: OUT/<run>/...
     """
     from dscluster.analysis.diagnose import diagnose
+    from dscluster.analysis.monitor_plot import plot_monitor
     from dscluster.analysis.plots import plot_run, plot_scaling
     from dscluster.analysis.report import render_report
     from dscluster.analysis.stats import summary_row
+    from dscluster.analysis.tbexport import export as export_tensorboard
 
     runs = [load_run(d) for d in run_dirs]  # all validated before anything is written
     names = [r.name for r in runs]
@@ -51,8 +53,13 @@ def analyse(run_dirs: list[str | Path], out: str | Path | None = None) -> list[R
             out_dir = Path(out) / sub
             report = out_dir / REPORT_FILE
         plots = plot_run(run, out_dir)
+        monitor = plot_monitor(run, out_dir)
+        if monitor is not None:
+            plots.append(monitor)
         if scaling_plot is not None:
             plots.append(scaling_plot)
+        if out is None:  # beside DeepSpeed's own events, where the run turned TensorBoard on
+            export_tensorboard(run)
         row = summary_row(run)
         diag = diagnose(run)
         atomic_write_text(report, redact.redact_text(render_report(run, row, plots, diag)), mode=0o644)

@@ -19,8 +19,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dscluster.analysis.gpusplit import busy_but_waiting_words, gpu_views
 from dscluster.analysis.load import RunData
 from dscluster.analysis.stats import COMM_BOUND_SHARE, comm_share, rank_stats, step_split
+from dscluster.rankrecord import exit_text
+
+STOPPED_CODES = (130, 137, 143)
+"""Exit codes of a rank the launcher (or the user) stopped: SIGINT, SIGKILL, SIGTERM."""
 
 # Must be identical on every rank; anything else here differing means ranks were started
 # from different configs, venvs or check results.
@@ -94,6 +99,34 @@ def env_findings(run: RunData) -> list[Finding]:
     return findings
 
 
+def exit_findings(run: RunData) -> list[Finding]:
+    """A user program's ranks by entry_cn.sh's record: the first to fail with its exit code is the
+    cause; ranks the launcher then stopped (SIGTERM, SIGKILL) are consequences, so warnings."""
+    ended = {r: rm for r, rm in run.ranks.items() if rm.process is not None}
+    failed = {r: rm for r, rm in ended.items() if rm.exit_code}
+    causes = {r for r, rm in failed.items() if rm.exit_code not in STOPPED_CODES} or set(failed)
+    findings = []
+    for r, rm in sorted(ended.items()):
+        if rm.exit_code is None and rm.end is None:
+            why = (f"the launcher stopped it after rank {min(causes)} failed, before its end could be recorded"
+                   if causes else "it is still running, or its node stopped before the end could be recorded")
+            findings.append(Finding("warning", "rank_no_exit", f"rank {r} on {rm.host or '?'} has no exit code: {why}",
+                                    rank=r, host=rm.host))
+        elif r in failed:
+            code = rm.exit_code
+            cause = r in causes
+            findings.append(Finding(
+                "error" if cause else "warning", "rank_failed",
+                f"rank {r} on {rm.host or '?'} failed ({exit_text(code)})" + (
+                    f": {rm.end['error']}" if rm.end and rm.end.get("error") else "") + (
+                    "" if cause else f": stopped after rank {min(causes)} failed"), rank=r, host=rm.host))
+    if ended and not any(rm.steps for rm in run.ranks.values()):
+        findings.append(Finding("warning", "no_step_records",
+                                "the program wrote no step records (it does not call dscluster.userlog): the run "
+                                "shows exit codes, telemetry and any DeepSpeed monitor series (docs/byo-script.md)"))
+    return findings
+
+
 def progress_findings(run: RunData) -> list[Finding]:
     """Dead ranks, failed ranks, and the rank out of step with the others."""
     findings: list[Finding] = []
@@ -105,10 +138,13 @@ def progress_findings(run: RunData) -> list[Finding]:
         findings.append(Finding("error", "rank_missing",
                                 f"rank {r} wrote no metrics file (world size {world}): it never started "
                                 "training or could not write to the run directory", rank=r, host=env_host))
+    findings += exit_findings(run)
     for r, rm in sorted(run.ranks.items()):
         s = stats[r]
         last = f"last step {s.last_step}" if s.last_step is not None else "no step completed"
         when = f", last record {_clock(rm.last_t)}" if rm.last_t else ""
+        if rm.process is not None and (rm.end is None or rm.exit_code):
+            continue  # entry_cn.sh's record says how it ended (exit_findings)
         if rm.end is None:
             findings.append(Finding("error", "rank_died",
                                     f"rank {r} on {rm.host or '?'} has no end record: it died or hung ({last}{when})",
@@ -287,10 +323,17 @@ def not_here_findings(run: RunData, findings: list[Finding], hosts: list[str]) -
                            f"run `dscluster collect {run.path}`", host=h) for h in absent]
 
 
+def busy_waiting_findings(run: RunData) -> list[Finding]:
+    """NVML says the GPUs are busy while the step split says they wait for the network."""
+    words = busy_but_waiting_words(gpu_views(run))
+    return [Finding("warning", "gpu_busy_waiting", words)] if words else []
+
+
 def diagnose(run: RunData, unshared_hosts: list[str] = ()) -> dict[str, Any]:
     """Everything found, as the stable `--json` document. `unshared_hosts`: the job's hosts when
     check found that they do not share the run directory."""
-    findings = vanished_findings(run, progress_findings(run)) + env_findings(run) + comm_findings(run)
+    findings = (vanished_findings(run, progress_findings(run)) + env_findings(run) + comm_findings(run)
+                + busy_waiting_findings(run))
     findings = data_path_findings(run) + not_here_findings(run, findings, list(unshared_hosts))
     tfind, traces = trace_findings(run)
     findings += tfind

@@ -17,11 +17,12 @@ from typing import Any
 import yaml
 
 from dscluster import redact
+from dscluster.analysis.monitor import read_monitor
 from dscluster.errors import UsageError
 from dscluster.filemodel import NUMBER, validate
 from dscluster.fsutil import read_jsonl
 from dscluster.runinfo import (
-    CHECKPOINT_DIR, CONFIG_FILE, DS_CONFIG_FILE, ENV_DIR, METRICS_DIR, SUMMARY_FILE, TELEMETRY_DIR,
+    CHECKPOINT_DIR, CONFIG_FILE, DS_CONFIG_FILE, ENV_DIR, METRICS_DIR, PROCESS_DIR, SUMMARY_FILE, TELEMETRY_DIR,
 )
 
 _RANK_FILE = re.compile(r"^rank-(\d+)\.(jsonl|json)$")
@@ -40,10 +41,18 @@ class RankMetrics:
     end: dict[str, Any] | None = None
     last_t: float | None = None
     """Time of the last record of any kind: when the rank was last heard from."""
+    process: dict[str, Any] | None = None
+    """entry_cn.sh's record of a user program's rank (process/rank-R.json): start_t, end_t,
+    exit_code (None while it runs), host, gpu. A script without userlog has only this."""
+
+    @property
+    def exit_code(self) -> int | None:
+        code = (self.process or {}).get("exit_code")
+        return code if isinstance(code, int) else None
 
     @property
     def host(self) -> str | None:
-        for rec in (self.start, self.end, *(self.steps[-1:])):
+        for rec in (self.start, self.end, *(self.steps[-1:]), self.process):
             if rec and rec.get("host"):
                 return rec["host"]
         return None
@@ -87,6 +96,8 @@ class RunData:
     """Why summary.json exists but could not be used (`read_summary`); None when it was read or is absent."""
     problems: list[str] = field(default_factory=list)
     """Files that could not be read: shown in the report rather than aborting it."""
+    monitor: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    """DeepSpeed's monitor series found in the run directory, by tag (analysis/monitor.py)."""
 
     @property
     def completed(self) -> bool:
@@ -97,7 +108,8 @@ class RunData:
     def world_size(self) -> int | None:
         if self.summary and self.summary.get("world_size"):
             return int(self.summary["world_size"])
-        sizes = [r.start.get("world_size") for r in self.ranks.values() if r.start and r.start.get("world_size")]
+        sizes = [rec.get("world_size") for r in self.ranks.values() for rec in (r.start, r.process)
+                 if rec and isinstance(rec.get("world_size"), int)]
         if sizes:
             return int(max(sizes))
         return len(self.ranks) or None
@@ -131,7 +143,7 @@ class RunData:
 
 
 def is_run_dir(path: Path) -> bool:
-    return any((path / n).exists() for n in (METRICS_DIR, TELEMETRY_DIR, SUMMARY_FILE, ENV_DIR))
+    return any((path / n).exists() for n in (METRICS_DIR, TELEMETRY_DIR, SUMMARY_FILE, ENV_DIR, PROCESS_DIR))
 
 
 def _read_json(path: Path, problems: list[str]) -> Any:
@@ -240,8 +252,8 @@ def load_run(path: str | Path) -> RunData:
         raise UsageError(f"{path}: not a directory (pass a run directory runs/<id>)")
     if not is_run_dir(path):
         raise UsageError(
-            f"{path}: not a dscluster run directory (no {METRICS_DIR}/, {TELEMETRY_DIR}/, {ENV_DIR}/ "
-            f"or {SUMMARY_FILE}); pass runs/<id>, as printed by dscluster train"
+            f"{path}: not a dscluster run directory (no {METRICS_DIR}/, {TELEMETRY_DIR}/, {ENV_DIR}/, "
+            f"{PROCESS_DIR}/ or {SUMMARY_FILE}); pass runs/<id>, as printed by dscluster train"
         )
     run = RunData(path=path, name=path.resolve().name)
     problems = run.problems
@@ -252,6 +264,11 @@ def load_run(path: str | Path) -> RunData:
     for f in sorted((path / TELEMETRY_DIR).glob("*.jsonl")):
         ht = load_host_telemetry(f, problems)
         run.telemetry[ht.host] = ht
+    for f in sorted((path / PROCESS_DIR).glob("rank-*.json")):
+        m = _RANK_FILE.match(f.name)
+        data = _read_json(f, problems)
+        if m and isinstance(data, dict):
+            run.ranks.setdefault(int(m.group(1)), RankMetrics(rank=int(m.group(1)))).process = data
     for f in sorted((path / ENV_DIR).glob("rank-*.json")):
         m = _RANK_FILE.match(f.name)
         data = _read_json(f, problems)
@@ -270,4 +287,5 @@ def load_run(path: str | Path) -> RunData:
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         problems.append(f"{path / CONFIG_FILE}: unreadable ({type(e).__name__}); ignored")
     run.trace_files = find_trace_files(path)
+    run.monitor = read_monitor(path, problems)
     return run

@@ -16,7 +16,9 @@ import matplotlib
 matplotlib.use("Agg")
 from matplotlib.figure import Figure  # noqa: E402
 
+from dscluster.analysis.gpusplit import busy_but_waiting_words, gpu_views  # noqa: E402
 from dscluster.analysis.load import RunData  # noqa: E402
+from dscluster.analysis.monitor import by_kind  # noqa: E402
 from dscluster.analysis.stats import (  # noqa: E402
     COMM_BOUND_SHARE, SPLIT_PARTS, comm_share, find_stragglers, rank_stats, step_split, summary_row,
     time_to_accuracy,
@@ -93,7 +95,9 @@ def _save(fig: Figure, plot: Plot, incomplete: bool) -> Plot:
 
 
 def plot_utilisation(run: RunData, out: Path) -> Plot:
-    """GPU utilisation and memory per node over time, or CPU/RAM when no node has a GPU."""
+    """GPU utilisation and memory per node over time, or CPU/RAM when no node has a GPU. Each GPU's
+    legend gives its ranks' measured step split (analysis/gpusplit.py); where NVML says busy and the
+    split says waiting for the network, the picture says so in words."""
     gpu = any(h.has_gpu for h in run.telemetry.values())
     what = "GPU utilisation and memory per node" if gpu else "CPU utilisation and RAM per node (no GPU data)"
     plot = Plot("utilisation", out / "utilisation.png", _title(run, what))
@@ -104,6 +108,7 @@ def plot_utilisation(run: RunData, out: Path) -> Plot:
         _empty(ax_u, "no telemetry/*.jsonl in this run")
         _empty(ax_m, "no telemetry/*.jsonl in this run")
         return _save(fig, plot, not run.completed)
+    views = {(v.host, v.index): v for v in gpu_views(run)} if gpu else {}
     for host in sorted(run.telemetry):
         samples = run.telemetry[host].samples
         if gpu:
@@ -113,8 +118,9 @@ def plot_utilisation(run: RunData, out: Path) -> Plot:
                 xs = [p[0] for p in pts]
                 util = [p[1].get("util_percent") for p in pts]
                 mem = [(p[1].get("mem_used_mb") or 0) / 1024 for p in pts]
+                split = views[(host, idx)].label() if (host, idx) in views else ""
                 label, colour = f"{host} GPU{idx}", shade(colours[host], k, len(indices))
-                ax_u.plot(xs, util, color=colour, label=label)
+                ax_u.plot(xs, util, color=colour, label=f"{label} ({split})" if split else label)
                 ax_m.plot(xs, mem, color=colour, label=label)
                 plot.series[f"util {label}"] = {"x": xs, "y": util}
                 plot.series[f"mem {label}"] = {"x": xs, "y": mem}
@@ -128,6 +134,10 @@ def plot_utilisation(run: RunData, out: Path) -> Plot:
             plot.series[f"ram {host}"] = {"x": xs, "y": ram}
     if not gpu:
         plot.notes.append("no GPU data: CPU and RAM shown")
+    waiting = busy_but_waiting_words(list(views.values()))
+    if waiting:  # NVML's "busy" includes kernels that wait for the network: say what the split measured
+        plot.notes.append(waiting)
+        ax_u.set_title(waiting.split(":")[0], fontsize=9, color="#b00020")
     ax_u.set_ylabel("GPU utilisation (%)" if gpu else "CPU utilisation (% of all cores)")
     ax_m.set_ylabel("GPU memory used (GiB)" if gpu else "RAM used (GiB)")
     ax_u.set_ylim(0, 105)
@@ -213,8 +223,10 @@ def plot_loss(run: RunData, out: Path) -> Plot:
     ax2.set_ylabel("held-out accuracy (%)")
     ax2.set_ylim(0, 100)
     if not plot.series:
-        plot.notes.append("no loss records")
-        _empty(ax, "no step records with a loss")
+        monitored = "loss" in by_kind(run.monitor)
+        plot.notes.append("no step records: the loss DeepSpeed's monitor recorded is in monitor.png"
+                          if monitored else "no loss records")
+        _empty(ax, "no step records with a loss" + (" (see monitor.png)" if monitored else ""))
     lines = ax.get_legend_handles_labels()
     lines2 = ax2.get_legend_handles_labels()
     if lines[0] or lines2[0]:

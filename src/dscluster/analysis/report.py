@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dscluster.analysis.gpusplit import busy_but_waiting_words, gpu_views
 from dscluster.analysis.load import RunData
 from dscluster.analysis.plots import Plot
 from dscluster.analysis.stats import rank_stats
@@ -77,6 +78,30 @@ def _img(plot: Plot) -> str:
             "</figcaption></figure>")
 
 
+def _pct(share: float | None) -> str:
+    return "—" if share is None else f"{100 * share:.0f}"
+
+
+def _gpu_table(run: RunData) -> list[str]:
+    """Per GPU: NVML's utilisation beside the share of the step its ranks spent computing, waiting for
+    the network and for data (analysis/gpusplit.py), and the sentence where the two disagree."""
+    views = gpu_views(run)
+    if not views:
+        return []
+    out = ["<h2>GPUs: NVML utilisation and where the step went</h2>"]
+    words = busy_but_waiting_words(views)
+    if words:
+        out.append(f"<div class='warn' id='gpu-waiting'><b>{html.escape(words)}</b></div>")
+    out.append("<table id='gpus'><tr><th>host</th><th>GPU</th><th>ranks</th><th>NVML utilisation (%)</th>"
+               "<th>compute (% of step)</th><th>network wait (%)</th><th>data wait (%)</th></tr>")
+    for v in views:
+        out.append(f"<tr{' class=bad' if v.busy_but_waiting else ''}><td>{html.escape(v.host)}</td><td>{v.index}</td>"
+                   f"<td>{_fmt(v.ranks)}</td><td>{_fmt(v.util_percent, 0)}</td><td>{_pct(v.shares.get('compute'))}</td>"
+                   f"<td>{_pct(v.shares.get('comm'))}</td><td>{_pct(v.shares.get('data'))}</td></tr>")
+    out.append("</table>")
+    return out
+
+
 def render_report(run: RunData, row: dict[str, Any], plots: list[Plot], diagnosis: dict[str, Any]) -> str:
     e = html.escape
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>dscluster run {e(run.name)}</title>"
@@ -107,6 +132,7 @@ def render_report(run: RunData, row: dict[str, Any], plots: list[Plot], diagnosi
                 f"<td>{_fmt(s.median_step_time, 3)}</td><td>{_fmt(s.p90_step_time, 3)}</td>"
                 f"<td>{_fmt(s.samples_per_s)}</td><td>{e(s.status)}</td></tr>")
         parts.append("</table>")
+    parts.extend(_gpu_table(run))
     findings = diagnosis.get("findings", [])
     parts.append("<h2>Diagnosis</h2>")
     if findings:

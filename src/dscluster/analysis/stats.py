@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dscluster.analysis.load import RunData
+from dscluster.rankrecord import exit_text
 from dscluster.train.timing import WARMUP_STEPS, StepWindow, is_timed
 
 STRAGGLER_FACTOR = 1.15
@@ -60,8 +61,10 @@ def rank_stats(run: RunData) -> list[RankStat]:
         steady = _steady(rm.steps)
         times = [float(s["step_time"]) for s in steady if isinstance(s.get("step_time"), (int, float))]
         rates = [float(s["samples_per_s"]) for s in steady if isinstance(s.get("samples_per_s"), (int, float))]
-        if rm.end is None:
-            status = "no end record"
+        if rm.exit_code is not None and (rm.end is None or rm.exit_code != 0):
+            status = f"{'complete' if rm.exit_code == 0 else 'failed'} ({exit_text(rm.exit_code)})"
+        elif rm.end is None:
+            status = "running" if rm.process else "no end record"
         else:
             status = str(rm.end.get("status") or "unknown")
         out.append(RankStat(
@@ -140,10 +143,21 @@ def final_accuracy(run: RunData) -> float | None:
 
 
 def run_status(run: RunData) -> str:
-    if run.summary and run.summary.get("status"):
-        return str(run.summary["status"])
+    """summary.json's status; with the exit code where entry_cn.sh recorded one: "complete (exit 0)",
+    "failed (exit 1) on rank 3"; "unknown: ..." where summary.json is unreadable."""
+    summary = run.summary or {}
+    code = summary.get("exit_code")
+    if summary.get("status") and isinstance(code, int):
+        where = f" on rank {summary['failed_rank']}" if summary.get("failed_rank") is not None else ""
+        return f"{summary['status']} ({exit_text(code)}){where}"
+    if summary.get("status"):
+        return str(summary["status"])
     if run.summary_problem:
         return f"unknown: {run.summary_problem}"
+    if run.ranks and all(r.exit_code == 0 for r in run.ranks.values()):
+        return "complete (exit 0)"
+    if any(r.process and r.exit_code is None for r in run.ranks.values()):
+        return "running (or stopped without a record: a rank has not exited)"
     if any(r.end and r.end.get("status") == "failed" for r in run.ranks.values()):
         return "failed (no summary.json)"
     return "incomplete (no summary.json: still running or crashed)"

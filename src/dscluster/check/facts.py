@@ -106,6 +106,8 @@ class PythonFacts:
     deepspeed: str | None = None
     mpi4py: str | None = None
     mpi_library: str | None = None
+    ds_ops: dict | None = None
+    """check/dsops.py's facts: DeepSpeed's prebuilt ops, ninja, nvcc, TORCH_CUDA_ARCH_LIST."""
     error: str | None = None
 
 

@@ -11,6 +11,7 @@ path, so that is the Python whose versions matter.
 
 from __future__ import annotations
 
+import inspect
 import os
 import shlex
 import sys
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dscluster import remote
+from dscluster.check.dsops import ds_op_facts
 from dscluster.check.facts import NodeFacts, clock_offset, node_facts
 
 GPU_QUERY = "index,name,uuid,compute_cap,memory.total,driver_version,ecc.errors.uncorrected.volatile.total"
@@ -80,8 +82,14 @@ try:
             out["nccl"] = None
 except Exception as e:
     out["error"] = "import torch failed: %s: %s" % (type(e).__name__, e)
+try:
+    out["ds_ops"] = ds_op_facts()
+except Exception:
+    out["ds_ops"] = None
 print(json.dumps(out))
 """
+# DeepSpeed's op facts: the function check/dsops.py owns, sent along as source (standard library only).
+PYTHON_FACTS = PYTHON_FACTS.replace("\ntry:\n    out[\"ds_ops\"]", "\n" + inspect.getsource(ds_op_facts) + "\ntry:\n    out[\"ds_ops\"]", 1)
 
 
 def probe_script(python: str, runs_dir: str) -> str:

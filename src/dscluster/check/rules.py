@@ -13,6 +13,7 @@ import ipaddress
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 
+from dscluster.check.dsops import ops_message, ops_verdict
 from dscluster.check.facts import NodeFacts
 from dscluster.hosts import Hostfile
 from dscluster.netif import NetworkPlan, is_excluded, plan_network
@@ -355,6 +356,16 @@ def rule_resources(facts: dict[str, NodeFacts]) -> list[Finding]:
 
 # ---------------------------------------------------------------------------- all of it
 
+def rule_ds_ops(facts: dict[str, NodeFacts]) -> list[Finding]:
+    """DeepSpeed ops a user's script may need that this node can neither load nor build (check/dsops.py)."""
+    out = []
+    for name, f in facts.items():
+        verdict = ops_verdict(f.python.ds_ops, f.python.torch_cuda, on_gpu=bool(f.gpus))
+        if verdict is not None and not verdict.ok:
+            out.append(Finding("warning", name, "versions", *ops_message(verdict)))
+    return out
+
+
 def evaluate(facts: dict[str, NodeFacts], hostfile: Hostfile, *, unreachable: dict[str, str] | None = None,
              allow_deprecated_fp16: bool = False) -> Evaluation:
     """Run every passive rule. `facts` holds the reachable nodes; `unreachable` name -> reason."""
@@ -381,6 +392,7 @@ def evaluate(facts: dict[str, NodeFacts], hostfile: Hostfile, *, unreachable: di
     p2p, disable = rule_p2p(facts)
     findings += p2p
     findings += rule_resources(facts)
+    findings += rule_ds_ops(facts)
     return Evaluation(head=head, findings=findings, precision=precision, network=plan, p2p_disable=disable,
                       batching=batching)
 

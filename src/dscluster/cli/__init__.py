@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "telemetry": "dscluster.cli.telemetry",
     "plot": "dscluster.cli.plot",
     "diagnose": "dscluster.cli.diagnose",
+    "top": "dscluster.cli.top",
     "bench": "dscluster.cli.bench",
     "env": "dscluster.cli.env",
     "plan": "dscluster.cli.plan",

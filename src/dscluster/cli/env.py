@@ -20,6 +20,9 @@ meaning bumps "schema".
       "gpus": [{"index": int, "name": str, "capability": "8.6", "memory_gib": float}],
       "deepspeed": {"version": str|null, "accelerator": str|null,
                     "ops": {op: {"installed": bool, "compatible": bool}}|null,  # as ds_report
+                    "ops_needed": {"ops": {"FusedAdam"|"FusedLamb"|"CPUAdam": "prebuilt"|"JIT-buildable"|
+                                   "cannot build"|"needs a GPU"}, "ok": bool, "line": str,
+                                   "fix": str|null}|null,  # check/dsops.py; null: no DeepSpeed
                     "error": str|null},
       "mpi": {"mpirun": str|null,            # the one `dscluster check` runs: beside this
                                              # Python, else the checkout's venv, else PATH
@@ -138,6 +141,11 @@ def render(doc: dict) -> None:
     if ops:
         bad = [name for name, o in ops.items() if not o["compatible"]]
         out.print("DeepSpeed ops this machine cannot build: " + (", ".join(bad) if bad else "none"))
+    needed = doc["deepspeed"].get("ops_needed")
+    if needed:
+        out.print(("" if needed["ok"] else "[yellow]warning[/] ") + escape(needed["line"]))
+        if needed["fix"]:
+            out.print(f"  fix: {escape(needed['fix'])}")
     if doc["env"]:
         env = Table(title="environment (secrets hidden)", title_justify="left")
         env.add_column("variable", no_wrap=True)

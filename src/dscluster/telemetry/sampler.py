@@ -54,10 +54,33 @@ def lock_path(run_dir: Path, hostname: str) -> Path:
     return Path(run_dir) / TELEMETRY_DIR / f".{hostname}.lock"
 
 
-class HostSampler:
-    """CPU and RAM of the node plus the sampler's own CPU, all through psutil."""
+def job_interface(env: dict[str, str] | None = None) -> str | None:
+    """The interface the job's traffic uses: the node env's NCCL/GLOO_SOCKET_IFNAME from `dscluster
+    check` (entry_cn.sh sources it before starting the sampler); the first one where a list is given."""
+    env = os.environ if env is None else env
+    for key in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        value = (env.get(key) or "").lstrip("^=").split(",")[0].strip()
+        if value:
+            return value
+    return None
 
-    def __init__(self):
+
+def net_counters(iface: str | None) -> tuple[str, int, int] | None:
+    """(interface, bytes received, bytes sent) since boot; without an interface, all but loopback."""
+    nics = psutil.net_io_counters(pernic=True)
+    if iface:
+        c = nics.get(iface)
+        return (iface, c.bytes_recv, c.bytes_sent) if c else None
+    others = [c for name, c in nics.items() if name != "lo"]
+    return ("all", sum(c.bytes_recv for c in others), sum(c.bytes_sent for c in others)) if others else None
+
+
+class HostSampler:
+    """CPU and RAM of the node plus the sampler's own CPU, all through psutil, and the byte counters
+    of the job's network interface (`job_interface`), from which readers take bytes per second."""
+
+    def __init__(self, iface: str | None = None):
+        self.iface = iface if iface is not None else job_interface()
         self._proc = psutil.Process()
         # psutil's percentages are "since the previous call": prime them so the first
         # sample is a real measurement, not 0.0.
@@ -66,11 +89,15 @@ class HostSampler:
 
     def sample(self) -> dict[str, Any]:
         vm = psutil.virtual_memory()
+        net = net_counters(self.iface)
         return {
             "cpu_percent": psutil.cpu_percent(interval=None),
             "ram_used_mb": round((vm.total - vm.available) / 2**20, 1),
             "ram_total_mb": round(vm.total / 2**20, 1),
             "proc_cpu_percent": self._proc.cpu_percent(interval=None),
+            "net_iface": net[0] if net else self.iface,
+            "net_rx_bytes": net[1] if net else None,
+            "net_tx_bytes": net[2] if net else None,
         }
 
     @staticmethod

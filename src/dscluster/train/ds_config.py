@@ -8,7 +8,9 @@ arithmetic is checked first and explained (train/shape.py, which plan calls too)
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
+from dscluster import runinfo
 from dscluster.errors import UsageError
 from dscluster.train.config import TrainConfig
 from dscluster.train.optstep import dscluster_clips
@@ -61,7 +63,19 @@ def build_ds_config(cfg: TrainConfig, plan: BatchPlan, precision: str, *, on_gpu
         ds["bf16"] = {"enabled": True}
     elif precision != "fp32":
         raise UsageError(f"unknown precision {precision!r}")
-    return merged(ds, cfg.deepspeed)
+    return merged(merged(ds, monitor_defaults(cfg.deepspeed)), cfg.deepspeed)
+
+
+MONITORS = ("tensorboard", "csv_monitor")
+
+
+def monitor_defaults(theirs: dict | None, run_dir: Path | None = None) -> dict:
+    """A DeepSpeed monitor the user turned on writes into the run directory (RUN_DIR/monitor/deepspeed/)
+    unless they gave its output_path or job_name: DeepSpeed's own default is the working directory,
+    where `plot` would not find it and every run would append to the same files."""
+    run_dir = runinfo.run_dir() if run_dir is None else run_dir
+    return {key: {"output_path": str(Path(run_dir).absolute() / "monitor"), "job_name": "deepspeed"}
+            for key in MONITORS if isinstance((theirs or {}).get(key), dict) and theirs[key].get("enabled")}
 
 
 def merged(ours: dict, theirs: dict | None) -> dict:

@@ -65,17 +65,26 @@ class RunLog:
                           redact.redact_doc(snap, values=self._secrets))
 
     def write_summary(self, summary: dict, *, only_if_absent_or_not_failed: bool = False) -> None:
-        path = self.run_dir / runinfo.SUMMARY_FILE
-        if only_if_absent_or_not_failed and path.exists():
-            try:
-                if json.loads(path.read_text()).get("status") == "failed":
-                    return  # a better-informed rank already told the story
-            except (OSError, ValueError):
-                pass
-        atomic_write_json(path, redact.redact_doc(summary, values=self._secrets))
+        write_summary(self.run_dir, summary, only_if_absent_or_not_failed=only_if_absent_or_not_failed,
+                      secrets=self._secrets)
 
     def close(self) -> None:
         self.metrics.close()
+
+
+def write_summary(run_dir: Path, summary: dict, *, only_if_absent_or_not_failed: bool = False,
+                  secrets=None) -> None:
+    """summary.json, atomically, through the one secret rule (`secrets`: values to hide besides the
+    environment's, redact.secret_values()); with `only_if_absent_or_not_failed` a failure already
+    there stays."""
+    path = Path(run_dir) / runinfo.SUMMARY_FILE
+    if only_if_absent_or_not_failed and path.exists():
+        try:
+            if json.loads(path.read_text()).get("status") == "failed":
+                return  # a better-informed rank already told the story
+        except (OSError, ValueError):
+            pass
+    atomic_write_json(path, redact.redact_doc(summary, values=redact.secret_values() if secrets is None else secrets))
 
 
 def summary_record(**fields) -> dict:
