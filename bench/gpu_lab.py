@@ -142,6 +142,14 @@ def median_split(run_dir: Path) -> dict | None:
     return out
 
 
+def whole_run(plan: dict) -> dict | None:
+    """plan's whole-run prediction for the settings the run was given (its `runs.now`)."""
+    now = (plan.get("runs") or {}).get("now") if isinstance(plan.get("runs"), dict) else None
+    if not now:
+        return None
+    return {k: now.get(k) for k in ("seconds", "images_per_s", "steady_images_per_s", "total_steps", "phases")}
+
+
 def accuracy_by_compression(runs: list[dict]) -> dict:
     """Held-out accuracy per comm.compression (the run's override; "none" without one): each run's,
     their mean, and the mean's difference from none's in points."""
@@ -166,7 +174,7 @@ def print_tta_runs(args) -> int:
     print(f"plan: dscluster plan --hostfile hosts{len(slots)}.txt --config {args.tta} target_accuracy={args.target} "
           f"{' '.join(args.set)} (its recommendation stands for @rec)".rstrip())
     for name, role, overrides in tta.runs_for(args.tta, [int(x) for x in args.seeds.split(",")], args.target,
-                                              args.set, len(slots)):
+                                              args.set, len(slots), tuple(args.tta_roles.split(","))):
         where = (f"node{fastest + 1} alone ({slots[fastest]} rank(s))" if role == tta.ALONE
                  else f"all {len(slots)} nodes ({sum(slots)} ranks)")
         print(f"{name}: {where}: {overrides}")
@@ -199,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", type=float, help="--tta: the held-out accuracy to reach (target_accuracy)")
     p.add_argument("--seeds", default="1,2", help="--tta: training seeds, e.g. 1,2 (default)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="--tta: an override of every run")
+    p.add_argument("--tta-roles", default="alone,lab", help="--tta: which runs, alone and/or lab (default both; the "
+                   "node alone does not depend on the link, so a second link's invocation can run lab only)")
     p.add_argument("--dry-run", action="store_true", help="--tta: print the runs it would make, build nothing "
                    "(no root needed)")
     p.add_argument("runs", nargs="*", metavar="RUN")
@@ -242,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.tta:
             seeds = [int(x) for x in args.seeds.split(",")]
             runs = [(name, "fastest" if role == tta.ALONE else len(hosts), o)
-                    for name, role, o in tta.runs_for(args.tta, seeds, args.target, args.set, len(hosts))]
+                    for name, role, o in tta.runs_for(args.tta, seeds, args.target, args.set, len(hosts),
+                                                      tuple(args.tta_roles.split(",")))]
         if max((n for _, n, _ in runs if n != "fastest"), default=0) > len(hosts):
             raise SystemExit(f"a run asks for more nodes than the lab's {len(hosts)} ({st['hostfile']})")
         subprocess.run(["chown", "-R", str(st.get("uid", 2000)), str(work)], check=False)
@@ -311,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                     "compute_s_per_micro": plan["compute"]["seconds"], "powersgd_s": plan.get("powersgd_s"),
                     "latency_s": plan.get("latency_s"), "busbw_GBps": plan.get("busbw_GBps"),
                     "calibration": plan.get("calibration"), "calibration_runs": plan.get("calibration_runs"),
-                    "recommended": plan["recommendation"].get("overrides")},
+                    "recommended": plan["recommendation"].get("overrides"),
+                    "whole_run": whole_run(plan)},
                 "deviation_percent": (summary.get("plan") or {}).get("deviation_percent"),
                 **({"role": tta.ALONE if nodes == "fastest" else tta.LAB, "host": fastest.name if nodes == "fastest"
                     else None, **tta.run_record(work / "runs" / name)} if args.tta else {})})

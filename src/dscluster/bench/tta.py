@@ -12,6 +12,8 @@ import json
 import statistics
 from pathlib import Path
 
+from dscluster.fsutil import read_jsonl
+
 ALONE, LAB = "alone", "lab"
 
 
@@ -20,15 +22,34 @@ def fastest_node(slots: list[int]) -> int:
     return max(range(len(slots)), key=lambda i: (slots[i], -i))
 
 
-def runs_for(config: str, seeds: list[int], target: float, extra: list[str], nodes: int) -> list[tuple[str, str, str]]:
-    """(name, role, overrides) of every run, seed by seed: the node alone, then the lab with `@rec`."""
+def runs_for(config: str, seeds: list[int], target: float, extra: list[str], nodes: int,
+             roles: tuple[str, ...] = (ALONE, LAB)) -> list[tuple[str, str, str]]:
+    """(name, role, overrides) of every run, seed by seed: the node alone, then the lab with `@rec`
+    (`roles`: which of the two; the node alone does not depend on the lab's link, so a second link's
+    invocation can leave it out)."""
     out = []
     for s in seeds:
         base = " ".join(["--config", config, f"seed={s}", f"target_accuracy={target}", *extra])
-        out.append((f"alone_s{s}", ALONE, base))
-        if nodes > 1:
+        if ALONE in roles:
+            out.append((f"alone_s{s}", ALONE, base))
+        if nodes > 1 and LAB in roles:
             out.append((f"lab_s{s}", LAB, f"{base} @rec"))
     return out
+
+
+def training_seconds(run_dir: Path) -> float | None:
+    """Rank 0's seconds from the start of its first step to its end record: the span plan's whole-run
+    prediction covers (steps, warm-up and compilation, evaluations, saves), without the process
+    start-up before the first step (imports, DeepSpeed and NCCL bring-up, the data set)."""
+    try:
+        recs = read_jsonl(Path(run_dir) / "metrics" / "rank-0.jsonl")
+    except OSError:
+        return None
+    steps = [r for r in recs if r.get("kind") == "step" and isinstance(r.get("step_time"), (int, float))]
+    ends = [r for r in recs if r.get("kind") == "end"]
+    if not steps or not ends:
+        return None
+    return round(ends[-1]["t"] - (steps[0]["t"] - steps[0]["step_time"]), 2)
 
 
 def run_record(run_dir: Path) -> dict:
@@ -42,7 +63,8 @@ def run_record(run_dir: Path) -> dict:
             "time_to_accuracy_s": tta and tta.get("seconds"), "reached_at_step": tta and tta.get("step"),
             "reached_at_images": tta and tta.get("images"), "accuracy": s.get("accuracy"),
             "images_per_s": s.get("images_per_s"), "wall_s": s.get("wall_s"), "steps": s.get("steps"),
-            "global_batch": s.get("global_batch"), "world_size": s.get("world_size")}
+            "global_batch": s.get("global_batch"), "world_size": s.get("world_size"),
+            "training_s": training_seconds(run_dir)}
 
 
 def _mean(values: list) -> float | None:

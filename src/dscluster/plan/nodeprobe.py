@@ -13,7 +13,7 @@ def measure_here(config: str, overrides: list[str], ranks_text: str) -> dict:
     import socket
     import time
 
-    from dscluster.plan.inputs import data_shape
+    from dscluster.train.shape import data_shape
     from dscluster.plan.probe import fault_ms, measure_steady_compute, probe_key
     from dscluster.train.config import load_config
 
