@@ -142,12 +142,14 @@ def median_split(run_dir: Path) -> dict | None:
     return out
 
 
-def whole_run(plan: dict) -> dict | None:
-    """plan's whole-run prediction for the settings the run was given (its `runs.now`)."""
-    now = (plan.get("runs") or {}).get("now") if isinstance(plan.get("runs"), dict) else None
-    if not now:
+def whole_run(plan: dict, which: str = "now") -> dict | None:
+    """plan's whole-run prediction: `now` for the settings the plan was given, `choice` for them with
+    its recommendation pasted (the lab's run in --tta)."""
+    runs = plan.get("runs") if isinstance(plan.get("runs"), dict) else {}
+    got = runs.get(which) or (runs.get("now") if which == "choice" else None)
+    if not got:
         return None
-    return {k: now.get(k) for k in ("seconds", "images_per_s", "steady_images_per_s", "total_steps", "phases")}
+    return {k: got.get(k) for k in ("seconds", "images_per_s", "steady_images_per_s", "total_steps", "phases")}
 
 
 def accuracy_by_compression(runs: list[dict]) -> dict:
@@ -335,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
             doc["accuracy_by_compression"] = accuracy_by_compression(doc["runs"])
             if args.tta:
                 doc["time_to_accuracy"] = {"config": args.tta, "target": args.target, "seeds": args.seeds,
-                                           **tta.summarise(doc["runs"])}
+                                           **tta.summarise(doc["runs"]),
+                                           "plan_lab_whole_run": whole_run(doc.get("tta_plan") or {}, "choice")}
             atomic_write_json(out, doc)
     finally:
         lab.dsc("sim", "down", "--lab", LAB)
