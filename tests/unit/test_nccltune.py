@@ -145,5 +145,5 @@ def test_no_grid_on_cpu_slow_links_or_with_no_tune_and_check_says_why(backend, l
 def test_no_grid_after_a_failed_allreduce():
     launch = RecordedLaunch([])
     assert tune_sockets(launch, "/v/bin/python", {"allreduce": {"ok": False, "result": None}}) == (
-        {"skipped": "the all-reduce failed"}, [])
+        {"skipped": "no all-reduce result (it failed or did not run)"}, [])
     assert launch.argvs == []

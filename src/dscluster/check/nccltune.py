@@ -24,9 +24,10 @@ THREADS, SOCKS = "NCCL_SOCKET_NTHREADS", "NCCL_NSOCKS_PERTHREAD"
 DEFAULT = (1, 1)
 # NCCL allows threads <= 16 and threads x sockets <= 64. Short: each point is one more mpirun.
 GRID = ((1, 1), (4, 2), (4, 4), (8, 2))
-# A 10 Gbit/s link measured by TCP: the payload is at most 94 % of the line rate (1448 of 1538 bytes a
-# frame at MTU 1500), and check's one-stream test may lose a little more.
-MIN_LINK_BPS = 8 * 10**9
+# The 10 Gbit/s class as check's link test measures it: one Python TCP stream for 0.4 s carries at most
+# 94 % of the line rate (1448 of 1538 bytes a frame at MTU 1500), less on a busy host (the 4-node CPU
+# lab's unshaped links measured 5.6-7.5 Gbit/s); 2.5 GbE stays under it.
+MIN_LINK_BPS = 5 * 10**9
 MIN_GAIN = 0.05
 
 

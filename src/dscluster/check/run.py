@@ -284,7 +284,7 @@ def tune_sockets(launch: ActiveLaunch, python: str, active: dict, no_tune: bool 
     active.nccl_socket and what check says when the grid did not run or a point failed."""
     result = (active.get("allreduce") or {}).get("result")
     if not result or not result.get("results"):
-        return {"skipped": "the all-reduce failed"}, []
+        return {"skipped": "no all-reduce result (it failed or did not run)"}, []
     link = ((active.get("links") or {}).get("slowest") or {}).get("bps")
     why = why_not_tuned(result.get("backend"), link, no_tune)
     if why:
