@@ -147,3 +147,13 @@ def test_no_grid_after_a_failed_allreduce():
     assert tune_sockets(launch, "/v/bin/python", {"allreduce": {"ok": False, "result": None}}) == (
         {"skipped": "no all-reduce result (it failed or did not run)"}, [])
     assert launch.argvs == []
+
+
+def test_check_help_says_what_no_tune_skips_and_what_the_grid_costs(capsys):
+    from dscluster.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["check", "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--no-tune" in text and "4 more times" in text and "about 4.5 s on 10 GbE with 4 ranks" in text
