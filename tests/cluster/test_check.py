@@ -57,6 +57,9 @@ def test_clean_lab_per_node_interface_env_files_and_active_tests(lab):
     ar = doc["active"]["allreduce"]["result"]
     assert ar["backend"] == "gloo" and ar["world_size"] == 3 and len(ar["hosts"]) == 3
     assert all(r["busbw_GBps"] > 0 for r in ar["results"])
+    # NCCL's socket tuning: nothing runs on gloo, and check says why
+    assert "NCCL (GPU nodes) only" in doc["active"]["nccl_socket"]["skipped"]
+    assert any(f["what"].startswith("NCCL socket tuning not run: the all-reduce ran on gloo") for f in doc["findings"])
 
 
 def test_two_nodes_sharing_a_hostname_are_flagged_before_any_launch(lab):

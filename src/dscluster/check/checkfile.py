@@ -129,6 +129,12 @@ class CheckFile:
         result = ((self.active or {}).get("allreduce") or {}).get("result")
         return result if isinstance(result, dict) else None
 
+    def slowest_link(self) -> dict[str, Any] | None:
+        """The slowest pair of check's link tests, {"from", "to", "bps"} (check.netrules.links_summary),
+        if they ran and measured one."""
+        slowest = ((self.active or {}).get("links") or {}).get("slowest")
+        return slowest if isinstance(slowest, dict) and slowest.get("bps") else None
+
     def shared_runs(self) -> bool | None:
         """Whether every node the check compared writes runs into the head's run directory; None
         when the file does not say."""
@@ -157,6 +163,10 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "active.allreduce.result.results": (list,), "active.allreduce.result.results[]": (dict,),
     "active.allreduce.result.results[].bytes": (int,), "active.allreduce.result.results[].busbw_GBps": NUMBER,
     "active.allreduce.result.results[].time_us": NUMBER, "active.allreduce.result.results[].algbw_GBps": NUMBER,
+    "active.links": (dict,), "active.links.pairs": (list,), "active.links.slowest": (dict,),
+    "active.links.slowest.from": (str,), "active.links.slowest.to": (str,), "active.links.slowest.bps": NUMBER,
+    "active.nccl_socket": (dict,), "active.nccl_socket.link_bps": NUMBER, "active.nccl_socket.grid": (list,),
+    "active.nccl_socket.grid[]": (dict,), "active.nccl_socket.grid[].busbw_GBps": NUMBER,
 }
 
 

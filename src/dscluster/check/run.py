@@ -18,18 +18,18 @@ import time
 from dataclasses import dataclass, field
 
 from dscluster import paths, remote, state
-from dscluster.errors import UsageError
 from dscluster.check.facts import NodeFacts
 from dscluster.check.layout import layout_findings, probe_layout
-from dscluster.hosts import Hostfile, hostfile_sha256, parse_hostfile
-from dscluster.launch.mcaparams import parse_writer, writer_command
-from dscluster.launch.mpirun import App, mpirun_argv, mpirun_path
-from dscluster.check.rules import Evaluation, Finding, evaluate, has_errors, node_envs
-from dscluster.check.nccltune import decide_socket_tuning
+from dscluster.check.nccltune import SOCKS, THREADS, decide_socket_tuning, grid_envs, grid_point, why_not_tuned
 from dscluster.check.netprobe import run_pairs
 from dscluster.check.netrules import evaluate_links, iface_mtus, links_summary
 from dscluster.check.probe import (ProbeSettings, default_key, open_session, parse_reach, probe_node,
-                             reach_script, runs_dir_for_probe, start_listener, start_ready)
+                                   reach_script, runs_dir_for_probe, start_listener, start_ready)
+from dscluster.check.rules import Evaluation, Finding, evaluate, has_errors, node_envs
+from dscluster.errors import UsageError
+from dscluster.hosts import Hostfile, hostfile_sha256, parse_hostfile
+from dscluster.launch.mcaparams import parse_writer, writer_command
+from dscluster.launch.mpirun import App, mpirun_argv, mpirun_path
 
 # Findings that make an mpirun across the cluster hang or fail for a known reason.
 BLOCKING_CHECKS = {"reach", "hostname", "network", "mesh", "port", "mpi"}
@@ -45,6 +45,7 @@ class CheckOptions:
     allow_deprecated_fp16: bool = False
     show_progress: bool = True
     data_dir: str | None = None   # compare this folder on every node with the head's (file count, bytes)
+    no_tune: bool = False          # skip NCCL's socket tuning grid (check.nccltune)
 
 
 @dataclass
@@ -182,11 +183,11 @@ def mca_phase(sessions, facts, ev: Evaluation, opts: CheckOptions, python: str) 
 # ---------------------------------------------------------------------------- active tests
 
 def active_mpirun_argv(mpirun: str, hostfile: str, np: int, cidr: str | None, program: list[str],
-                       exports: list[str], as_root: bool) -> list[str]:
+                       exports: list[str], as_root: bool, values: dict[str, str] | None = None) -> list[str]:
     """mpirun across the hostfile, pinned to the common subnet by CIDR (names differ per node);
-    `exports` are passed on from this process's environment."""
-    return mpirun_argv(mpirun, [App(np, program, dict.fromkeys(exports))], hostfile=hostfile, map_by="slot",
-                       cidr=cidr, as_root=as_root)
+    `exports` are passed on from this process's environment, `values` set for every rank."""
+    env: dict[str, str | None] = {**dict.fromkeys(exports), **(values or {})}
+    return mpirun_argv(mpirun, [App(np, program, env)], hostfile=hostfile, map_by="slot", cidr=cidr, as_root=as_root)
 
 
 def hello_program(python: str) -> list[str]:
@@ -194,21 +195,64 @@ def hello_program(python: str) -> list[str]:
     return [python, str(hello)] if hello.exists() else [python, "-m", "mpi4py.bench", "helloworld"]
 
 
-def run_active(hf: Hostfile, ev: Evaluation, opts: CheckOptions, python: str) -> tuple[dict, list[Finding]]:
+def allreduce_program(python: str, timeout_s: float, nbytes: int | None = None) -> list[str]:
+    """check's all-reduce (dscluster.bench.allreduce); `nbytes`: that one message size only."""
+    sizes = ["--sizes", str(nbytes)] if nbytes else []
+    return [python, "-m", "dscluster.bench.allreduce", "--json", "--iters", "10", "--warmup", "3",
+            "--timeout", str(int(timeout_s)), *sizes]
+
+
+def allreduce_result(output: str) -> dict | None:
+    """The JSON document rank 0 of dscluster.bench.allreduce printed among mpirun's output."""
+    result = None
+    for line in output.splitlines():
+        if line.startswith("{") and '"busbw_GBps"' in line:
+            try:
+                result = json.loads(line)
+            except json.JSONDecodeError:
+                pass
+    return result
+
+
+@dataclass
+class ActiveLaunch:
+    """How check's active tests start mpirun: one program across the hostfile, with MASTER_ADDR and
+    MASTER_PORT passed on."""
+
+    hostfile: Hostfile
+    cidr: str | None
+    mpirun: str
+    env: dict
+    exports: list[str]
+    as_root: bool
+    limit: float
+
+    @classmethod
+    def of(cls, hf: Hostfile, ev: Evaluation, opts: CheckOptions, python: str) -> ActiveLaunch:
+        env, exports = dict(os.environ), []
+        if ev.network.address.get(ev.head):
+            env.update(MASTER_ADDR=ev.network.address[ev.head], MASTER_PORT=str(opts.master_port))
+            exports = ["MASTER_ADDR", "MASTER_PORT"]
+        return cls(hostfile=hf, cidr=ev.network.subnet, mpirun=mpirun_path(python), env=env, exports=exports,
+                   as_root=os.geteuid() == 0, limit=max(60.0, opts.timeout * 2))
+
+    def argv(self, program: list[str], values: dict[str, str] | None = None) -> list[str]:
+        return active_mpirun_argv(self.mpirun, self.hostfile.path, self.hostfile.total_slots, self.cidr, program,
+                                  self.exports, self.as_root, values)
+
+    def run(self, argv: list[str], limit: float) -> tuple[bool, str, float]:
+        return _run(argv, self.env, limit)
+
+
+def run_active(launch: ActiveLaunch, python: str) -> tuple[dict, list[Finding]]:
+    """The MPI hello, then the all-reduce bandwidth test."""
     findings: list[Finding] = []
+    hf = launch.hostfile
     np_ = hf.total_slots
-    mpirun = mpirun_path(python)
-    env = dict(os.environ)
-    exports = []
-    if ev.network.address.get(ev.head):
-        env.update(MASTER_ADDR=ev.network.address[ev.head], MASTER_PORT=str(opts.master_port))
-        exports = ["MASTER_ADDR", "MASTER_PORT"]
-    as_root = os.geteuid() == 0
-    limit = max(60.0, opts.timeout * 2)
     active: dict = {}
 
-    argv = active_mpirun_argv(mpirun, hf.path, np_, ev.network.subnet, hello_program(python), exports, as_root)
-    ok, out, secs = _run(argv, env, limit)
+    argv = launch.argv(hello_program(python))
+    ok, out, secs = launch.run(argv, launch.limit)
     active["mpi_hello"] = {"ok": ok, "seconds": round(secs, 2), "argv": argv, "output": out[-2000:]}
     if not ok:
         findings.append(Finding("error", None, "mpi", f"MPI hello over {hf.path} failed after {secs:.0f} s: "
@@ -216,17 +260,9 @@ def run_active(hf: Hostfile, ev: Evaluation, opts: CheckOptions, python: str) ->
         return active, findings
     findings.append(Finding("info", None, "mpi", f"MPI hello: {np_} ranks answered in {secs:.1f} s", "nothing to do"))
 
-    program = [python, "-m", "dscluster.bench.allreduce", "--json", "--iters", "10", "--warmup", "3",
-               "--timeout", str(int(limit))]
-    argv = active_mpirun_argv(mpirun, hf.path, np_, ev.network.subnet, program, exports, as_root)
-    ok, out, secs = _run(argv, env, limit * 2)
-    result = None
-    for line in out.splitlines():
-        if line.startswith("{") and '"busbw_GBps"' in line:
-            try:
-                result = json.loads(line)
-            except json.JSONDecodeError:
-                pass
+    argv = launch.argv(allreduce_program(python, launch.limit))
+    ok, out, secs = launch.run(argv, launch.limit * 2)
+    result = allreduce_result(out)
     active["allreduce"] = {"ok": ok and result is not None, "seconds": round(secs, 2), "argv": argv,
                            "result": result, "output": None if result else out[-2000:]}
     if not ok or result is None:
@@ -240,6 +276,32 @@ def run_active(hf: Hostfile, ev: Evaluation, opts: CheckOptions, python: str) ->
                                 f"{best['busbw_GBps']:.3f} GB/s at {best['bytes'] >> 20} MiB "
                                 f"(peak {result['peak_busbw_GBps']:.3f} GB/s)", "nothing to do"))
     return active, findings
+
+
+def tune_sockets(launch: ActiveLaunch, python: str, active: dict, no_tune: bool = False) -> tuple[dict, list[Finding]]:
+    """NCCL's socket threading measured (check.nccltune): check's all-reduce again, its largest message
+    only, once per grid point with the point's values passed to every rank by mpirun -x. Returns
+    active.nccl_socket and what check says when the grid did not run or a point failed."""
+    result = (active.get("allreduce") or {}).get("result")
+    if not result or not result.get("results"):
+        return {"skipped": "no all-reduce result (it failed or did not run)"}, []
+    link = ((active.get("links") or {}).get("slowest") or {}).get("bps")
+    why = why_not_tuned(result.get("backend"), link, no_tune)
+    if why:
+        return {"skipped": why}, [Finding("info", None, "allreduce", f"NCCL socket tuning not run: {why}",
+                                          "nothing to do")]
+    nbytes = max(r["bytes"] for r in result["results"])
+    grid, findings = [], []
+    for values in grid_envs():
+        ok, out, secs = launch.run(launch.argv(allreduce_program(python, launch.limit, nbytes), values), launch.limit)
+        got = allreduce_result(out) if ok else None
+        grid.append(grid_point(values, got, secs, None if got else _tail(out)))
+        if got is None:   # a hang costs the limit once, not once per point
+            findings.append(Finding("warning", None, "allreduce", f"NCCL socket tuning stopped: the all-reduce with "
+                                    f"{THREADS}={values[THREADS]} {SOCKS}={values[SOCKS]} failed after {secs:.0f} s: "
+                                    f"{_tail(out)}", "re-run check; --no-tune skips the tuning"))
+            break
+    return {"link_bps": link, "grid": grid}, findings
 
 
 def _run(argv: list[str], env: dict, limit: float) -> tuple[bool, str, float]:
@@ -293,7 +355,7 @@ def run_check(opts: CheckOptions) -> CheckRun:
     finally:
         for c in sessions.values():
             c.close()
-    active: dict = {"mpi_hello": None, "allreduce": None, "skipped": None, "links": links}
+    active: dict = {"mpi_hello": None, "allreduce": None, "skipped": None, "links": links, "nccl_socket": None}
     if opts.skip_active:
         active["skipped"] = "--skip-active"
     elif any(f.severity == "error" and f.check in BLOCKING_CHECKS for f in findings):
@@ -301,9 +363,11 @@ def run_check(opts: CheckOptions) -> CheckRun:
         findings.append(Finding("info", None, "mpi", "active tests (MPI hello, all-reduce) skipped: the errors above "
                                 "would make them hang", "fix the errors, then re-run check"))
     else:
-        got, more = run_active(hf, ev, opts, python)
+        launch = ActiveLaunch.of(hf, ev, opts, python)
+        got, more = run_active(launch, python)
         active.update(got)
-        findings += more
+        active["nccl_socket"], tuned = tune_sockets(launch, python, active, opts.no_tune)
+        findings += more + tuned
         _, tuning = decide_socket_tuning(active.get("nccl_socket"))
         findings += [tuning] if tuning else []
     return CheckRun(hostfile=hf, hostfile_sha256=hostfile_sha256(hf.path), created=created, facts=facts,

@@ -127,22 +127,78 @@ class PlanInputs:
             raise UsageError(f"grad_format {self.grad_format!r}: expected one of {', '.join(model.FORMAT_BYTES)}")
 
 
-def busbw_from_check(path: Path) -> tuple[float, int | None, float]:
-    """(bus bandwidth of check's largest all-reduce, closest to DDP's 100 MB buckets; its rank count;
-    the start-up latency of one all-reduce, from its smallest message)."""
+SLOW_LINK_FRACTION = 0.5
+"""check's slowest pair, measured under this fraction of the rate its all-reduce reached and not part of
+that all-reduce, is the plan's bandwidth: a ring all-reduce runs at the pace of its slowest link."""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckBandwidth:
+    """What a plan takes from check.json for its communication term."""
+
+    busbw: float
+    """GB/s: the largest all-reduce's bus bandwidth, or the slowest link's rate (`note` says so)."""
+    world: int | None
+    """Ranks check's all-reduce ran over (None without one)."""
+    latency: float
+    """Start-up of one all-reduce, seconds, from its smallest message (0 without one)."""
+    note: str | None = None
+    """Why the slowest link is used instead of the all-reduce, naming the pair."""
+    link: str | None = None
+    """The pair whose link is used, `node1 → node3`."""
+
+
+def busbw_from_check(path: Path, names: list[str] | None = None) -> CheckBandwidth:
+    """The bus bandwidth of check's largest all-reduce, closest to DDP's 100 MB buckets, its rank count and
+    the start-up latency of one all-reduce (from its smallest message); or the rate of check's slowest link
+    between two of `names` (the plan's nodes; None: any) where the all-reduce is missing, or did not run
+    through that link and reached more than twice its rate (`slowest_link_busbw`)."""
     fix = "run `dscluster check` (without --skip-active) on this hostfile, or pass --busbw GBps"
     try:
-        result = checkfile.load(path).allreduce_result()
+        doc = checkfile.load(path)
     except FileNotFoundError:
         raise UsageError(f"{path}: no all-reduce measurement yet: {fix}") from None
     except CheckFileError as e:
         raise UsageError(f"{e}; or pass --busbw GBps") from None
+    result = doc.allreduce_result()
     rows = [r for r in (result or {}).get("results") or [] if r.get("busbw_GBps", 0) > 0]
-    if not rows:
-        raise UsageError(f"{path}: holds no all-reduce result (skipped or failed): {fix}")
-    world = result.get("world_size")
-    return (float(max(rows, key=lambda r: r.get("bytes") or 0)["busbw_GBps"]), world,
-            model.startup_latency_s(rows, world or 1))
+    measured = None
+    if rows:
+        world = result.get("world_size")
+        measured = CheckBandwidth(busbw=float(max(rows, key=lambda r: r.get("bytes") or 0)["busbw_GBps"]),
+                                  world=world, latency=model.startup_latency_s(rows, world or 1))
+    slow = slowest_link_busbw(doc, measured, names)
+    if slow is None and measured is None:
+        raise UsageError(f"{path}: holds no all-reduce result (skipped or failed) and no link speed: {fix}")
+    return slow or measured
+
+
+def slowest_link_busbw(doc: checkfile.CheckFile, measured: CheckBandwidth | None,
+                       names: list[str] | None) -> CheckBandwidth | None:
+    """check's slowest link as the plan's bandwidth (module constant `SLOW_LINK_FRACTION`), or None."""
+    from dscluster.check.netrules import human_bps
+
+    slow = doc.slowest_link()
+    if slow is None or (names is not None and not {slow.get("from"), slow.get("to")} <= set(names)):
+        return None
+    pair, gbps, rate = f"{slow.get('from')} → {slow.get('to')}", slow["bps"] / 8e9, human_bps(slow["bps"])
+    if measured is None:
+        return CheckBandwidth(busbw=gbps, world=None, latency=0.0, link=pair, note=(
+            f"check's all-reduce did not run (--skip-active, or it failed): planned with check's slowest link, {pair} "
+            f"at {rate} = {gbps:.3g} GB/s, as the bus bandwidth (a ring all-reduce runs at its slowest link's pace) "
+            "and no start-up time; run `dscluster check` without --skip-active for a measured all-reduce"))
+    hostname = {n.name: n.hostname for n in doc.nodes}
+    result = doc.allreduce_result() or {}
+    hosts = result.get("hosts")
+    through = (hostname.get(slow.get("from")) in hosts and hostname.get(slow.get("to")) in hosts
+               if isinstance(hosts, list) else measured.world == doc.np)
+    if through or gbps >= SLOW_LINK_FRACTION * measured.busbw:
+        return None   # the all-reduce ran through that link: its figure already holds it
+    return CheckBandwidth(busbw=gbps, world=measured.world, latency=measured.latency, link=pair, note=(
+        f"check's slowest link, {pair}, measured {rate} = {gbps:.3g} GB/s, under half the {measured.busbw:.3f} GB/s "
+        f"its all-reduce reached over {measured.world} ranks without that link: planned with the slowest link, "
+        "whose pace every step runs at; fix that cable (`dscluster check` names the node in its `speed` column) "
+        "or leave the node out of the hostfile"))
 
 
 def parse_compute(text: str, names: list[str]) -> dict[str, float]:
@@ -260,9 +316,11 @@ def measure(opts: PlanOptions) -> PlanInputs:
     names = hostfile.names
     compute = parse_compute(opts.compute_s, names) if opts.compute_s is not None else None
     # cheap inputs first: a missing bandwidth says so before any model is built or measured
-    source = "--busbw" if opts.busbw is not None else str(state.check_json_path())
-    busbw, check_world, latency = ((opts.busbw, None, 0.0) if opts.busbw is not None
-                                   else busbw_from_check(state.check_json_path()))
+    checked = (CheckBandwidth(busbw=opts.busbw, world=None, latency=0.0) if opts.busbw is not None
+               else busbw_from_check(state.check_json_path(), names))
+    busbw, check_world, latency = checked.busbw, checked.world, checked.latency
+    source = ("--busbw" if opts.busbw is not None else str(state.check_json_path())
+              + (f" (slowest link {checked.link})" if checked.link else ""))
     world = hostfile.total_slots
     precision, precision_note = planned_precision(cfg)
     shape, batch_note = batch_shape(cfg, world, precision)
@@ -271,7 +329,7 @@ def measure(opts: PlanOptions) -> PlanInputs:
     allowed, refused = allowed_compressions(cfg, precision)
     calibration = {} if opts.no_calibration else predicted.calibration(model=cfg.model.name, precision=precision,
                                                                        ranks=world)
-    notes: list[str] = []
+    notes: list[str] = [checked.note] if checked.note else []
     how = None
     if compute is not None:
         how = {"seconds": max(compute.values()), "source": "--compute-s", "device": None, "note": None,
