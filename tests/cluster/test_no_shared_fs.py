@@ -158,7 +158,7 @@ def test_the_readme_mpirun_brings_every_nodes_part_home_and_plot_sees_every_rank
     diag = lab.run("node1", f"{DSCLUSTER} diagnose runs/{name} --json", timeout=120)
     found = json.loads(diag.stdout)["findings"]
     assert [(f["kind"], f["host"]) for f in found if f["severity"] == "error"] == [("files_not_here", "node3")], found
-    assert f"node3's files are not here (no shared filesystem): run `dscluster collect" in diag.stdout
+    assert "node3's files are not here (no shared filesystem): run `dscluster collect" in diag.stdout
     got = lab.run("node1", f"{DSCLUSTER} collect runs/{name} --hostfile {lab.hostfile} --json", timeout=300)
     assert got.returncode == 0, explain(got)
     per_node = {n["node"]: n for n in json.loads(got.stdout)["nodes"]}

@@ -14,7 +14,6 @@ import shlex
 from pathlib import Path
 
 import pytest
-
 from test_launch_lab import Cluster, explain
 
 pytestmark = pytest.mark.cluster

@@ -22,9 +22,9 @@ import paramiko
 import pytest
 
 from _wait import scaled, wait_until
-from dscluster.sim import lab as sim
 from dscluster.errors import UsageError
 from dscluster.hosts import parse_hostfile
+from dscluster.sim import lab as sim
 
 pytestmark = pytest.mark.cluster
 LAB = "simtest"

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from dscluster.fsutil import read_jsonl
-from _wait import scaled
 from _local_mpirun import ROOT, require_mpirun, train_command
+
+from _wait import scaled
+from dscluster.fsutil import read_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -118,7 +118,7 @@ def test_killed_after_epoch_1_resumes_without_repeating_or_losing_steps(referenc
 
     rc, out, _ = mpirun(tmp_path, "resume", "checkpoint.resume=true")
     assert rc == 0, out[-3000:]
-    assert f"resumed from" in out
+    assert "resumed from" in out
     for rank in (0, 1):
         starts = records(run, rank, "start")
         assert [s["resumed_from_step"] for s in starts] == [0, STEPS_PER_EPOCH]

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from _analysis_runs import make_run
+
 from dscluster.analysis import analyse
 from dscluster.analysis.load import load_run
 from dscluster.analysis.plots import plot_scaling

@@ -5,13 +5,7 @@ import itertools
 import pytest
 
 from dscluster.errors import UsageError
-from dscluster.train.balanced import (
-    BalancedBatchSampler,
-    SharePlan,
-    calibrate,
-    loss_weight,
-    plan_shares,
-)
+from dscluster.train.balanced import BalancedBatchSampler, SharePlan, calibrate, loss_weight, plan_shares
 
 
 def test_shares_follow_speed_and_sum_exactly():

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from dscluster.bringup import files as bf
 from dscluster.bringup import node as setup_node
 from dscluster.bringup import setup as bringup
-from dscluster.bringup import files as bf
 
 K1 = bf.PublicKey("ssh-ed25519", "AAAAC3NzaC1lZDI1NTE5AAAAICAjRvKu7c4Nxn72KvJQOSTrU8RMon23VafsjsNbU0LS", "dscluster lab@node1")
 K2 = bf.PublicKey("ssh-ed25519", "AAAAC3NzaC1lZDI1NTE5AAAAIAvteXs5Q6Lg7Z7whDVVXFZhIFJYeqnT7e51hF7AsbV2", "dscluster lab@node2")

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from dscluster.plan import calibrate as plan_calibrate, inputs as plan_inputs, probe as plan_probe
 from dscluster.cli import main
 from dscluster.errors import UsageError
+from dscluster.plan import calibrate as plan_calibrate
+from dscluster.plan import inputs as plan_inputs
+from dscluster.plan import probe as plan_probe
 
 REPO = Path(__file__).resolve().parents[2]
 LAB = "node1 slots=1\nnode2 slots=1\nnode3 slots=2\n"  # the GPU lab: 4 ranks on 3 nodes

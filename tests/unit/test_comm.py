@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
+from test_bad_input import ISOLATE, snapshot
 
 from dscluster.bench.runner import free_port
 from dscluster.errors import UsageError
@@ -22,8 +23,6 @@ from dscluster.train.comm import CommHook
 from dscluster.train.config import ConfigValueError, load_config
 from dscluster.train.config_checks import compression_conflict
 from dscluster.train.split import StepSplit
-from test_bad_input import ISOLATE, snapshot
-
 
 # --- the step split ------------------------------------------------------------------------------
 

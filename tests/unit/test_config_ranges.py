@@ -18,10 +18,10 @@ import types
 import typing
 
 import pytest
+from test_bad_input import ISOLATE, snapshot
 
 from dscluster.errors import UsageError
 from dscluster.train.config import ConfigValueError, TrainConfig, load_config
-from test_bad_input import ISOLATE, snapshot
 
 BOUNDS = ("ge", "gt", "le", "lt")
 

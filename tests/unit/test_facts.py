@@ -2,8 +2,14 @@
 
 from pathlib import Path
 
-from dscluster.check.facts import (clock_offset, compute_capability_from_name, node_facts, parse_nvidia_smi_gpus,
-                             parse_topology, split_sections)
+from dscluster.check.facts import (
+    clock_offset,
+    compute_capability_from_name,
+    node_facts,
+    parse_nvidia_smi_gpus,
+    parse_topology,
+    split_sections,
+)
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "facts"
 

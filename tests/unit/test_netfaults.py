@@ -7,7 +7,13 @@ import pytest
 
 from dscluster.errors import UsageError
 from dscluster.sim.netfaults import (
-    NetFaults, node_fault_argv, nft_ruleset, parse_faults, repair_argv, second_nic_address, stolen_route,
+    NetFaults,
+    nft_ruleset,
+    node_fault_argv,
+    parse_faults,
+    repair_argv,
+    second_nic_address,
+    stolen_route,
 )
 from dscluster.sim.plan import LabState, plan_lab
 

@@ -28,8 +28,8 @@ import pytest
 from dscluster import hostkeys, state
 from dscluster.check import checkfile
 from dscluster.check.checkfile import CheckFile, NodeResult
-from dscluster.train import checkpoint
 from dscluster.plan import predicted
+from dscluster.train import checkpoint
 
 ITERATIONS = 200
 

@@ -9,13 +9,33 @@ import pytest
 from dscluster.errors import UsageError
 from dscluster.hosts import parse_hostfile_text
 from dscluster.sim.options import (
-    assign_gpus, check_gpu_supply, count_listed_gpus, link_rate_bps, parse_env, parse_gpus, parse_link,
-    resolve_size, tbf_argv,
+    assign_gpus,
+    check_gpu_supply,
+    count_listed_gpus,
+    link_rate_bps,
+    parse_env,
+    parse_gpus,
+    parse_link,
+    resolve_size,
+    tbf_argv,
 )
 from dscluster.sim.plan import (
-    LabState, bridge_name, iface_name, node_path, node_session_env, pick_lab_index, plan_lab, render_group,
-    render_hostfile, render_hosts, render_passwd, render_shadow, render_sshd_config, uplink_names,
-    validate_lab_name, veth_name,
+    LabState,
+    bridge_name,
+    iface_name,
+    node_path,
+    node_session_env,
+    pick_lab_index,
+    plan_lab,
+    render_group,
+    render_hostfile,
+    render_hosts,
+    render_passwd,
+    render_shadow,
+    render_sshd_config,
+    uplink_names,
+    validate_lab_name,
+    veth_name,
 )
 from dscluster.sim.reach import DirInfo, ancestors, plan_reach
 

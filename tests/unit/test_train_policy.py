@@ -3,8 +3,8 @@
 import pytest
 
 from dscluster.errors import JobFailed, UsageError
-from dscluster.train.autofit import choose_micro_batch, largest_fit, with_margin
 from dscluster.train import dist
+from dscluster.train.autofit import choose_micro_batch, largest_fit, with_margin
 from dscluster.train.dist import default_master_port, detect_ranks, export_env
 from dscluster.train.precision import decide
 from dscluster.train.sampler import StepSampler

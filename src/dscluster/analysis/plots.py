@@ -20,11 +20,17 @@ from dscluster.analysis.gpusplit import busy_but_waiting_words, gpu_views  # noq
 from dscluster.analysis.load import RunData  # noqa: E402
 from dscluster.analysis.monitor import by_kind  # noqa: E402
 from dscluster.analysis.stats import (  # noqa: E402
-    COMM_BOUND_SHARE, SPLIT_PARTS, comm_share, find_stragglers, rank_stats, step_split, summary_row,
+    COMM_BOUND_SHARE,
+    SPLIT_PARTS,
+    comm_share,
+    find_stragglers,
+    rank_stats,
+    step_split,
+    summary_row,
     time_to_accuracy,
 )
-from dscluster.train.timing import WARMUP_STEPS  # noqa: E402
 from dscluster.telemetry.backends import SLOWDOWN_REASONS  # noqa: E402
+from dscluster.train.timing import WARMUP_STEPS  # noqa: E402
 
 DPI = 80
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",

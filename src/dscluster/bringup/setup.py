@@ -27,7 +27,16 @@ from typing import Any
 from dscluster import hostkeys, remote
 from dscluster.bringup import files as bf
 from dscluster.bringup.node import (  # noqa: F401  (SetupOptions: the command's input, imported from here)
-    DIR_MODE, KEY, KNOWN_HOSTS_MODE, SECRET_MODE, NodeState, SetupOptions, run_sh, contact, install, verify_toolchain,
+    DIR_MODE,
+    KEY,
+    KNOWN_HOSTS_MODE,
+    SECRET_MODE,
+    NodeState,
+    SetupOptions,
+    contact,
+    install,
+    run_sh,
+    verify_toolchain,
 )
 from dscluster.remote import Target
 

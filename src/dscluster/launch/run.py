@@ -23,7 +23,6 @@ from pathlib import Path
 from dscluster import liveness, runinfo
 from dscluster.launch.builders import NodeCommand
 
-
 # After the run's summary.json is written (the job's outcome is known), or after mpirun exited
 # leaving ranks of this node behind, how long the job gets to end by itself before it is stopped.
 GRACE_S = 30.0

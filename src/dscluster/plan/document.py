@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from dscluster.plan import calibrate as calibration_run, model, nodes as node_probe, predicted, wholerun
+from dscluster.plan import calibrate as calibration_run
+from dscluster.plan import model, predicted, wholerun
+from dscluster.plan import nodes as node_probe
 from dscluster.plan.inputs import COMPRESSION_KEY, PlanInputs, PlanOptions, figure_of
 
 SCHEMA_VERSION = 1

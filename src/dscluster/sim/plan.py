@@ -21,10 +21,16 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from dscluster.errors import UsageError
-from dscluster.sim.options import (  # noqa: F401  (validators re-exported: callers import them here)
-    LINK_NONE, MAX_NODES, assign_gpus, parse_link, validate_lab_name, validate_node_count, validate_slots,
-)
 from dscluster.sim.netfaults import NetFaults
+from dscluster.sim.options import (  # noqa: F401  (validators re-exported: callers import them here)
+    LINK_NONE,
+    MAX_NODES,
+    assign_gpus,
+    parse_link,
+    validate_lab_name,
+    validate_node_count,
+    validate_slots,
+)
 
 SIM_ROOT = Path("/run/dscluster-sim")
 SUBNET_BASE = "10.77"
