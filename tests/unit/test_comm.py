@@ -78,7 +78,7 @@ def test_split_marks_on_a_gpu_are_events_read_after_the_window_without_a_host_sy
     x = torch.randn(256, 512, device=dev)
     split = StepSplit(dev, "measured")
     torch.cuda.synchronize()
-    for window in range(2):  # the second window reuses the first one's events
+    for _window in range(2):  # the second window reuses the first one's events
         marks = []
         torch.cuda.set_sync_debug_mode("error")  # any synchronising call inside the steps fails here
         try:

@@ -166,10 +166,9 @@ def rejections(tmp_path, key: str, values: list) -> list[str]:
     for value in values:
         override = f"{key}={yaml_text(value)}"
         path, line = write_yaml(tmp_path, key, value)
-        for where, call in ((f"override {override!r}", lambda: load_config(None, [override])),
-                            (f"{path}:{line}:", lambda: load_config(path))):
+        for where, args in ((f"override {override!r}", (None, [override])), (f"{path}:{line}:", (path,))):
             try:
-                call()
+                load_config(*args)
                 problems.append(f"{where} {value!r} was accepted")
             except UsageError as e:
                 msg = str(e)

@@ -131,7 +131,7 @@ def test_account_files_keep_the_hosts_lines_and_replace_an_existing_lab_user():
 def test_sshd_config_allows_password_login_without_pam_and_has_a_pid_file_per_node():
     lab = _plan(nodes=2)
     configs = [render_sshd_config(n) for n in lab.nodes]
-    for cfg, node in zip(configs, lab.nodes):
+    for cfg, node in zip(configs, lab.nodes, strict=True):
         lines = set(cfg.splitlines())
         assert {"PasswordAuthentication yes", "UsePAM no", "Port 22", "PermitRootLogin no"} <= lines
         assert f"PidFile {node.nodedir}/sshd.pid" in lines

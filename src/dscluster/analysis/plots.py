@@ -188,7 +188,7 @@ def plot_throughput(run: RunData, out: Path) -> Plot:
     if box_data:
         bp = ax_b.boxplot(box_data, patch_artist=True, showfliers=True)
         ax_b.set_xticks(range(1, len(box_labels) + 1), box_labels, fontsize=8)
-        for patch, c in zip(bp["boxes"], box_colours):
+        for patch, c in zip(bp["boxes"], box_colours, strict=True):
             patch.set_facecolor(c)
             patch.set_alpha(0.6)
     ax_b.set_ylabel("step time (s)")
@@ -369,8 +369,8 @@ def plot_step_split(run: RunData, out: Path) -> Plot:
         faces = [_lighter(_rank_style(run, s.rank, colours)[0], light) for s in splits]
         ax_b.bar(xs, heights, bottom=bottoms, color=faces, hatch=hatch, edgecolor="#444444", linewidth=0.6)
         ax_b.bar([0], [0], color="#dddddd", hatch=hatch, edgecolor="#444444", label=label)  # legend swatch only
-        bottoms = [b + h for b, h in zip(bottoms, heights)]
-    for s, x, top in zip(splits, xs, bottoms):
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    for s, x, top in zip(splits, xs, bottoms, strict=True):
         share = s.comm_share
         text = "network\nnot measured" if share is None else f"{share:.0%}\nnetwork"
         ax_b.annotate(text, (x, top), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8,
@@ -429,8 +429,8 @@ def plot_scaling(runs: list[RunData], out: Path) -> Plot:
     ideal = [r0 * n / n0 for n in ideal_x]
     ax.plot(ideal_x, ideal, "--", color="#7f7f7f", label=f"ideal (linear from {n0} rank{'s' if n0 > 1 else ''})")
     ax.plot(xs, ys, "o-", color=PALETTE[0], label="measured")
-    eff = [100.0 * y / (r0 * x / n0) for x, y in zip(xs, ys)]
-    for x, y, e in zip(xs, ys, eff):
+    eff = [100.0 * y / (r0 * x / n0) for x, y in zip(xs, ys, strict=True)]
+    for x, y, e in zip(xs, ys, eff, strict=True):
         ax.annotate(f"{e:.0f}%", (x, y), textcoords="offset points", xytext=(4, -12), fontsize=9)
     plot.series["measured"] = {"x": xs, "y": ys}
     plot.series["ideal"] = {"x": ideal_x, "y": ideal}

@@ -212,7 +212,7 @@ def run(opts: VitBenchOptions) -> tuple[dict, Path]:
             row["baseline"] = _rates(base, gpus, base_one, spec.train_flops_per_image, peak)
             ds_rate, base_rate = row["dscluster"].get("images_per_s"), base.get("images_per_s")
             row["ratio"] = ds_rate / base_rate if ds_rate and base_rate else None
-            pairs = [(d.get("images_per_s"), b_.get("images_per_s")) for d, b_ in zip(ds_runs, base_runs)]
+            pairs = [(d.get("images_per_s"), b_.get("images_per_s")) for d, b_ in zip(ds_runs, base_runs, strict=True)]
             if len(pairs) > 1:
                 row["ratios"] = [d / b_ if d and b_ else None for d, b_ in pairs]
         elif opts.baseline:

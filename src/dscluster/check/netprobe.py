@@ -185,7 +185,7 @@ def run_pairs(sessions: dict, python: str, address: dict[str, str], mtu: dict[st
             by_sender = dict(pairs)
 
             def work(t: remote.Target) -> dict | None:
-                peer = by_sender[t.name]
+                peer = by_sender[t.name]  # noqa: B023 (fan_out returns before the next round rebinds it)
                 cmd = client_command(python, peer, address[peer], ready[peer], mtu.get(t.name) or 1500)
                 return parse_client(remote.run(sessions[t.name], cmd, timeout=timeout).stdout)
 

@@ -96,7 +96,7 @@ def rule_duplicate_hostnames(facts: dict[str, NodeFacts]) -> list[Finding]:
         if f.hostname:
             groups[f.hostname.split(".")[0].lower()].append(name)
     out = []
-    for short, names in groups.items():
+    for names in groups.values():
         if len(names) < 2:
             continue
         for name in names:

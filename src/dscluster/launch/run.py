@@ -172,7 +172,7 @@ def run_job(argv: list[str], env: dict[str, str] | None = None, *, run_dir: Path
     # the launcher running with nobody to stop it.
     pipes = [os.pipe(), os.pipe()]
     pumps = [threading.Thread(target=_pump, args=(r, dst, out.vanished), daemon=True)
-             for (r, _), dst in zip(pipes, (sys.stdout, sys.stderr))]
+             for (r, _), dst in zip(pipes, (sys.stdout, sys.stderr), strict=True)]
     for t in pumps:
         t.start()
     try:

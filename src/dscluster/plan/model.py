@@ -269,7 +269,7 @@ def micro_step_s(s: Scenario) -> float:
 
     per_rank = [n.compute_s for n in s.nodes for _ in range(n.ranks)]
     shares = plan_shares([s.micro_batch / c for c in per_rank], s.micro_batch * s.world)
-    return max(b * c / s.micro_batch for b, c in zip(shares, per_rank))
+    return max(b * c / s.micro_batch for b, c in zip(shares, per_rank, strict=True))
 
 
 def predict(s: Scenario) -> Prediction:
