@@ -251,17 +251,17 @@ def decide_precision(facts: dict[str, NodeFacts], allow_deprecated_fp16: bool = 
     """bf16 if every GPU is >= 8.0, fp16 if every GPU is >= 7.0; below that DeepSpeed refuses
     fp16 unless DS_ALLOW_DEPRECATED_FP16=1 (and it is slow: Pascal has no tensor cores), so
     fp32 unless the user opted in. One precision for the whole cluster: ranks must agree."""
-    ccs = [(name, g) for name, f in facts.items() for g in f.gpus if g.cc is not None]
+    ccs = [(name, g, cc) for name, f in facts.items() for g in f.gpus if (cc := g.cc) is not None]
     if not ccs:
         return Precision("fp32", "no GPUs: CPU ranks compute in fp32"), []
-    low = min(g.cc for _, g in ccs)
-    weakest = sorted({f"{g.name} ({g.compute_capability}) on {n}" for n, g in ccs if g.cc == low})
+    low = min(cc for _, _, cc in ccs)
+    weakest = sorted({f"{g.name} ({g.compute_capability}) on {n}" for n, g, cc in ccs if cc == low})
     if low >= (8, 0):
         return Precision("bf16", f"every GPU has compute capability >= 8.0 (lowest: {', '.join(weakest)})"), []
     if low >= (7, 0):
         return Precision("fp16", f"bf16 needs compute capability 8.0; lowest is {', '.join(weakest)}; "
                                  "fp16 with dynamic loss scaling"), []
-    old = sorted({n for n, g in ccs if g.cc < (7, 0)})
+    old = sorted({n for n, _, cc in ccs if cc < (7, 0)})
     findings = []
     if allow_deprecated_fp16:
         p = Precision("fp16", f"--allow-deprecated-fp16: fp16 on {', '.join(weakest)} with "
@@ -433,8 +433,9 @@ def deepspeed_env(cluster: dict[str, str], per_node: dict[str, dict[str, str]]) 
     out = {k: v for k, v in cluster.items() if k not in ("DSCLUSTER_CHECK_CREATED",)}
     for key in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
         values = {env.get(key) for env in per_node.values()}
-        if len(values) == 1 and None not in values:
-            out[key] = values.pop()
+        only = values.pop() if len(values) == 1 else None
+        if only is not None:
+            out[key] = only
     return out
 
 

@@ -283,7 +283,7 @@ def predict(s: Scenario) -> Prediction:
     step = model_step + extra if model_step + extra > 0 else compute
     rate = s.global_batch / step
     alone = {n.name: n.images_per_s(s.micro_batch) for n in s.nodes}
-    fastest = max(alone, key=alone.get)
+    fastest = max(alone, key=alone.__getitem__)
     speedup, efficiency = rate / alone[fastest], rate / sum(alone.values())
     slower = len(s.nodes) > 1 and speedup < 1
     comm_share = (comm - hidden) / step
