@@ -172,7 +172,8 @@ def _rank_pid(lab, node: str, rank: int, run_id: str) -> int | None:
     from dscluster.sim.ns import netns_pids
     for pid in netns_pids(lab.node(node).netns):
         try:
-            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in kv)
+            environ = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+            env = dict(kv.split("=", 1) for kv in environ if "=" in kv)
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
         except OSError:
             continue
@@ -209,7 +210,8 @@ def test_a_killed_rank_then_the_same_command_resumes_from_the_same_step_on_every
     assert proc.returncode != 0, out[-3000:]
     latest = {node: lab.path_on(node, REPO / "runs" / run_id / "checkpoints" / "latest").read_text().strip()
               for node in ("node1", "node2", "node3")}
-    assert len(set(latest.values())) == 1 and not latest["node1"].endswith("step00000040"), latest  # every node, mid-run
+    # every node, mid-run
+    assert len(set(latest.values())) == 1 and not latest["node1"].endswith("step00000040"), latest
 
     again = lab.run("node1", cmd, timeout=900)
     assert again.returncode == 0, explain(again)

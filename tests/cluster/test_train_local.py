@@ -87,7 +87,8 @@ def test_two_ranks_reach_90_percent_on_digits(reference):
     assert len(evals) == PRESET_EPOCHS and evals[-1]["accuracy"] == summary["accuracy"]
     assert json.loads((run / "ds_config.json").read_text())["train_batch_size"] == 64
     assert f"epochs: {PRESET_EPOCHS}" in (run / "config.yaml").read_text()
-    assert (run / "checkpoints" / "latest").read_text().strip() == f"epoch{PRESET_EPOCHS - 1:04d}-step{PRESET_EPOCHS * STEPS_PER_EPOCH:08d}"
+    last = f"epoch{PRESET_EPOCHS - 1:04d}-step{PRESET_EPOCHS * STEPS_PER_EPOCH:08d}"
+    assert (run / "checkpoints" / "latest").read_text().strip() == last
 
 
 def test_powersgd_reaches_the_uncompressed_accuracy_at_equal_epochs(reference, tmp_path):

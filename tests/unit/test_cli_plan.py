@@ -95,7 +95,8 @@ def test_table_says_slower_and_what_to_paste(lab, capsys):
     assert run_plan(lab, "--compute-s", "0.0427", "--busbw", "0.119") == 0
     out = capsys.readouterr().out
     assert "adding nodes makes training SLOWER" in out
-    assert "micro_batch=128 grad_accum=2 global_batch=1024 optim.lr_reference_batch=512 comm.compression=powersgd" in out
+    assert ("micro_batch=128 grad_accum=2 global_batch=1024 optim.lr_reference_batch=512 "
+            "comm.compression=powersgd") in out
     # where training cannot compress (ZeRO 2), the best is accumulation alone, and the table says why
     assert run_plan(lab, "--compute-s", "0.0427", "--busbw", "0.119", "zero_stage=2") == 0
     out = capsys.readouterr().out

@@ -30,7 +30,8 @@ def test_mpirun_argv_pins_the_subnet_by_cidr():
 
 
 def test_reach_output_parsing():
-    r = parse_reach("MESH node2 0 \nMESH node3 255 Host key verification failed.\nPORT fail ConnectionRefusedError [Errno 111]\n")
+    r = parse_reach("MESH node2 0 \nMESH node3 255 Host key verification failed.\n"
+                    "PORT fail ConnectionRefusedError [Errno 111]\n")
     assert r.mesh == {"node2": (True, ""), "node3": (False, "Host key verification failed.")}
     assert r.port_ok is False and "Refused" in r.port_error
 

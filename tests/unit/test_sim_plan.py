@@ -82,7 +82,8 @@ def test_bad_lab_names_are_refused(bad):
         validate_lab_name(bad)
 
 
-@pytest.mark.parametrize("nodes,slots,msg", [(0, 1, "1 to 32 nodes"), (33, 1, "1 to 32 nodes"), (2, 0, "at least one slot")])
+@pytest.mark.parametrize("nodes,slots,msg",
+                         [(0, 1, "1 to 32 nodes"), (33, 1, "1 to 32 nodes"), (2, 0, "at least one slot")])
 def test_bad_sizes_are_refused(nodes, slots, msg):
     with pytest.raises(UsageError, match=msg):
         _plan(nodes=nodes, slots=slots)

@@ -1,8 +1,8 @@
 """The run's pictures, drawn with matplotlib's object API (Agg, no pyplot global state).
 
-Every plot function returns a `Plot` holding the path it wrote and the series it drew
-(label → x/y lists), so tests can check a picture shows what it must without reading
-pixels, and a panel that has nothing to show says why in words instead of staying blank.
+Every plot function returns a `Plot` holding the path it wrote and the series it drew (label → x/y lists),
+so tests can check a picture shows what it must without reading pixels, and a panel that has nothing to
+show says why in words instead of staying blank.
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ from dscluster.telemetry.backends import SLOWDOWN_REASONS  # noqa: E402
 from dscluster.train.timing import WARMUP_STEPS  # noqa: E402
 
 DPI = 80
-PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-           "#bcbd22", "#17becf", "#d62728"]
+PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#d62728"]
 STRAGGLER_COLOUR = "#d62728"
 HOST_FAMILIES = ["Blues", "Oranges", "Greens", "Purples", "Greys", "YlOrBr", "PuRd", "BuGn", "RdPu", "GnBu"]
 """One colour family per node; its ranks (or GPUs) take distinct shades of it. No reds: red marks stragglers."""
@@ -87,8 +86,7 @@ def _new(ncols: int = 1, width: float = 10.0, height: float = 3.8) -> tuple[Figu
 
 def _empty(ax, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=11, wrap=True)
-    ax.set_xticks([])
-    ax.set_yticks([])
+    ax.set(xticks=[], yticks=[])
 
 
 def _save(fig: Figure, plot: Plot, incomplete: bool) -> Plot:
@@ -337,7 +335,8 @@ def plot_gpu_health(run: RunData, out: Path) -> Plot:
 
 
 SPLIT_STYLE = {"compute_s": ("compute", 0.0, ""), "comm_s": ("waiting for the network", 0.35, "///"),
-               "data_s": ("waiting for data", 0.6, "..."), "other_s": ("between steps (eval, checkpoints, logs)", 0.8, "xx")}
+               "data_s": ("waiting for data", 0.6, "..."),
+               "other_s": ("between steps (eval, checkpoints, logs)", 0.8, "xx")}
 """Each part of a step: legend label, how much lighter than the rank's own shade, hatch."""
 SMOOTH = 10
 """Steps in the running mean of the network share over the run (single CPU steps are noisy)."""
@@ -392,7 +391,8 @@ def plot_step_split(run: RunData, out: Path) -> Plot:
         sy = [sum(raw[max(0, i - SMOOTH + 1):i + 1]) / len(raw[max(0, i - SMOOTH + 1):i + 1]) for i in range(len(raw))]
         ax_t.plot(sx, sy, color=colour, ls=ls, lw=1.3, label=label)
         plot.series[f"comm_share {label}"] = {"x": sx, "y": sy}
-    ax_t.axhline(100 * COMM_BOUND_SHARE, color="#7f7f7f", ls="--", lw=1, label=f"{COMM_BOUND_SHARE:.0%}: cannot scale 80%")
+    ax_t.axhline(100 * COMM_BOUND_SHARE, color="#7f7f7f", ls="--", lw=1,
+                 label=f"{COMM_BOUND_SHARE:.0%}: cannot scale 80%")
     ax_t.set_xlabel("optimizer step")
     ax_t.set_ylabel(f"waiting for the network (% of step, mean of {SMOOTH})")
     ax_t.set_ylim(0, 100)

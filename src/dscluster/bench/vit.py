@@ -5,9 +5,9 @@ micro-batch, one process per GPU, in one invocation on the same cards. Reported 
 count: images/s, images/s per GPU, scaling efficiency (img/s at N ÷ (N × img/s at 1)), MFU
 (training FLOPs per image × img/s ÷ (N × the card's dense bf16 peak)), peak memory, and the
 ratio dscluster ÷ baseline. With `--repeat N` both paths run N times, alternating, and the median
-run of each is reported (every run's rate and the per-pair ratios are kept too). The DeepSpeed path is `dscluster train` itself, with
-`micro_batch=auto` resolved by its own auto-fit; the baseline then uses the micro-batch that
-auto-fit chose, so both see the same batch.
+run of each is reported (every run's rate and the per-pair ratios are kept too). The DeepSpeed path
+is `dscluster train` itself, with `micro_batch=auto` resolved by its own auto-fit; the baseline then
+uses the micro-batch that auto-fit chose, so both see the same batch.
 """
 
 from __future__ import annotations

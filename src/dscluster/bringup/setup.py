@@ -56,7 +56,8 @@ class SetupResult:
 def mesh_script(names: list[str], connect_timeout: int = 5) -> str:
     lines = ["for b in " + " ".join(shlex.quote(n) for n in names) + "; do",
              f'  ( err=$(ssh -o BatchMode=yes -o ConnectTimeout={connect_timeout} "$b" true 2>&1 </dev/null); '
-             "rc=$?; printf 'mesh %s %s %s\\n' \"$b\" \"$rc\" \"$(printf %s \"$err\" | tr '\\n' ' ' | cut -c1-300)\" ) &",
+             "rc=$?; printf 'mesh %s %s %s\\n' \"$b\" \"$rc\" "
+             "\"$(printf %s \"$err\" | tr '\\n' ' ' | cut -c1-300)\" ) &",
              "done", "wait", ""]
     return "\n".join(lines)
 

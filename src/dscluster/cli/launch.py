@@ -139,7 +139,8 @@ def build_plan(args: argparse.Namespace) -> tuple[builders.LaunchPlan, CheckOutp
     env = out.cluster_env
     port = env.get("MASTER_PORT") or str(builders.DEFAULT_MASTER_PORT)
     if not port.isdigit():
-        raise UsageError(f"{state_dir / 'cluster.env'}: MASTER_PORT={port!r} is not a port; run `dscluster check` again")
+        raise UsageError(f"{state_dir / 'cluster.env'}: MASTER_PORT={port!r} is not a port; "
+                         "run `dscluster check` again")
     plan = builders.LaunchPlan(
         hostfile=str(hostfile),
         hosts=tuple((h.name, h.slots) for h in hf.hosts),

@@ -3,9 +3,10 @@
 <state>/plans.json (the state directory of state.py), written atomically, one entry per config:
 
     {"schema": 1,
-     "plans": {KEY: {"images_per_s": float, "step_s": float, "setting": "now"|"choice"|"without_compression"|"calibration",
-                     "model_step_s": float, "created": unix time, "config": str, "hostfile": str,
-                     "busbw_GBps": float, "compute_s": float, "overrides": [str],
+     "plans": {KEY: {"images_per_s": float, "step_s": float,
+                     "setting": "now"|"choice"|"without_compression"|"calibration", "model_step_s": float,
+                     "created": unix time, "config": str, "hostfile": str, "busbw_GBps": float,
+                     "compute_s": float, "overrides": [str],
                      "compute": FIGURE, "costs": RUNCOSTS, "model_costs": RUNCOSTS}},
      "outcomes": [{"key": KEY, "model": str, "precision": str, "compression": str, "ranks": int,
                    "model_step_s": float, "measured_step_s": float, "run_id": str, "at": unix time,

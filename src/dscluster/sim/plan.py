@@ -111,7 +111,8 @@ def pick_lab_index(used: set[int], taken_subnets: list[ipaddress.IPv4Network] = 
         if any(net.overlaps(t) for t in taken_subnets):
             continue
         return k
-    raise UsageError(f"no free lab subnet in {SUBNET_BASE}.1-{MAX_LAB_INDEX}.0/24; run `dscluster sim down` on old labs")
+    raise UsageError(f"no free lab subnet in {SUBNET_BASE}.1-{MAX_LAB_INDEX}.0/24; "
+                     "run `dscluster sim down` on old labs")
 
 
 @dataclass
