@@ -11,7 +11,7 @@ export TRITON_CACHE_DIR := $(CURDIR)/.cache/triton
 export MPLCONFIGDIR := $(CURDIR)/.cache/matplotlib
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: venv test unit cluster demo clean
+.PHONY: venv lint test unit cluster demo clean
 
 venv: $(STAMP)
 
@@ -22,7 +22,12 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
-test: venv
+# ruff: pyflakes, import order, bugbear, line length; mypy over the packages listed in pyproject.toml
+lint: venv
+	$(VENV)/bin/ruff check src tests analysis setup examples bench
+	$(VENV)/bin/mypy
+
+test: lint
 	$(PY) -m pytest -q
 
 unit: venv

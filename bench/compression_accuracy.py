@@ -79,7 +79,8 @@ def main() -> int:
     ap.add_argument("--seeds", default="0", help="training seeds, e.g. 0,1,2 (default 0)")
     ap.add_argument("--epochs", type=int, default=None, help="default: the preset's")
     ap.add_argument("--max-drop", type=float, default=1.0, help="points below none that fail (default 1)")
-    ap.add_argument("--out", default=None, help="result file (default bench/results/<date>-cpu-digits-compression.json)")
+    ap.add_argument("--out", default=None,
+                    help="result file (default bench/results/<date>-cpu-digits-compression.json)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per option")
     args = ap.parse_args()
     options = [o.strip() for o in args.options.split(",") if o.strip()]

@@ -71,8 +71,8 @@ def main() -> int:
     r = FractalRenderer(0, a.classes, a.img)
     n_hold = round(a.per_class * 0.2) * a.classes
     n_train = a.per_class * a.classes - n_hold
-    doc = {"gpu": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu", "args": vars(a) | {"out": str(a.out)}, "n_train": n_train,
-           "n_holdout": n_hold, "class_setup_s": round(time.time() - t_setup, 2), "epochs": []}
+    doc = {"gpu": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu", "args": vars(a) | {"out": str(a.out)},
+           "n_train": n_train, "n_holdout": n_hold, "class_setup_s": round(time.time() - t_setup, 2), "epochs": []}
     t = time.time()
     seen = 0
     for x, _ in loader(r, a.classes, 0, 64 * 200, 64, a.workers, 0):

@@ -94,7 +94,8 @@ class Journey:
         step.status, step.note = status, note
         step.seconds = time.monotonic() - step._t  # type: ignore[attr-defined]
         colour = {"ok": "green", "failed": "red", "skipped": "yellow"}[status]
-        console.out.print(f"[{colour}]{status}[/{colour}] {step.name} in {step.seconds:.1f} s" + (f": {note}" if note else ""))
+        console.out.print(f"[{colour}]{status}[/{colour}] {step.name} in {step.seconds:.1f} s"
+                          + (f": {note}" if note else ""))
 
     def skip(self, name: str, why: str) -> None:
         self.done(self.start(name), "skipped", why)

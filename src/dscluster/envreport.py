@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
-import json
 import os
 import platform
 import shutil

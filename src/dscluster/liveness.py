@@ -81,7 +81,7 @@ def vanished_hosts(me: str, hosts: list[str], timeout: float = 3.0) -> list[str]
     if not peers:
         return []
     with ThreadPoolExecutor(max_workers=min(16, len(peers))) as pool:
-        up = dict(zip(peers, pool.map(lambda h: answers(h, timeout=timeout), peers)))
+        up = dict(zip(peers, pool.map(lambda h: answers(h, timeout=timeout), peers), strict=True))
     gone = [h for h in peers if up[h] is False]
     if len(peers) >= 2 and len(gone) == len(peers):
         return [me]

@@ -160,7 +160,7 @@ def plan_network(
         return NetworkPlan(None, [], {}, {}, missing={n: sorted(v) for n, v in nets.items()})
     subnet = ordered[0]
     iface = {node: nets[node][subnet] for node in nets}
-    address = {}
+    address: dict[str, str] = {}
     for node, ifs in node_ifaces.items():
         for i in ifs:
             for a in i.addresses:

@@ -195,7 +195,8 @@ def classify(exc: BaseException, target: Target, timeout: float | None = None) -
         within = f" within {timeout:g} s" if timeout else ""
         return RemoteError(
             "timeout", host,
-            f"{name}: no answer from {host}:{port}{within} (machine off, cable out, or a firewall dropping port {port})",
+            f"{name}: no answer from {host}:{port}{within} "
+            f"(machine off, cable out, or a firewall dropping port {port})",
         )
     if isinstance(exc, OSError) and exc.errno in _UNREACHABLE_ERRNOS:
         return RemoteError(

@@ -119,7 +119,8 @@ def parse_env_text(text: str, path: str = "<env>") -> dict[str, str]:
         try:
             parts = shlex.split(m.group("value"), posix=True)
         except ValueError as e:
-            raise UsageError(f"{path}:{lineno}: cannot parse value of {m.group('key')} ({e}); quote it with '...'") from None
+            raise UsageError(f"{path}:{lineno}: cannot parse value of {m.group('key')} ({e}); "
+                             "quote it with '...'") from None
         if len(parts) > 1:
             raise UsageError(f"{path}:{lineno}: value of {m.group('key')} has unquoted spaces; quote it with '...'")
         out[m.group("key")] = parts[0] if parts else ""

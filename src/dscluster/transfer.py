@@ -82,7 +82,8 @@ def sftp_put(client: paramiko.SSHClient, local_root: str, remote_root: str, rels
                     pass
                 sftp.symlink(os.readlink(src), dest)
             else:
-                tmp = posixpath.join(posixpath.dirname(dest), f".{posixpath.basename(dest)}.{secrets.token_hex(4)}.part")
+                part = f".{posixpath.basename(dest)}.{secrets.token_hex(4)}.part"
+                tmp = posixpath.join(posixpath.dirname(dest), part)
                 sftp.put(src, tmp, confirm=True)
                 sftp.chmod(tmp, stat.S_IMODE(st.st_mode))
                 sftp.utime(tmp, (st.st_atime, st.st_mtime))

@@ -8,7 +8,6 @@ import os
 import subprocess
 
 import pytest
-
 from _local_mpirun import ROOT, require_mpirun, train_command
 
 pytestmark = pytest.mark.slow

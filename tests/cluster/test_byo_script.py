@@ -17,10 +17,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from test_launch_lab import Cluster, explain
 
 from dscluster.analysis.monitor import read_csv_series
 from dscluster.fsutil import read_jsonl
-from test_launch_lab import Cluster, explain
 
 pytestmark = pytest.mark.cluster
 

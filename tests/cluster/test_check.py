@@ -49,7 +49,8 @@ def test_clean_lab_per_node_interface_env_files_and_active_tests(lab):
     for n in lab.nodes:
         env_file = doc["files"]["node_env"][n.name]
         assert env_file.endswith(f"/{n.hostname}.env")
-        res = lab.run(n.name, ["bash", "-c", f"source {env_file} && echo $NCCL_SOCKET_IFNAME $GLOO_SOCKET_IFNAME $MASTER_ADDR"],
+        res = lab.run(n.name, ["bash", "-c",
+                               f"source {env_file} && echo $NCCL_SOCKET_IFNAME $GLOO_SOCKET_IFNAME $MASTER_ADDR"],
                       check=True)
         assert res.stdout.split() == [n.iface, n.iface, lab.nodes[0].ip]
     # Active tests: mpirun over the hostfile and a gloo all-reduce across all three nodes.
@@ -78,12 +79,14 @@ def test_two_nodes_sharing_a_hostname_are_flagged_before_any_launch(lab):
 def test_a_node_with_a_different_deepspeed_is_flagged(lab):
     # The probe reads versions from package metadata, the same lookup pip and importlib do.
     # A dist-info of another version earlier on that node's sys.path (PYTHONPATH set in the
-    # top of the node's ~/.bashrc, above the non-interactive return, which ssh-started shells -- and so mpirun's ranks -- read) is what a
-    # second, different DeepSpeed install on that machine looks like to everything that asks
-    # "which DeepSpeed is this", without needing a second real install in the test.
+    # top of the node's ~/.bashrc, above the non-interactive return, which ssh-started shells -- and
+    # so mpirun's ranks -- read) is what a second, different DeepSpeed install on that machine looks
+    # like to everything that asks "which DeepSpeed is this", without needing a second real install
+    # in the test.
     setup = (
         "mkdir -p ~/shadow/deepspeed-0.14.0.dist-info && "
-        "printf 'Metadata-Version: 2.1\\nName: deepspeed\\nVersion: 0.14.0\\n' > ~/shadow/deepspeed-0.14.0.dist-info/METADATA && "
+        "printf 'Metadata-Version: 2.1\\nName: deepspeed\\nVersion: 0.14.0\\n' "
+        "> ~/shadow/deepspeed-0.14.0.dist-info/METADATA && "
         "cp ~/.bashrc ~/.bashrc.before-check-test && sed -i '1i export PYTHONPATH=$HOME/shadow' ~/.bashrc"
     )
     lab.run("node2", setup, check=True)

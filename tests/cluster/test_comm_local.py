@@ -14,11 +14,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from _local_mpirun import DSCLUSTER, ROOT, require_mpirun
+from test_train_local import mpirun as train_mpirun
 
 from dscluster.fsutil import read_jsonl
 from dscluster.plan import phases
-from _local_mpirun import DSCLUSTER, ROOT, require_mpirun
-from test_train_local import mpirun as train_mpirun
 
 pytestmark = pytest.mark.slow
 

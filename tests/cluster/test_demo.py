@@ -30,7 +30,7 @@ def test_demo_runs_the_whole_journey_and_removes_its_lab(lab_factory, tmp_path):
     assert out.returncode == 0, text[-6000:]
     order = ["== sim up", "== dscluster setup", "== dscluster check", "entry_cn.sh", "== sim down"]
     positions = [text.find(marker) for marker in order]
-    assert all(p >= 0 for p in positions), list(zip(order, positions))
+    assert all(p >= 0 for p in positions), list(zip(order, positions, strict=True))
     assert positions == sorted(positions)
     assert not re.search(r"^failed ", text, re.M)
 

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from _wait import scaled
-
 from dscluster.sim.netfaults import SECOND_NIC, NetFaults, repair_argv
 
 pytestmark = pytest.mark.cluster

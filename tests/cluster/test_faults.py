@@ -26,11 +26,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+from _local_mpirun import DSCLUSTER, MPIRUN, ROOT, require_mpirun, train_command
 
+from _wait import Deadline, scaled
 from dscluster.fsutil import read_jsonl
 from dscluster.sim.ns import netns_pids, pid_is_zombie
-from _local_mpirun import DSCLUSTER, MPIRUN, ROOT, require_mpirun, train_command
-from _wait import Deadline, scaled
 
 pytestmark = pytest.mark.slow
 

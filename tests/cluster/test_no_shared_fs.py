@@ -158,7 +158,7 @@ def test_the_readme_mpirun_brings_every_nodes_part_home_and_plot_sees_every_rank
     diag = lab.run("node1", f"{DSCLUSTER} diagnose runs/{name} --json", timeout=120)
     found = json.loads(diag.stdout)["findings"]
     assert [(f["kind"], f["host"]) for f in found if f["severity"] == "error"] == [("files_not_here", "node3")], found
-    assert f"node3's files are not here (no shared filesystem): run `dscluster collect" in diag.stdout
+    assert "node3's files are not here (no shared filesystem): run `dscluster collect" in diag.stdout
     got = lab.run("node1", f"{DSCLUSTER} collect runs/{name} --hostfile {lab.hostfile} --json", timeout=300)
     assert got.returncode == 0, explain(got)
     per_node = {n["node"]: n for n in json.loads(got.stdout)["nodes"]}
@@ -172,7 +172,8 @@ def _rank_pid(lab, node: str, rank: int, run_id: str) -> int | None:
     from dscluster.sim.ns import netns_pids
     for pid in netns_pids(lab.node(node).netns):
         try:
-            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in kv)
+            environ = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+            env = dict(kv.split("=", 1) for kv in environ if "=" in kv)
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
         except OSError:
             continue
@@ -209,7 +210,8 @@ def test_a_killed_rank_then_the_same_command_resumes_from_the_same_step_on_every
     assert proc.returncode != 0, out[-3000:]
     latest = {node: lab.path_on(node, REPO / "runs" / run_id / "checkpoints" / "latest").read_text().strip()
               for node in ("node1", "node2", "node3")}
-    assert len(set(latest.values())) == 1 and not latest["node1"].endswith("step00000040"), latest  # every node, mid-run
+    # every node, mid-run
+    assert len(set(latest.values())) == 1 and not latest["node1"].endswith("step00000040"), latest
 
     again = lab.run("node1", cmd, timeout=900)
     assert again.returncode == 0, explain(again)

@@ -8,7 +8,6 @@ import json
 import shlex
 
 import pytest
-
 from test_launch_lab import DSCLUSTER, REPO, explain, set_up
 
 pytestmark = pytest.mark.cluster

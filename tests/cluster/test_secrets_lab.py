@@ -14,7 +14,6 @@ import shlex
 from pathlib import Path
 
 import pytest
-
 from test_launch_lab import Cluster, explain
 
 pytestmark = pytest.mark.cluster
@@ -54,8 +53,8 @@ def test_no_planted_secret_reaches_any_file_of_the_journey(cluster):
                        f"{REPO}/entry_cn.sh --config configs/digits.yaml epochs=1 data.limit=256", timeout=600)
     assert train.returncode == 0, explain(train)
     [run] = sorted(cluster.runs.iterdir())
-    for cmd in (f"{VENV_BIN}/python {REPO}/analysis/plot.py {run} --json", f"{VENV_BIN}/dscluster diagnose {run} --json",
-                f"{VENV_BIN}/dscluster env --json --no-ops"):
+    for cmd in (f"{VENV_BIN}/python {REPO}/analysis/plot.py {run} --json",
+                f"{VENV_BIN}/dscluster diagnose {run} --json", f"{VENV_BIN}/dscluster env --json --no-ops"):
         res = cluster.sh(f"{exports} {cmd}", timeout=300)
         assert res.returncode in (0, 1), explain(res)
         outputs.append((cmd, res.stdout + res.stderr))

@@ -146,9 +146,10 @@ def test_unreachable_node_reported_within_timeout_others_configured(lab):
 
 def test_rotated_host_key_refused_with_both_fingerprints(lab):
     before = _authorized(lab, "node3")
-    old = lab.run("node3", "ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub", user="root", check=True).stdout.split()[1]
+    fingerprint = "ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub"
+    old = lab.run("node3", fingerprint, user="root", check=True).stdout.split()[1]
     lab.rotate_host_key("node3")
-    new = lab.run("node3", "ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub", user="root", check=True).stdout.split()[1]
+    new = lab.run("node3", fingerprint, user="root", check=True).stdout.split()[1]
     for extra in ([], ["--trust-new-hosts"]):
         res = setup(lab, *extra)
         assert res.returncode == 1

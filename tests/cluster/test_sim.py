@@ -22,9 +22,9 @@ import paramiko
 import pytest
 
 from _wait import scaled, wait_until
-from dscluster.sim import lab as sim
 from dscluster.errors import UsageError
 from dscluster.hosts import parse_hostfile
+from dscluster.sim import lab as sim
 
 pytestmark = pytest.mark.cluster
 LAB = "simtest"
@@ -277,7 +277,8 @@ def test_down_leaves_no_namespace_link_mount_or_process(lab_factory):
     # Leftovers of an interrupted run would be counted as this lab's: start clean.
     subprocess.run([*cli, "down", "--lab", name], capture_output=True, text=True, timeout=120)
     start = time.monotonic()
-    up = subprocess.run([*cli, "up", "--nodes", "5", "--lab", name, "--json"], capture_output=True, text=True, timeout=120)
+    up = subprocess.run([*cli, "up", "--nodes", "5", "--lab", name, "--json"], capture_output=True, text=True,
+                        timeout=120)
     up_s = time.monotonic() - start
     assert up.returncode == 0, up.stderr
     assert [n["hostname"] for n in json.loads(up.stdout)["nodes"]] == [f"node{i}" for i in range(1, 6)]

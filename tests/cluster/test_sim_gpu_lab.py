@@ -19,11 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from dscluster.sim import lab as sim
-from dscluster.hosts import parse_hostfile
-from dscluster.sim.ns import tbf_available
-
 from conftest import lab_skip_reason
+from dscluster.hosts import parse_hostfile
+from dscluster.sim import lab as sim
+from dscluster.sim.ns import tbf_available
 
 CLI = [sys.executable, "-m", "dscluster", "sim"]
 STAND_IN_SMI = """#!/bin/sh

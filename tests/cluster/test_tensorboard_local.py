@@ -7,8 +7,8 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-
 from _local_mpirun import ROOT, require_mpirun, train_command
+
 from dscluster.analysis import analyse
 
 pytestmark = pytest.mark.slow

@@ -10,11 +10,11 @@ import signal
 import subprocess
 
 import pytest
+from test_byo_script import set_up_and_checked
+from test_launch_lab import DSCLUSTER, REPO, Cluster, explain
 
 from _wait import wait_until
 from dscluster.fsutil import read_jsonl
-from test_byo_script import set_up_and_checked
-from test_launch_lab import DSCLUSTER, REPO, Cluster, explain
 
 pytestmark = pytest.mark.cluster
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from dscluster.fsutil import read_jsonl
-from _wait import scaled
 from _local_mpirun import ROOT, require_mpirun, train_command
+
+from _wait import scaled
+from dscluster.fsutil import read_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +87,8 @@ def test_two_ranks_reach_90_percent_on_digits(reference):
     assert len(evals) == PRESET_EPOCHS and evals[-1]["accuracy"] == summary["accuracy"]
     assert json.loads((run / "ds_config.json").read_text())["train_batch_size"] == 64
     assert f"epochs: {PRESET_EPOCHS}" in (run / "config.yaml").read_text()
-    assert (run / "checkpoints" / "latest").read_text().strip() == f"epoch{PRESET_EPOCHS - 1:04d}-step{PRESET_EPOCHS * STEPS_PER_EPOCH:08d}"
+    last = f"epoch{PRESET_EPOCHS - 1:04d}-step{PRESET_EPOCHS * STEPS_PER_EPOCH:08d}"
+    assert (run / "checkpoints" / "latest").read_text().strip() == last
 
 
 def test_powersgd_reaches_the_uncompressed_accuracy_at_equal_epochs(reference, tmp_path):
@@ -118,7 +119,7 @@ def test_killed_after_epoch_1_resumes_without_repeating_or_losing_steps(referenc
 
     rc, out, _ = mpirun(tmp_path, "resume", "checkpoint.resume=true")
     assert rc == 0, out[-3000:]
-    assert f"resumed from" in out
+    assert "resumed from" in out
     for rank in (0, 1):
         starts = records(run, rank, "start")
         assert [s["resumed_from_step"] for s in starts] == [0, STEPS_PER_EPOCH]

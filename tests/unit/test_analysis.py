@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from _analysis_runs import make_run
+
 from dscluster.analysis import analyse
 from dscluster.analysis.load import load_run
 from dscluster.analysis.plots import plot_scaling
@@ -192,7 +192,7 @@ def test_every_rank_has_its_own_colour_and_ranks_of_one_node_share_a_family(tmp_
     assert len(set(colour.values())) == 4  # no two ranks share a colour
 
     def dominant_channel(c):
-        return max(zip(to_rgb(c), "rgb"))[1]
+        return max(zip(to_rgb(c), "rgb", strict=True))[1]
 
     # a node's ranks are shades of one family, the other node's of another
     assert dominant_channel(colour[0]) == dominant_channel(colour[2])

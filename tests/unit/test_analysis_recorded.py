@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from dscluster.analysis import analyse
-from dscluster.train.timing import WARMUP_STEPS
 from dscluster.analysis.diagnose import diagnose
 from dscluster.analysis.load import load_run
 from dscluster.analysis.report import summary_table_rows
+from dscluster.train.timing import WARMUP_STEPS
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data" / "runs"

@@ -5,76 +5,76 @@ checks the exit code is 2, that the message names the place (FILE:LINE, the over
 host, the flag or the directory) and the fix, and that the directory tree is byte-for-byte
 what it was before (nothing half-written, no run directory, no state).
 
-| id                        | command                                 | malformed input                                  |
-|---------------------------|-----------------------------------------|--------------------------------------------------|
-| hosts-duplicate           | dscluster hosts check                   | same host on two lines                           |
-| hosts-slots-not-number    | dscluster hosts check                   | slots=x                                          |
-| hosts-bad-name            | dscluster hosts check                   | host name 'bad_host!'                            |
-| hosts-no-hosts            | dscluster hosts check                   | only comments                                    |
-| hosts-unknown-key         | dscluster hosts check                   | gpus=2                                           |
-| hosts-zero-slots          | dscluster hosts check                   | slots=0                                          |
-| hosts-key-first           | dscluster hosts check                   | 'slots=2 node1'                                  |
-| hosts-missing-file        | dscluster hosts check                   | hostfile does not exist                          |
-| launch-hostfile           | dscluster launch --dry-run --hostfile   | duplicate host                                   |
-| check-hostfile            | dscluster check --hostfile              | invalid host name                                |
-| setup-hostfile            | dscluster setup --hostfile              | duplicate host                                   |
-| yaml-unknown-key          | dscluster train --config                | model.embed_dimm                                 |
-| yaml-wrong-type           | dscluster train --config                | epochs: two                                      |
-| yaml-syntax               | dscluster train --config                | unclosed '['                                     |
-| yaml-negative-epochs      | dscluster train --config                | epochs: -3                                       |
-| yaml-bad-choice           | dscluster train --config                | precision: fp8                                   |
-| yaml-key-twice            | dscluster train --config                | epochs given twice                               |
-| yaml-not-mapping          | dscluster train --config                | a YAML list                                      |
-| yaml-missing-file         | dscluster train --config                | config does not exist                            |
-| yaml-batch-not-divisible  | dscluster train --config (world 2)      | global_batch 96 vs micro 32 × 2 ranks            |
-| override-no-equals        | dscluster train ... epochs              | no '='                                           |
-| override-unknown-key      | dscluster train ... epoch=3             | unknown key                                      |
-| override-bad-int          | dscluster train ... epochs=abc          | not a whole number                               |
-| override-bad-float        | dscluster train ... optim.lr=fast       | not a number                                     |
-| override-section          | dscluster train ... optim=3             | a section, not a value                           |
-| override-negative-epochs  | dscluster train ... epochs=-1           | below 1                                          |
-| override-negative-lr      | dscluster train ... optim.lr=-1         | not above 0 (the optimizer used to reject it)    |
-| yaml-scale-power          | dscluster train --config                | fp16.initial_scale_power: 40 (fp16 max ≈ 2^16)   |
-| world-data-path-missing   | dscluster train ... data.path=nope      | cifar10 folder does not exist                    |
-| world-cifar-incomplete    | dscluster train --config                | data.path: a folder without the batch files      |
-| world-unknown-model       | dscluster train ... model.name=vit_bse… | not a timm model                                 |
-| world-resume-nothing      | dscluster train checkpoint.resume=true  | no checkpoint to resume                          |
-| cluster-env-bad-line      | dscluster launch --dry-run              | <state>/cluster.env line without export KEY=...  |
-| cluster-env-open-quote    | dscluster launch --dry-run              | unterminated quote                               |
-| cluster-env-spaces        | dscluster launch --dry-run              | unquoted spaces in a value                       |
-| cluster-env-port          | dscluster launch --dry-run              | MASTER_PORT='abc'                                |
-| deepspeed-env-bad-line    | dscluster launch --launcher deepspeed   | .deepspeed_env line without '='                  |
-| launch-env-flag           | dscluster launch --env FOO              | no '='                                           |
-| launch-np                 | dscluster launch --np 7                 | more ranks than slots                            |
-| launch-other-hostfile     | dscluster launch --hostfile             | not the hostfile check ran on                    |
-| plan-check-busbw-string   | dscluster plan                          | check.json: busbw_GBps "1.2"                     |
-| plan-check-world-string   | dscluster plan                          | check.json: world_size "4"                       |
-| plan-cluster-env-bad-line | dscluster plan                          | <state>/cluster.env line without export KEY=...  |
-| plan-plans-json-damaged   | dscluster plan                          | <state>/plans.json: ranks "2"                    |
-| plan-compute-s-twice      | dscluster plan --compute-s              | node1=0.1,node1=0.2                              |
-| train-fp16-on-cpu         | dscluster train precision=fp16          | a rank without a GPU                             |
-| train-calibrate-on-cpu    | dscluster train --calibrate-loss-scale  | a rank without a GPU                             |
-| plot-out-is-a-file        | dscluster plot --out FILE               | --out names an existing file                     |
-| plot-missing              | dscluster plot                          | RUN_DIR does not exist                           |
-| plot-empty                | dscluster plot                          | empty directory                                  |
-| plot-foreign              | dscluster plot                          | a directory that is not a run                    |
-| plot-file                 | dscluster plot                          | a file, not a directory                          |
-| plot-py-missing           | python analysis/plot.py                 | RUN_DIR does not exist                           |
-| plot-py-foreign           | python analysis/plot.py                 | a directory that is not a run                    |
-| diagnose-missing          | dscluster diagnose                      | RUN_DIR does not exist                           |
-| diagnose-empty            | dscluster diagnose                      | empty directory                                  |
-| diagnose-foreign          | dscluster diagnose                      | a directory that is not a run                    |
-| sim-zero-nodes            | dscluster sim up --nodes 0              | no nodes                                         |
-| sim-zero-slots            | dscluster sim up --slots 0              | no slots                                         |
-| sim-mtu-no-value          | dscluster sim up --mtu node2            | NODE=MTU without the MTU                         |
-| sim-fault-unknown-node    | dscluster sim up --nodes 2 --firewall node3 | a fault on a node the lab does not have      |
-| setup-no-password         | dscluster setup (stdin not a terminal)  | no DSCLUSTER_SSH_PASSWORD, no key, no prompt     |
-| telemetry-period-zero     | dscluster telemetry --period 0          | zero period                                      |
-| telemetry-run-dir-file    | dscluster telemetry --run-dir FILE      | a file, not a directory                          |
-| setup-timeout-zero        | dscluster setup --timeout 0             | zero timeout                                     |
-| check-timeout-zero        | dscluster check --timeout 0             | zero timeout                                     |
-| node-env-*  (reader)      | dscluster.state.read_env_file           | <state>/env/<host>.env: 3 malformed lines        |
-| deepspeed-env-* (reader)  | dscluster.state.read_deepspeed_env      | .deepspeed_env: 2 malformed lines                |
+| id                        | command                                 | malformed input                                |
+|---------------------------|-----------------------------------------|------------------------------------------------|
+| hosts-duplicate           | dscluster hosts check                   | same host on two lines                         |
+| hosts-slots-not-number    | dscluster hosts check                   | slots=x                                        |
+| hosts-bad-name            | dscluster hosts check                   | host name 'bad_host!'                          |
+| hosts-no-hosts            | dscluster hosts check                   | only comments                                  |
+| hosts-unknown-key         | dscluster hosts check                   | gpus=2                                         |
+| hosts-zero-slots          | dscluster hosts check                   | slots=0                                        |
+| hosts-key-first           | dscluster hosts check                   | 'slots=2 node1'                                |
+| hosts-missing-file        | dscluster hosts check                   | hostfile does not exist                        |
+| launch-hostfile           | dscluster launch --dry-run --hostfile   | duplicate host                                 |
+| check-hostfile            | dscluster check --hostfile              | invalid host name                              |
+| setup-hostfile            | dscluster setup --hostfile              | duplicate host                                 |
+| yaml-unknown-key          | dscluster train --config                | model.embed_dimm                               |
+| yaml-wrong-type           | dscluster train --config                | epochs: two                                    |
+| yaml-syntax               | dscluster train --config                | unclosed '['                                   |
+| yaml-negative-epochs      | dscluster train --config                | epochs: -3                                     |
+| yaml-bad-choice           | dscluster train --config                | precision: fp8                                 |
+| yaml-key-twice            | dscluster train --config                | epochs given twice                             |
+| yaml-not-mapping          | dscluster train --config                | a YAML list                                    |
+| yaml-missing-file         | dscluster train --config                | config does not exist                          |
+| yaml-batch-not-divisible  | dscluster train --config (world 2)      | global_batch 96 vs micro 32 × 2 ranks          |
+| override-no-equals        | dscluster train ... epochs              | no '='                                         |
+| override-unknown-key      | dscluster train ... epoch=3             | unknown key                                    |
+| override-bad-int          | dscluster train ... epochs=abc          | not a whole number                             |
+| override-bad-float        | dscluster train ... optim.lr=fast       | not a number                                   |
+| override-section          | dscluster train ... optim=3             | a section, not a value                         |
+| override-negative-epochs  | dscluster train ... epochs=-1           | below 1                                        |
+| override-negative-lr      | dscluster train ... optim.lr=-1         | not above 0 (the optimizer used to reject it)  |
+| yaml-scale-power          | dscluster train --config                | fp16.initial_scale_power: 40 (fp16 max ≈ 2^16) |
+| world-data-path-missing   | dscluster train ... data.path=nope      | cifar10 folder does not exist                  |
+| world-cifar-incomplete    | dscluster train --config                | data.path: a folder without the batch files    |
+| world-unknown-model       | dscluster train ... model.name=vit_bse… | not a timm model                               |
+| world-resume-nothing      | dscluster train checkpoint.resume=true  | no checkpoint to resume                        |
+| cluster-env-bad-line      | dscluster launch --dry-run              | <state>/cluster.env line without export KEY=…  |
+| cluster-env-open-quote    | dscluster launch --dry-run              | unterminated quote                             |
+| cluster-env-spaces        | dscluster launch --dry-run              | unquoted spaces in a value                     |
+| cluster-env-port          | dscluster launch --dry-run              | MASTER_PORT='abc'                              |
+| deepspeed-env-bad-line    | dscluster launch --launcher deepspeed   | .deepspeed_env line without '='                |
+| launch-env-flag           | dscluster launch --env FOO              | no '='                                         |
+| launch-np                 | dscluster launch --np 7                 | more ranks than slots                          |
+| launch-other-hostfile     | dscluster launch --hostfile             | not the hostfile check ran on                  |
+| plan-check-busbw-string   | dscluster plan                          | check.json: busbw_GBps "1.2"                   |
+| plan-check-world-string   | dscluster plan                          | check.json: world_size "4"                     |
+| plan-cluster-env-bad-line | dscluster plan                          | <state>/cluster.env line without export KEY=…  |
+| plan-plans-json-damaged   | dscluster plan                          | <state>/plans.json: ranks "2"                  |
+| plan-compute-s-twice      | dscluster plan --compute-s              | node1=0.1,node1=0.2                            |
+| train-fp16-on-cpu         | dscluster train precision=fp16          | a rank without a GPU                           |
+| train-calibrate-on-cpu    | dscluster train --calibrate-loss-scale  | a rank without a GPU                           |
+| plot-out-is-a-file        | dscluster plot --out FILE               | --out names an existing file                   |
+| plot-missing              | dscluster plot                          | RUN_DIR does not exist                         |
+| plot-empty                | dscluster plot                          | empty directory                                |
+| plot-foreign              | dscluster plot                          | a directory that is not a run                  |
+| plot-file                 | dscluster plot                          | a file, not a directory                        |
+| plot-py-missing           | python analysis/plot.py                 | RUN_DIR does not exist                         |
+| plot-py-foreign           | python analysis/plot.py                 | a directory that is not a run                  |
+| diagnose-missing          | dscluster diagnose                      | RUN_DIR does not exist                         |
+| diagnose-empty            | dscluster diagnose                      | empty directory                                |
+| diagnose-foreign          | dscluster diagnose                      | a directory that is not a run                  |
+| sim-zero-nodes            | dscluster sim up --nodes 0              | no nodes                                       |
+| sim-zero-slots            | dscluster sim up --slots 0              | no slots                                       |
+| sim-mtu-no-value          | dscluster sim up --mtu node2            | NODE=MTU without the MTU                       |
+| sim-fault-unknown-node    | dscluster sim up --nodes 2 --firewall node3 | a fault on a node the lab does not have    |
+| setup-no-password         | dscluster setup (stdin not a terminal)  | no DSCLUSTER_SSH_PASSWORD, no key, no prompt   |
+| telemetry-period-zero     | dscluster telemetry --period 0          | zero period                                    |
+| telemetry-run-dir-file    | dscluster telemetry --run-dir FILE      | a file, not a directory                        |
+| setup-timeout-zero        | dscluster setup --timeout 0             | zero timeout                                   |
+| check-timeout-zero        | dscluster check --timeout 0             | zero timeout                                   |
+| node-env-*  (reader)      | dscluster.state.read_env_file           | <state>/env/<host>.env: 3 malformed lines      |
+| deepspeed-env-* (reader)  | dscluster.state.read_deepspeed_env      | .deepspeed_env: 2 malformed lines              |
 """
 
 from __future__ import annotations

@@ -5,13 +5,7 @@ import itertools
 import pytest
 
 from dscluster.errors import UsageError
-from dscluster.train.balanced import (
-    BalancedBatchSampler,
-    SharePlan,
-    calibrate,
-    loss_weight,
-    plan_shares,
-)
+from dscluster.train.balanced import BalancedBatchSampler, SharePlan, calibrate, loss_weight, plan_shares
 
 
 def test_shares_follow_speed_and_sum_exactly():
@@ -26,7 +20,7 @@ def test_shares_follow_speed_and_sum_exactly():
 def test_shares_equalise_step_time():
     speeds = [310.0, 97.0, 145.5, 1200.0]
     shares = plan_shares(speeds, 500)
-    times = [b / s for b, s in zip(shares, speeds)]
+    times = [b / s for b, s in zip(shares, speeds, strict=True)]
     assert sum(shares) == 500
     # Rounding moves each share by less than one sample.
     assert max(times) - min(times) <= max(1 / s for s in speeds) + 1e-12
@@ -68,7 +62,7 @@ def test_invariants(speeds, batch, caps):
     assert sum(shares) == batch
     assert all(b >= 1 for b in shares)
     if caps:
-        assert all(b <= c for b, c in zip(shares, caps))
+        assert all(b <= c for b, c in zip(shares, caps, strict=True))
 
 
 @pytest.mark.parametrize("speeds,batch,caps,needle", [

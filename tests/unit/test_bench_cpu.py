@@ -38,7 +38,8 @@ def test_bench_vit_cpu_runs_both_paths_and_writes_a_result(tmp_path):
     # --repeat 2: both paths ran twice, alternating, each its own run directory / result
     assert len(row["dscluster"]["repeats"]) == 2 and len(row["baseline"]["repeats"]) == 2
     assert len(row["ratios"]) == 2 and all(r > 0 for r in row["ratios"])
-    assert (tmp_path / "work" / "ds-g1-r2" / "metrics").is_dir() and (tmp_path / "work" / "baseline-g1-r2.json").is_file()
+    work = tmp_path / "work"
+    assert (work / "ds-g1-r2" / "metrics").is_dir() and (work / "baseline-g1-r2.json").is_file()
     assert "dscluster" in out.stdout and "baseline" in out.stdout  # the table
 
 

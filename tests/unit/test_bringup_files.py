@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from dscluster.bringup import files as bf
 from dscluster.bringup import node as setup_node
 from dscluster.bringup import setup as bringup
-from dscluster.bringup import files as bf
 
-K1 = bf.PublicKey("ssh-ed25519", "AAAAC3NzaC1lZDI1NTE5AAAAICAjRvKu7c4Nxn72KvJQOSTrU8RMon23VafsjsNbU0LS", "dscluster lab@node1")
-K2 = bf.PublicKey("ssh-ed25519", "AAAAC3NzaC1lZDI1NTE5AAAAIAvteXs5Q6Lg7Z7whDVVXFZhIFJYeqnT7e51hF7AsbV2", "dscluster lab@node2")
+K1 = bf.PublicKey("ssh-ed25519", "AAAAC3NzaC1lZDI1NTE5AAAAICAjRvKu7c4Nxn72KvJQOSTrU8RMon23VafsjsNbU0LS",
+                  "dscluster lab@node1")
+K2 = bf.PublicKey("ssh-ed25519", "AAAAC3NzaC1lZDI1NTE5AAAAIAvteXs5Q6Lg7Z7whDVVXFZhIFJYeqnT7e51hF7AsbV2",
+                  "dscluster lab@node2")
 
 
 def test_authorized_keys_keeps_user_lines_and_adds_each_key_once():
@@ -148,9 +150,11 @@ def _node(name, py, mpi):
 
 
 def test_toolchain_problems_name_node_and_fix():
-    same = [_node("node1", "Python 3.11.7", "mpirun (Open MPI) 5.0.11"), _node("node2", "Python 3.11.7", "mpirun (Open MPI) 5.0.11")]
+    same = [_node("node1", "Python 3.11.7", "mpirun (Open MPI) 5.0.11"),
+            _node("node2", "Python 3.11.7", "mpirun (Open MPI) 5.0.11")]
     assert bringup.toolchain_problems(same, "/v/bin") == []
-    mixed = [same[0], _node("node3", "Python 3.9.2", "mpirun (Open MPI) 4.1.4"), _node("node4", "", "mpirun (Open MPI) 5.0.11")]
+    mixed = [same[0], _node("node3", "Python 3.9.2", "mpirun (Open MPI) 4.1.4"),
+             _node("node4", "", "mpirun (Open MPI) 5.0.11")]
     probs = bringup.toolchain_problems(mixed, "/v/bin")
     assert any(p.startswith("node4: `ssh node4 python` finds no python") for p in probs)
     assert any("python differs" in p and "Python 3.9.2 on node3" in p for p in probs)

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from dscluster.plan import calibrate as plan_calibrate, inputs as plan_inputs, probe as plan_probe
 from dscluster.cli import main
 from dscluster.errors import UsageError
+from dscluster.plan import calibrate as plan_calibrate
+from dscluster.plan import inputs as plan_inputs
+from dscluster.plan import probe as plan_probe
 
 REPO = Path(__file__).resolve().parents[2]
 LAB = "node1 slots=1\nnode2 slots=1\nnode3 slots=2\n"  # the GPU lab: 4 ranks on 3 nodes
@@ -93,7 +95,8 @@ def test_table_says_slower_and_what_to_paste(lab, capsys):
     assert run_plan(lab, "--compute-s", "0.0427", "--busbw", "0.119") == 0
     out = capsys.readouterr().out
     assert "adding nodes makes training SLOWER" in out
-    assert "micro_batch=128 grad_accum=2 global_batch=1024 optim.lr_reference_batch=512 comm.compression=powersgd" in out
+    assert ("micro_batch=128 grad_accum=2 global_batch=1024 optim.lr_reference_batch=512 "
+            "comm.compression=powersgd") in out
     # where training cannot compress (ZeRO 2), the best is accumulation alone, and the table says why
     assert run_plan(lab, "--compute-s", "0.0427", "--busbw", "0.119", "zero_stage=2") == 0
     out = capsys.readouterr().out

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
+from test_bad_input import ISOLATE, snapshot
 
 from dscluster.bench.runner import free_port
 from dscluster.errors import UsageError
@@ -22,8 +23,6 @@ from dscluster.train.comm import CommHook
 from dscluster.train.config import ConfigValueError, load_config
 from dscluster.train.config_checks import compression_conflict
 from dscluster.train.split import StepSplit
-from test_bad_input import ISOLATE, snapshot
-
 
 # --- the step split ------------------------------------------------------------------------------
 
@@ -79,7 +78,7 @@ def test_split_marks_on_a_gpu_are_events_read_after_the_window_without_a_host_sy
     x = torch.randn(256, 512, device=dev)
     split = StepSplit(dev, "measured")
     torch.cuda.synchronize()
-    for window in range(2):  # the second window reuses the first one's events
+    for _window in range(2):  # the second window reuses the first one's events
         marks = []
         torch.cuda.set_sync_debug_mode("error")  # any synchronising call inside the steps fails here
         try:

@@ -18,10 +18,10 @@ import types
 import typing
 
 import pytest
+from test_bad_input import ISOLATE, snapshot
 
 from dscluster.errors import UsageError
 from dscluster.train.config import ConfigValueError, TrainConfig, load_config
-from test_bad_input import ISOLATE, snapshot
 
 BOUNDS = ("ge", "gt", "le", "lt")
 
@@ -166,10 +166,9 @@ def rejections(tmp_path, key: str, values: list) -> list[str]:
     for value in values:
         override = f"{key}={yaml_text(value)}"
         path, line = write_yaml(tmp_path, key, value)
-        for where, call in ((f"override {override!r}", lambda: load_config(None, [override])),
-                            (f"{path}:{line}:", lambda: load_config(path))):
+        for where, args in ((f"override {override!r}", (None, [override])), (f"{path}:{line}:", (path,))):
             try:
-                call()
+                load_config(*args)
                 problems.append(f"{where} {value!r} was accepted")
             except UsageError as e:
                 msg = str(e)

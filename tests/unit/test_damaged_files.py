@@ -31,7 +31,7 @@ def test_plot_and_diagnose_say_summary_is_unreadable_not_missing(run_dir, text, 
 
     assert main(["plot", str(run_dir), "--out", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
-    assert f"summary.json is unreadable (" in out and why in out, out
+    assert "summary.json is unreadable (" in out and why in out, out
     assert "did NOT complete" not in out and "no summary.json" not in out
 
     assert main(["diagnose", str(run_dir), "--json"]) == 1

@@ -61,7 +61,7 @@ def run_steps(steps, images, epochs_from: list[tuple[int, int]], augment: bool):
 
 def same(a, b) -> bool:
     return len(a) == len(b) and all(ia == ib and torch.equal(xa, xb) and torch.equal(ya, yb)
-                                    for (ia, xa, ya), (ib, xb, yb) in zip(a, b))
+                                    for (ia, xa, ya), (ib, xb, yb) in zip(a, b, strict=True))
 
 
 @pytest.mark.parametrize("kind,shares,accum", [("uniform", [4, 4], 2), ("balanced", [3, 5], 1)])
@@ -98,7 +98,7 @@ def test_loader_batches_are_the_in_process_ones_and_augmentation_moves_pixels(fo
     shifted = run_steps(with_loader(sampler, aug_splits, aug_cfg, CPU, 1, []), aug_splits.train, [(0, 0)],
                         augment=True)
     assert [i for i, _, _ in shifted] == [i for i, _, _ in fed]
-    assert not all(torch.equal(a[1], b[1]) for a, b in zip(fed, shifted)), "augment=true changed no pixel"
+    assert not all(torch.equal(a[1], b[1]) for a, b in zip(fed, shifted, strict=True)), "augment=true changed no pixel"
 
 
 def test_resume_mid_epoch_continues_with_the_same_batches(folder):

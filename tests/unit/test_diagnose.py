@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from _analysis_runs import make_run, write_flight_recorder
+
 from dscluster.analysis.diagnose import diagnose, read_trace
 from dscluster.analysis.load import load_run
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from _wait import scaled, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -28,7 +28,8 @@ CHECK_DOC = {
 def cpu_only_report(**over):
     parts = dict(
         versions={"dscluster": "0.1.0", "python": "3.11.9", "torch": "2.4.0", "deepspeed": None},
-        python={"version": "3.11.9", "implementation": "CPython", "executable": "/usr/bin/python3", "platform": "Linux"},
+        python={"version": "3.11.9", "implementation": "CPython", "executable": "/usr/bin/python3",
+                "platform": "Linux"},
         torch={"version": "2.4.0+cpu", "cuda_build": None, "cuda_available": False, "nccl": None, "error": None},
         gpus=[],
         deepspeed={"version": None, "accelerator": None, "ops": None, "error": "cannot import deepspeed (No module)"},

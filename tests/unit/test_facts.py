@@ -2,8 +2,14 @@
 
 from pathlib import Path
 
-from dscluster.check.facts import (clock_offset, compute_capability_from_name, node_facts, parse_nvidia_smi_gpus,
-                             parse_topology, split_sections)
+from dscluster.check.facts import (
+    clock_offset,
+    compute_capability_from_name,
+    node_facts,
+    parse_nvidia_smi_gpus,
+    parse_topology,
+    split_sections,
+)
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "facts"
 
@@ -80,7 +86,8 @@ def test_nvlink_topology_with_nic_columns():
 
 def test_probe_cut_off_keeps_what_came_and_failing_sections_are_problems():
     text = ("@@dscluster-section hostname\nnodeA\n@@dscluster-rc hostname 0\n"
-            "@@dscluster-section nvidia_smi\nNVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n"
+            "@@dscluster-section nvidia_smi\n"
+            "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n"
             "@@dscluster-rc nvidia_smi 9\n@@dscluster-section python\n")
     assert set(split_sections(text)) == {"hostname", "nvidia_smi", "python"}
     f = node_facts("a", text)

@@ -7,6 +7,7 @@ import json
 
 from _analysis_runs import make_run
 from test_step_split_plot import with_split
+
 from dscluster.analysis import analyse, load_run
 from dscluster.analysis.diagnose import diagnose
 from dscluster.analysis.gpusplit import gpu_views

@@ -36,7 +36,8 @@ def imports_of(name: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
             for alias in node.names:
                 if f"{base}.{alias.name}" in MODULES:
                     out.add(f"{base}.{alias.name}")

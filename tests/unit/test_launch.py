@@ -5,8 +5,8 @@ import subprocess
 
 import pytest
 
-from dscluster.launch import builders as launch
 from dscluster.errors import UsageError
+from dscluster.launch import builders as launch
 
 EXPORTS = {"DSCLUSTER_RUN_ID": "launch-1", "DSCLUSTER_STATE": "/srv/lab/.dscluster"}
 

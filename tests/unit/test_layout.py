@@ -9,12 +9,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_import_deepspeed_from_repo_root_gives_the_real_library():
     out = subprocess.run(
-        [sys.executable, "-c", "import deepspeed, os; print(deepspeed.__version__); print(os.path.dirname(deepspeed.__file__))"],
+        [sys.executable, "-c",
+         "import deepspeed, os; print(deepspeed.__version__); print(os.path.dirname(deepspeed.__file__))"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 0, out.stderr
     version, location = out.stdout.strip().splitlines()[-2:]
     assert "site-packages" in location, location
     assert not (ROOT / "deepspeed" / "__init__.py").exists()
-    expected = [l.split("==")[1] for l in (ROOT / "requirements.txt").read_text().splitlines() if l.startswith("deepspeed==")][0]
+    pins = (ROOT / "requirements.txt").read_text().splitlines()
+    expected = [line.split("==")[1] for line in pins if line.startswith("deepspeed==")][0]
     assert version == expected

@@ -32,5 +32,6 @@ def test_the_node_side_writer_writes_both_files_atomically_in_the_home(tmp_path)
                              capture_output=True, text=True, timeout=60)
         assert parse_writer(res.stdout) == {rel: {"ok": True, "theirs": None} for rel in PARAM_FILES}, res.stderr
     assert (tmp_path / ".openmpi" / "mca-params.conf").read_text() == f"{MARK}\nbtl_tcp_if_include = 10.77.1.0/24\n"
-    assert (tmp_path / ".prte" / "mca-params.conf").read_text() == SETUP_BLOCK + f"{MARK}\noob_tcp_if_include = 10.77.1.0/24\n"
+    prte = (tmp_path / ".prte" / "mca-params.conf").read_text()
+    assert prte == SETUP_BLOCK + f"{MARK}\noob_tcp_if_include = 10.77.1.0/24\n"
     assert sorted(p.name for p in (tmp_path / ".openmpi").iterdir()) == ["mca-params.conf"]

@@ -7,7 +7,13 @@ import pytest
 
 from dscluster.errors import UsageError
 from dscluster.sim.netfaults import (
-    NetFaults, node_fault_argv, nft_ruleset, parse_faults, repair_argv, second_nic_address, stolen_route,
+    NetFaults,
+    nft_ruleset,
+    node_fault_argv,
+    parse_faults,
+    repair_argv,
+    second_nic_address,
+    stolen_route,
 )
 from dscluster.sim.plan import LabState, plan_lab
 
@@ -18,8 +24,8 @@ def _plan(faults: NetFaults, nodes: int = 3) -> LabState:
 
 
 def test_flags_parse_into_per_node_faults_and_a_rate_for_every_node():
-    link, faults = parse_faults(mtu=["node2=9000"], link=["1gbit", "node3=100Mbit"], firewall=["node2", "node3=29500,8080"],
-                                second_nic=["node1"])
+    link, faults = parse_faults(mtu=["node2=9000"], link=["1gbit", "node3=100Mbit"],
+                                firewall=["node2", "node3=29500,8080"], second_nic=["node1"])
     assert link == "1gbit"
     assert faults == NetFaults(mtu={"node2": 9000}, link={"node3": "100mbit"},
                                firewall={"node2": [29500], "node3": [29500, 8080]}, second_nic=["node1"])
@@ -55,8 +61,9 @@ def test_fault_commands_give_each_node_exactly_its_faults():
     assert ["ip", "-n", n2.netns, "addr", "add", "10.77.4.102/24", "dev", "eno1"] in cmds
     assert ["ip", "-n", n2.netns, "route", "add", "10.77.4.0/25", "dev", "eno1"] in cmds
     shaped = node_fault_argv(state, n3)
-    assert [c[:8] for c in shaped] == [["tc", "-n", n3.netns, "qdisc", "replace", "dev", "ens4f0", "root"],
-                                      ["tc", "-n", state.switch_netns, "qdisc", "replace", "dev", n3.switch_port, "root"]]
+    assert [c[:8] for c in shaped] == [
+        ["tc", "-n", n3.netns, "qdisc", "replace", "dev", "ens4f0", "root"],
+        ["tc", "-n", state.switch_netns, "qdisc", "replace", "dev", n3.switch_port, "root"]]
     assert all("100000000bit" in c for c in shaped)
 
 
@@ -81,8 +88,9 @@ def test_repair_undoes_each_fault_the_way_an_admin_would():
     n1, n2, n3 = state.nodes
     assert repair_argv(state, n1) == [["ip", "-n", n1.netns, "route", "del", "10.77.4.0/25", "dev", "eno1"],
                                       ["ip", "-n", n1.netns, "addr", "del", "10.77.4.101/24", "dev", "eno1"]]
-    assert repair_argv(state, n2) == [["ip", "-n", n2.netns, "link", "set", "enp3s0", "mtu", "1500"],
-                                      ["ip", "netns", "exec", n2.netns, "nft", "delete", "table", "inet", "dscluster_fw"]]
+    assert repair_argv(state, n2) == [
+        ["ip", "-n", n2.netns, "link", "set", "enp3s0", "mtu", "1500"],
+        ["ip", "netns", "exec", n2.netns, "nft", "delete", "table", "inet", "dscluster_fw"]]
     assert [c[:4] for c in repair_argv(state, n3)] == [["tc", "-n", n3.netns, "qdisc"],
                                                       ["tc", "-n", state.switch_netns, "qdisc"]]
 

@@ -21,9 +21,12 @@ def test_common_subnet_with_different_names_and_docker0_everywhere():
 
 
 def test_up_docker0_with_a_shared_address_is_still_excluded():
-    ifs = [Interface("docker0", up=True, addresses=parse_ip_addr("3: docker0    inet 172.17.0.1/16 scope global docker0")),
-           Interface("br-1a2b", up=True, addresses=parse_ip_addr("5: br-1a2b    inet 172.18.0.1/16 scope global br-1a2b")),
-           Interface("veth9", up=True), Interface("lo", up=True, addresses=parse_ip_addr("1: lo    inet 127.0.0.1/8 scope host lo"))]
+    ifs = [Interface("docker0", up=True,
+                     addresses=parse_ip_addr("3: docker0    inet 172.17.0.1/16 scope global docker0")),
+           Interface("br-1a2b", up=True,
+                     addresses=parse_ip_addr("5: br-1a2b    inet 172.18.0.1/16 scope global br-1a2b")),
+           Interface("veth9", up=True),
+           Interface("lo", up=True, addresses=parse_ip_addr("1: lo    inet 127.0.0.1/8 scope host lo"))]
     assert candidate_networks(ifs) == {}
     assert plan_network({"a": ifs, "b": ifs}).subnet is None
 

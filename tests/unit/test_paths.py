@@ -8,15 +8,14 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 
 import dscluster
-from dscluster import paths
 from _install import build_wheel, installed_venv, new_venv, site_packages
+from dscluster import paths
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = ("from dscluster import paths; print(paths.checkout_root()); print(paths.entry_script()); "

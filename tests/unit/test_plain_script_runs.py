@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from _analysis_runs import make_plain_run
+
 from dscluster.analysis import analyse, load_run
 from dscluster.analysis.diagnose import diagnose
 from dscluster.analysis.monitor import by_kind, series_kind

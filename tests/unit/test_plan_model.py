@@ -13,9 +13,9 @@ from dataclasses import replace
 
 import pytest
 
+from dscluster.errors import UsageError
 from dscluster.plan import model
 from dscluster.plan.model import Node, Scenario, predict, recommend
-from dscluster.errors import UsageError
 
 VIT_B_PARAMS = 85_806_346
 H200_COMPUTE_S = 128 / 3000  # one GPU alone ~3,000 img/s at micro-batch 128

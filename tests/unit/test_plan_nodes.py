@@ -2,6 +2,9 @@
 output read back, the fault it honours, and what mixed speeds do to the prediction."""
 
 import shlex
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -42,6 +45,16 @@ def test_node_command_pins_the_planned_shape_and_passes_the_fault_on():
                                  "/lab/configs/vit base.yaml", "--measure-node", "2:2", "epochs=2", "micro_batch=128",
                                  "precision=fp16"]
     assert not nodes.node_command("python", "c.yaml", [], 8, "fp32", (0, 1), None).startswith("DSCLUSTER_FAULT")
+
+
+def test_the_node_side_of_the_probe_prints_the_figure_the_head_reads():
+    # what a node runs for the head's plan: the node command's own argv, on this machine
+    config = Path(__file__).resolve().parents[2] / "configs" / "digits.yaml"
+    argv = shlex.split(nodes.node_command(sys.executable, str(config), [], 4, "fp32", (0, 1), None))
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    fig = nodes.parse_node_output(out.stdout, "here")
+    assert fig["seconds"] > 0 and "micro_batch=4 precision=fp32" in fig["probe"]
 
 
 def test_a_nodes_output_is_read_from_its_last_json_line():

@@ -28,8 +28,8 @@ import pytest
 from dscluster import hostkeys, state
 from dscluster.check import checkfile
 from dscluster.check.checkfile import CheckFile, NodeResult
-from dscluster.train import checkpoint
 from dscluster.plan import predicted
+from dscluster.train import checkpoint
 
 ITERATIONS = 200
 
@@ -157,8 +157,8 @@ def test_checkpoint_latest(tmp_path):
     tags = ["epoch0000-step00000010", "epoch0001-step00000020"]
     for tag in tags:
         (tmp_path / tag).mkdir()
-    stats = hammer(path, lambda v: checkpoint.commit_latest(tmp_path, tags[v]), lambda: checkpoint.find_latest(tmp_path),
-                   {tags[0]: 0, tags[1]: 1})
+    stats = hammer(path, lambda v: checkpoint.commit_latest(tmp_path, tags[v]),
+                   lambda: checkpoint.find_latest(tmp_path), {tags[0]: 0, tags[1]: 1})
     assert sum(stats["seen"].values()) == ITERATIONS  # `latest` is tiny: kills rarely land inside its write
 
 

@@ -6,9 +6,16 @@ from pathlib import Path
 import pytest
 
 from dscluster.check.facts import node_facts
+from dscluster.check.rules import (
+    cell_status,
+    decide_batching,
+    decide_precision,
+    deepspeed_env,
+    evaluate,
+    has_errors,
+    node_envs,
+)
 from dscluster.hosts import parse_hostfile_text
-from dscluster.check.rules import (cell_status, decide_batching, decide_precision, deepspeed_env, evaluate, has_errors,
-                                 node_envs)
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "facts"
 HOSTS = parse_hostfile_text("node1 slots=2\nnode2 slots=2\nnode3 slots=1\n", "hosts.txt")

@@ -5,10 +5,10 @@ from pathlib import Path
 
 from dscluster.bench.allreduce import bus_bandwidth, parse_sizes
 from dscluster.check.facts import node_facts
-from dscluster.hosts import parse_hostfile_text
+from dscluster.check.probe import parse_reach
 from dscluster.check.rules import Finding, evaluate
 from dscluster.check.run import CheckRun, active_mpirun_argv
-from dscluster.check.probe import parse_reach
+from dscluster.hosts import parse_hostfile_text
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "facts" / "lab-3070-1080"
 
@@ -30,7 +30,8 @@ def test_mpirun_argv_pins_the_subnet_by_cidr():
 
 
 def test_reach_output_parsing():
-    r = parse_reach("MESH node2 0 \nMESH node3 255 Host key verification failed.\nPORT fail ConnectionRefusedError [Errno 111]\n")
+    r = parse_reach("MESH node2 0 \nMESH node3 255 Host key verification failed.\n"
+                    "PORT fail ConnectionRefusedError [Errno 111]\n")
     assert r.mesh == {"node2": (True, ""), "node3": (False, "Host key verification failed.")}
     assert r.port_ok is False and "Refused" in r.port_error
 

@@ -58,7 +58,8 @@ def test_run_directory_records_hide_every_kind(tmp_path, monkeypatch):
         assert value.strip() not in written
     env = json.loads((tmp_path / "env" / "rank-0.json").read_text())
     assert env["NCCL_IB_SECRET"] == env["DSCLUSTER_SSH_PASSWD"] == redact.HIDDEN
-    assert effective_env({"NCCL_IB_SECRET": "x", "NCCL_DEBUG": "INFO"}) == {"NCCL_IB_SECRET": "***", "NCCL_DEBUG": "INFO"}
+    shown = effective_env({"NCCL_IB_SECRET": "x", "NCCL_DEBUG": "INFO"})
+    assert shown == {"NCCL_IB_SECRET": "***", "NCCL_DEBUG": "INFO"}
 
 
 def test_diagnose_hides_secrets_of_a_record_written_before_the_rule(tmp_path, capsys):
@@ -66,7 +67,8 @@ def test_diagnose_hides_secrets_of_a_record_written_before_the_rule(tmp_path, ca
     (run / "env").mkdir(parents=True)
     (run / "metrics").mkdir()
     for rank in (0, 1):
-        (run / "env" / f"rank-{rank}.json").write_text(json.dumps({"host": f"n{rank}", "HF_TOKEN": f"plant-hf-{rank}0"}))
+        planted = {"host": f"n{rank}", "HF_TOKEN": f"plant-hf-{rank}0"}
+        (run / "env" / f"rank-{rank}.json").write_text(json.dumps(planted))
     main(["diagnose", str(run), "--json"])
     out = capsys.readouterr().out
     assert "plant-hf" not in out

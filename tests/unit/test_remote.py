@@ -80,7 +80,8 @@ def test_known_hosts_line_and_port_naming():
 def test_pin_keeps_other_hosts_and_replaces_own_entry(tmp_path):
     kh = tmp_path / "state" / "known_hosts"
     kh.parent.mkdir()
-    kh.write_text("# my notes\nnode9 ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIAvteXs5Q6Lg7Z7whDVVXFZhIFJYeqnT7e51hF7AsbV2\n")
+    kh.write_text("# my notes\n"
+                  "node9 ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIAvteXs5Q6Lg7Z7whDVVXFZhIFJYeqnT7e51hF7AsbV2\n")
     hostkeys.pin_host_key(kh, ["node2", "10.77.1.12"], _other_key())
     hostkeys.pin_host_key(kh, ["node2", "10.77.1.12"], _key())
     lines = kh.read_text().splitlines()

@@ -17,9 +17,8 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from dscluster.bench.runner import free_port
-
 from dscluster import hostkeys, remote
+from dscluster.bench.runner import free_port
 from dscluster.remote import RemoteError, Target
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"

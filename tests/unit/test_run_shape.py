@@ -30,9 +30,8 @@ def test_plan_refuses_the_global_batch_train_refuses(state, capsys):
     with exit 2 before anything runs (cli/train.py), and plan must not predict a run that never starts."""
     from dscluster.cli.train import check_batch_arithmetic
     from dscluster.errors import UsageError
-    from dscluster.train.config import load_config
-
     from dscluster.train.balanced import resolve_batching
+    from dscluster.train.config import load_config
 
     overrides = ["micro_batch=32", "global_batch=100"]
     cfg = load_config(REPO / "configs/digits.yaml", overrides)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from dscluster.sim.ns import anchor_script, kill_and_wait, pid_in_netns, pid_is_zombie
 
-IGNORES_TERM = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
+IGNORES_TERM = ("import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "print('ready', flush=True); time.sleep(60)")
 
 
 def test_kill_and_wait_stops_a_process_that_ignores_sigterm():

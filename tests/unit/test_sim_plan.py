@@ -9,13 +9,33 @@ import pytest
 from dscluster.errors import UsageError
 from dscluster.hosts import parse_hostfile_text
 from dscluster.sim.options import (
-    assign_gpus, check_gpu_supply, count_listed_gpus, link_rate_bps, parse_env, parse_gpus, parse_link,
-    resolve_size, tbf_argv,
+    assign_gpus,
+    check_gpu_supply,
+    count_listed_gpus,
+    link_rate_bps,
+    parse_env,
+    parse_gpus,
+    parse_link,
+    resolve_size,
+    tbf_argv,
 )
 from dscluster.sim.plan import (
-    LabState, bridge_name, iface_name, node_path, node_session_env, pick_lab_index, plan_lab, render_group,
-    render_hostfile, render_hosts, render_passwd, render_shadow, render_sshd_config, uplink_names,
-    validate_lab_name, veth_name,
+    LabState,
+    bridge_name,
+    iface_name,
+    node_path,
+    node_session_env,
+    pick_lab_index,
+    plan_lab,
+    render_group,
+    render_hostfile,
+    render_hosts,
+    render_passwd,
+    render_shadow,
+    render_sshd_config,
+    uplink_names,
+    validate_lab_name,
+    veth_name,
 )
 from dscluster.sim.reach import DirInfo, ancestors, plan_reach
 
@@ -62,7 +82,8 @@ def test_bad_lab_names_are_refused(bad):
         validate_lab_name(bad)
 
 
-@pytest.mark.parametrize("nodes,slots,msg", [(0, 1, "1 to 32 nodes"), (33, 1, "1 to 32 nodes"), (2, 0, "at least one slot")])
+@pytest.mark.parametrize("nodes,slots,msg",
+                         [(0, 1, "1 to 32 nodes"), (33, 1, "1 to 32 nodes"), (2, 0, "at least one slot")])
 def test_bad_sizes_are_refused(nodes, slots, msg):
     with pytest.raises(UsageError, match=msg):
         _plan(nodes=nodes, slots=slots)
@@ -111,7 +132,7 @@ def test_account_files_keep_the_hosts_lines_and_replace_an_existing_lab_user():
 def test_sshd_config_allows_password_login_without_pam_and_has_a_pid_file_per_node():
     lab = _plan(nodes=2)
     configs = [render_sshd_config(n) for n in lab.nodes]
-    for cfg, node in zip(configs, lab.nodes):
+    for cfg, node in zip(configs, lab.nodes, strict=True):
         lines = set(cfg.splitlines())
         assert {"PasswordAuthentication yes", "UsePAM no", "Port 22", "PermitRootLogin no"} <= lines
         assert f"PidFile {node.nodedir}/sshd.pid" in lines

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from _analysis_runs import make_run
+
 from dscluster.analysis.diagnose import diagnose
 from dscluster.analysis.load import load_run
 from dscluster.analysis.plots import HOST_FAMILIES, plot_step_split, shade

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from _analysis_runs import make_run
 from test_step_split_plot import with_split
+
 from dscluster.analysis import analyse, load_run
 from dscluster.analysis.monitor import read_monitor
 from dscluster.analysis.tbexport import export, scalars, wanted

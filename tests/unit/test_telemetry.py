@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -99,7 +100,7 @@ def test_duration_run_writes_meta_samples_and_end_per_contract(tmp_path):
         assert 0 < s["ram_used_mb"] < s["ram_total_mb"]
     assert [r["kind"] for r in recs][-1] == "end"
     assert recs[-1]["reason"] == "duration reached" and recs[-1]["samples"] == len(samples)
-    assert all(b["t"] >= a["t"] for a, b in zip(samples, samples[1:]))
+    assert all(b["t"] >= a["t"] for a, b in itertools.pairwise(samples))
 
 
 def test_sigterm_stops_cleanly_with_a_final_line_and_exit_0(tmp_path):

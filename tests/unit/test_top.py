@@ -10,7 +10,6 @@ from pathlib import Path
 from rich.console import Console
 
 from _wait import scaled
-
 from dscluster.cli import main
 from dscluster.cli.top import render
 from dscluster.telemetry.live import tail_records

@@ -203,7 +203,8 @@ def test_deepspeed_section_refuses_what_dscluster_derives(tmp_path, text, key, i
 
 
 def test_deepspeed_section_refuses_typos_and_non_mappings(tmp_path):
-    with pytest.raises(UsageError, match=r"c\.yaml:2: deepspeed\.tensorbaord is not a DeepSpeed config key .*tensorboard"):
+    with pytest.raises(UsageError,
+                       match=r"c\.yaml:2: deepspeed\.tensorbaord is not a DeepSpeed config key .*tensorboard"):
         load_config(write(tmp_path, "epochs: 3\ndeepspeed:\n  tensorbaord: {enabled: true}\n"))
     with pytest.raises(UsageError, match=r"override 'deepspeed.wandbb.enabled=true': deepspeed\.wandbb is not"):
         load_config(None, ["deepspeed.wandbb.enabled=true"])

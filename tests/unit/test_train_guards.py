@@ -63,7 +63,7 @@ def test_calibration_recommends_the_scale_that_stopped_overflowing():
     # the field case: from 2^16 the first steps overflow (hysteresis 2), then training is stable
     flags = [True] * 7 + [False] * 30
     scales = replay_dynamic_scaler(flags, init_power=16, window=1000, hysteresis=2)
-    power = recommend_initial_scale_power(list(zip(scales, flags)))
+    power = recommend_initial_scale_power(list(zip(scales, flags, strict=True)))
     assert power == int(math.log2(scales[7])) == 10
     # a later overflow at a lower scale lowers the recommendation
     assert recommend_initial_scale_power([(1024.0, True), (512.0, False), (512.0, True), (256.0, False)]) == 8

@@ -11,8 +11,8 @@ import torch
 from dscluster.train.config import load_config
 from dscluster.train.dist import ensure_single_process_group
 from dscluster.train.ds_config import build_ds_config
-from dscluster.train.shape import plan_batch
 from dscluster.train.optstep import StepBoundary, decode, dscluster_clips
+from dscluster.train.shape import plan_batch
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_clipped_step_equals_torch_clip_and_the_norm_comes_back(one_rank_group, 
     assert ref_norm > 0.05 * 4  # the clip really bites in the clipped case
     assert norm == pytest.approx(ref_norm, rel=1e-6)
     assert scale is None and overflow is False  # no loss scaling in fp32
-    for p, q in zip(engine.module.parameters(), reference.parameters()):
+    for p, q in zip(engine.module.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
@@ -74,7 +74,7 @@ def test_a_fused_optimizer_clips_inside_its_kernel_with_the_same_update(one_rank
     boundary = StepBoundary(engine, cfg, "fp32")
     assert boundary.fused_clip
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01, foreach=False)
-    for step in range(3):
+    for _step in range(3):
         x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
         ref_opt.zero_grad()
         torch.nn.functional.cross_entropy(reference(x), y).backward()
@@ -86,7 +86,7 @@ def test_a_fused_optimizer_clips_inside_its_kernel_with_the_same_update(one_rank
         norm, _, _ = decode(boundary.after_step().tolist())
         assert ref_norm > 0.05 * 4 and norm == pytest.approx(ref_norm, rel=1e-5)
         assert not hasattr(opt, "grad_scale")  # never left over for a step it was not computed for
-        for p, q in zip(engine.module.parameters(), reference.parameters()):
+        for p, q in zip(engine.module.parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
@@ -135,12 +135,12 @@ def test_fp16_amp_skips_an_overflowing_step_halves_the_scale_and_checkpoints_it(
     before = [p.detach().clone() for p in engine.module.parameters()]
     norm, scale, overflow = step(1.0)
     assert (scale, overflow) == (256.0, False) and 0 < norm < float("inf")
-    assert any(not torch.equal(p, q) for p, q in zip(engine.module.parameters(), before))
+    assert any(not torch.equal(p, q) for p, q in zip(engine.module.parameters(), before, strict=True))
 
     before = [p.detach().clone() for p in engine.module.parameters()]
     norm, scale, overflow = step(float("inf"))  # every gradient inf: the step must be skipped
     assert (scale, overflow) == (256.0, True)
-    assert all(torch.equal(p, q) for p, q in zip(engine.module.parameters(), before))
+    assert all(torch.equal(p, q) for p, q in zip(engine.module.parameters(), before, strict=True))
     assert boundary.scaler.get_scale() == 128.0
 
     saved = boundary.state_dict()

@@ -3,8 +3,8 @@
 import pytest
 
 from dscluster.errors import JobFailed, UsageError
-from dscluster.train.autofit import choose_micro_batch, largest_fit, with_margin
 from dscluster.train import dist
+from dscluster.train.autofit import choose_micro_batch, largest_fit, with_margin
 from dscluster.train.dist import default_master_port, detect_ranks, export_env
 from dscluster.train.precision import decide
 from dscluster.train.sampler import StepSampler
@@ -62,16 +62,19 @@ def test_export_env_warns_on_override_and_sets_master():
     assert multi["MASTER_PORT"] == "30000"
 
 
-def test_largest_fit_finds_the_boundary_with_few_probes():
-    for limit in (1, 2, 3, 37, 64, 100, 1000):
-        probes = []
+@pytest.mark.parametrize("limit", [1, 2, 3, 37, 64, 100, 1000])
+def test_largest_fit_finds_the_boundary_with_few_probes(limit):
+    probes = []
 
-        def fits(b):
-            probes.append(b)
-            return b <= limit
+    def fits(b):
+        probes.append(b)
+        return b <= limit
 
-        assert largest_fit(fits, maximum=1024) == limit
-        assert len(probes) <= 2 * 11
+    assert largest_fit(fits, maximum=1024) == limit
+    assert len(probes) <= 2 * 11
+
+
+def test_largest_fit_at_the_ends():
     assert largest_fit(lambda b: False) == 0
     assert largest_fit(lambda b: True, maximum=300) == 300
 

@@ -190,7 +190,8 @@ class _SafeUnpickler(pickle.Unpickler):
 
 def read_trace(path: Path) -> dict[str, Any] | None:
     data = path.read_bytes()
-    for parse in (lambda b: json.loads(b.decode("utf-8")), lambda b: _SafeUnpickler(__import__("io").BytesIO(b)).load()):
+    for parse in (lambda b: json.loads(b.decode("utf-8")),
+                  lambda b: _SafeUnpickler(__import__("io").BytesIO(b)).load()):
         try:
             obj = parse(data)
         except Exception:
@@ -338,7 +339,8 @@ def diagnose(run: RunData, unshared_hosts: list[str] = ()) -> dict[str, Any]:
     tfind, traces = trace_findings(run)
     findings += tfind
     if not run.ranks:
-        findings.append(Finding("error", "no_metrics", f"{run.path}: no metrics/rank-*.jsonl: training never wrote a step"))
+        findings.append(Finding("error", "no_metrics",
+                                f"{run.path}: no metrics/rank-*.jsonl: training never wrote a step"))
     if run.summary_problem:
         findings.append(Finding("error", "summary_unreadable",
                                 f"{run.path / 'summary.json'}: {run.summary_problem}: the run's outcome is unknown; "

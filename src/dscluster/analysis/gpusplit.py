@@ -66,7 +66,7 @@ def _shares(splits: list[RankSplit]) -> dict[str, float | None]:
         if not values or any(v is None for v in values):
             out[part] = None
         else:
-            out[part] = statistics.fmean(v / s.step_s for v, s in zip(values, splits) if s.step_s > 0)
+            out[part] = statistics.fmean(v / s.step_s for v, s in zip(values, splits, strict=True) if s.step_s > 0)
     return out
 
 

@@ -22,7 +22,14 @@ from dscluster.errors import UsageError
 from dscluster.filemodel import NUMBER, validate
 from dscluster.fsutil import read_jsonl
 from dscluster.runinfo import (
-    CHECKPOINT_DIR, CONFIG_FILE, DS_CONFIG_FILE, ENV_DIR, METRICS_DIR, PROCESS_DIR, SUMMARY_FILE, TELEMETRY_DIR,
+    CHECKPOINT_DIR,
+    CONFIG_FILE,
+    DS_CONFIG_FILE,
+    ENV_DIR,
+    METRICS_DIR,
+    PROCESS_DIR,
+    SUMMARY_FILE,
+    TELEMETRY_DIR,
 )
 
 _RANK_FILE = re.compile(r"^rank-(\d+)\.(jsonl|json)$")

@@ -1,8 +1,8 @@
 """The run's pictures, drawn with matplotlib's object API (Agg, no pyplot global state).
 
-Every plot function returns a `Plot` holding the path it wrote and the series it drew
-(label → x/y lists), so tests can check a picture shows what it must without reading
-pixels, and a panel that has nothing to show says why in words instead of staying blank.
+Every plot function returns a `Plot` holding the path it wrote and the series it drew (label → x/y lists),
+so tests can check a picture shows what it must without reading pixels, and a panel that has nothing to
+show says why in words instead of staying blank.
 """
 
 from __future__ import annotations
@@ -20,15 +20,20 @@ from dscluster.analysis.gpusplit import busy_but_waiting_words, gpu_views  # noq
 from dscluster.analysis.load import RunData  # noqa: E402
 from dscluster.analysis.monitor import by_kind  # noqa: E402
 from dscluster.analysis.stats import (  # noqa: E402
-    COMM_BOUND_SHARE, SPLIT_PARTS, comm_share, find_stragglers, rank_stats, step_split, summary_row,
+    COMM_BOUND_SHARE,
+    SPLIT_PARTS,
+    comm_share,
+    find_stragglers,
+    rank_stats,
+    step_split,
+    summary_row,
     time_to_accuracy,
 )
-from dscluster.train.timing import WARMUP_STEPS  # noqa: E402
 from dscluster.telemetry.backends import SLOWDOWN_REASONS  # noqa: E402
+from dscluster.train.timing import WARMUP_STEPS  # noqa: E402
 
 DPI = 80
-PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-           "#bcbd22", "#17becf", "#d62728"]
+PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#d62728"]
 STRAGGLER_COLOUR = "#d62728"
 HOST_FAMILIES = ["Blues", "Oranges", "Greens", "Purples", "Greys", "YlOrBr", "PuRd", "BuGn", "RdPu", "GnBu"]
 """One colour family per node; its ranks (or GPUs) take distinct shades of it. No reds: red marks stragglers."""
@@ -81,8 +86,7 @@ def _new(ncols: int = 1, width: float = 10.0, height: float = 3.8) -> tuple[Figu
 
 def _empty(ax, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=11, wrap=True)
-    ax.set_xticks([])
-    ax.set_yticks([])
+    ax.set(xticks=[], yticks=[])
 
 
 def _save(fig: Figure, plot: Plot, incomplete: bool) -> Plot:
@@ -182,7 +186,7 @@ def plot_throughput(run: RunData, out: Path) -> Plot:
     if box_data:
         bp = ax_b.boxplot(box_data, patch_artist=True, showfliers=True)
         ax_b.set_xticks(range(1, len(box_labels) + 1), box_labels, fontsize=8)
-        for patch, c in zip(bp["boxes"], box_colours):
+        for patch, c in zip(bp["boxes"], box_colours, strict=True):
             patch.set_facecolor(c)
             patch.set_alpha(0.6)
     ax_b.set_ylabel("step time (s)")
@@ -331,7 +335,8 @@ def plot_gpu_health(run: RunData, out: Path) -> Plot:
 
 
 SPLIT_STYLE = {"compute_s": ("compute", 0.0, ""), "comm_s": ("waiting for the network", 0.35, "///"),
-               "data_s": ("waiting for data", 0.6, "..."), "other_s": ("between steps (eval, checkpoints, logs)", 0.8, "xx")}
+               "data_s": ("waiting for data", 0.6, "..."),
+               "other_s": ("between steps (eval, checkpoints, logs)", 0.8, "xx")}
 """Each part of a step: legend label, how much lighter than the rank's own shade, hatch."""
 SMOOTH = 10
 """Steps in the running mean of the network share over the run (single CPU steps are noisy)."""
@@ -363,8 +368,8 @@ def plot_step_split(run: RunData, out: Path) -> Plot:
         faces = [_lighter(_rank_style(run, s.rank, colours)[0], light) for s in splits]
         ax_b.bar(xs, heights, bottom=bottoms, color=faces, hatch=hatch, edgecolor="#444444", linewidth=0.6)
         ax_b.bar([0], [0], color="#dddddd", hatch=hatch, edgecolor="#444444", label=label)  # legend swatch only
-        bottoms = [b + h for b, h in zip(bottoms, heights)]
-    for s, x, top in zip(splits, xs, bottoms):
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    for s, x, top in zip(splits, xs, bottoms, strict=True):
         share = s.comm_share
         text = "network\nnot measured" if share is None else f"{share:.0%}\nnetwork"
         ax_b.annotate(text, (x, top), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8,
@@ -386,7 +391,8 @@ def plot_step_split(run: RunData, out: Path) -> Plot:
         sy = [sum(raw[max(0, i - SMOOTH + 1):i + 1]) / len(raw[max(0, i - SMOOTH + 1):i + 1]) for i in range(len(raw))]
         ax_t.plot(sx, sy, color=colour, ls=ls, lw=1.3, label=label)
         plot.series[f"comm_share {label}"] = {"x": sx, "y": sy}
-    ax_t.axhline(100 * COMM_BOUND_SHARE, color="#7f7f7f", ls="--", lw=1, label=f"{COMM_BOUND_SHARE:.0%}: cannot scale 80%")
+    ax_t.axhline(100 * COMM_BOUND_SHARE, color="#7f7f7f", ls="--", lw=1,
+                 label=f"{COMM_BOUND_SHARE:.0%}: cannot scale 80%")
     ax_t.set_xlabel("optimizer step")
     ax_t.set_ylabel(f"waiting for the network (% of step, mean of {SMOOTH})")
     ax_t.set_ylim(0, 100)
@@ -423,8 +429,8 @@ def plot_scaling(runs: list[RunData], out: Path) -> Plot:
     ideal = [r0 * n / n0 for n in ideal_x]
     ax.plot(ideal_x, ideal, "--", color="#7f7f7f", label=f"ideal (linear from {n0} rank{'s' if n0 > 1 else ''})")
     ax.plot(xs, ys, "o-", color=PALETTE[0], label="measured")
-    eff = [100.0 * y / (r0 * x / n0) for x, y in zip(xs, ys)]
-    for x, y, e in zip(xs, ys, eff):
+    eff = [100.0 * y / (r0 * x / n0) for x, y in zip(xs, ys, strict=True)]
+    for x, y, e in zip(xs, ys, eff, strict=True):
         ax.annotate(f"{e:.0f}%", (x, y), textcoords="offset points", xytext=(4, -12), fontsize=9)
     plot.series["measured"] = {"x": xs, "y": ys}
     plot.series["ideal"] = {"x": ideal_x, "y": ideal}

@@ -192,7 +192,8 @@ def time_to_accuracy(run: RunData) -> dict[str, Any]:
     summary = run.summary or {}
     if "target_accuracy" in summary:
         tta = summary.get("time_to_accuracy")
-        return {"target_accuracy": summary["target_accuracy"], "time_to_accuracy": tta if isinstance(tta, dict) else None}
+        return {"target_accuracy": summary["target_accuracy"],
+                "time_to_accuracy": tta if isinstance(tta, dict) else None}
     recs = [r for m in run.ranks.values() for r in m.targets if isinstance(r.get("seconds"), (int, float))]
     if recs:
         return {"target_accuracy": recs[0].get("target"), "time_to_accuracy": recs[0]}

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from dscluster.analysis.load import RunData
 from dscluster.analysis.monitor import EXPORT_DIR
+
 SPLIT = ("compute_s", "comm_s", "data_s", "other_s")
 GPU_FIELDS = {"util_percent": 1.0, "mem_used_mb": 1 / 1024, "temp_c": 1.0, "power_w": 1.0}
 

@@ -135,9 +135,11 @@ def _emit(out: dict, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                epilog="example: mpirun -np 2 --hostfile hosts.txt python -m dscluster.bench.allreduce --json")
+                                epilog="example: mpirun -np 2 --hostfile hosts.txt "
+                                       "python -m dscluster.bench.allreduce --json")
     p.add_argument("--json", action="store_true", help="print one JSON object (rank 0)")
-    p.add_argument("--sizes", type=parse_sizes, default=None, help="e.g. 1M,64M,256M (default: up to 256M on GPU, 4M on CPU)")
+    p.add_argument("--sizes", type=parse_sizes, default=None,
+                   help="e.g. 1M,64M,256M (default: up to 256M on GPU, 4M on CPU)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--nproc", type=int, default=None, help="ranks to spawn when not launched by mpirun/torchrun")

@@ -248,7 +248,8 @@ def parse(argv: list[str] | None) -> Options:
     p.add_argument("--data-dir", help="where the folder is (re)used (default runs/bench-imagefolder-data/...)")
     p.add_argument("--work-dir", help="run directories and logs (default runs/bench-imagefolder-<time>)")
     p.add_argument("--out", default=d.out, help=f"result folder (default {d.out})")
-    p.add_argument("--timeout", type=float, default=d.timeout_s, help=f"seconds for everything (default {d.timeout_s:.0f})")
+    p.add_argument("--timeout", type=float, default=d.timeout_s,
+                   help=f"seconds for everything (default {d.timeout_s:.0f})")
     p.add_argument("--device", choices=("cuda", "cpu"), default=d.device, help="cpu: the plumbing only")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- KEY=VALUE ... for both runs")
     a = p.parse_args(argv)

@@ -5,9 +5,9 @@ micro-batch, one process per GPU, in one invocation on the same cards. Reported 
 count: images/s, images/s per GPU, scaling efficiency (img/s at N ÷ (N × img/s at 1)), MFU
 (training FLOPs per image × img/s ÷ (N × the card's dense bf16 peak)), peak memory, and the
 ratio dscluster ÷ baseline. With `--repeat N` both paths run N times, alternating, and the median
-run of each is reported (every run's rate and the per-pair ratios are kept too). The DeepSpeed path is `dscluster train` itself, with
-`micro_batch=auto` resolved by its own auto-fit; the baseline then uses the micro-batch that
-auto-fit chose, so both see the same batch.
+run of each is reported (every run's rate and the per-pair ratios are kept too). The DeepSpeed path
+is `dscluster train` itself, with `micro_batch=auto` resolved by its own auto-fit; the baseline then
+uses the micro-batch that auto-fit chose, so both see the same batch.
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def run(opts: VitBenchOptions) -> tuple[dict, Path]:
             row["baseline"] = _rates(base, gpus, base_one, spec.train_flops_per_image, peak)
             ds_rate, base_rate = row["dscluster"].get("images_per_s"), base.get("images_per_s")
             row["ratio"] = ds_rate / base_rate if ds_rate and base_rate else None
-            pairs = [(d.get("images_per_s"), b_.get("images_per_s")) for d, b_ in zip(ds_runs, base_runs)]
+            pairs = [(d.get("images_per_s"), b_.get("images_per_s")) for d, b_ in zip(ds_runs, base_runs, strict=True)]
             if len(pairs) > 1:
                 row["ratios"] = [d / b_ if d and b_ else None for d, b_ in pairs]
         elif opts.baseline:

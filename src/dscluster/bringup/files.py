@@ -221,7 +221,8 @@ _GUARDS = {
                      r"if\s+\[\[?\s+-z\s+\"?\$PS1|\[\[\s+\$-\s+!=|\[\[?\s+-o\s+interactive|"
                      r"\[\[\s+!\s+-o\s+interactive)"),
     "csh": re.compile(r"^\s*if\s*\(\s*!\s*\$\?prompt\s*\)"),
-    "fish": re.compile(r"^\s*(if\s+not\s+status\s+(--)?is-interactive|status\s+(--)?is-interactive\s*;?\s*or\s+return)"),
+    "fish": re.compile(r"^\s*(if\s+not\s+status\s+(--)?is-interactive"
+                       r"|status\s+(--)?is-interactive\s*;?\s*or\s+return)"),
 }
 
 

@@ -288,7 +288,8 @@ def _change_shell(node: NodeState, opts: SetupOptions) -> str | None:
         node.changes.append(f"login shell {node.login_shell} → {path}")
         node.login_shell = path
         return path
-    node.warnings.append(f"could not change login shell to {path}: {msg}; ask an admin: sudo chsh -s {path} {node.user}")
+    node.warnings.append(f"could not change login shell to {path}: {msg}; "
+                         f"ask an admin: sudo chsh -s {path} {node.user}")
     return None
 
 

@@ -27,7 +27,16 @@ from typing import Any
 from dscluster import hostkeys, remote
 from dscluster.bringup import files as bf
 from dscluster.bringup.node import (  # noqa: F401  (SetupOptions: the command's input, imported from here)
-    DIR_MODE, KEY, KNOWN_HOSTS_MODE, SECRET_MODE, NodeState, SetupOptions, run_sh, contact, install, verify_toolchain,
+    DIR_MODE,
+    KEY,
+    KNOWN_HOSTS_MODE,
+    SECRET_MODE,
+    NodeState,
+    SetupOptions,
+    contact,
+    install,
+    run_sh,
+    verify_toolchain,
 )
 from dscluster.remote import Target
 
@@ -47,7 +56,8 @@ class SetupResult:
 def mesh_script(names: list[str], connect_timeout: int = 5) -> str:
     lines = ["for b in " + " ".join(shlex.quote(n) for n in names) + "; do",
              f'  ( err=$(ssh -o BatchMode=yes -o ConnectTimeout={connect_timeout} "$b" true 2>&1 </dev/null); '
-             "rc=$?; printf 'mesh %s %s %s\\n' \"$b\" \"$rc\" \"$(printf %s \"$err\" | tr '\\n' ' ' | cut -c1-300)\" ) &",
+             "rc=$?; printf 'mesh %s %s %s\\n' \"$b\" \"$rc\" "
+             "\"$(printf %s \"$err\" | tr '\\n' ' ' | cut -c1-300)\" ) &",
              "done", "wait", ""]
     return "\n".join(lines)
 

@@ -73,10 +73,12 @@ def plan_parts(data: str | None) -> list[Part]:
     files = manifest.checkout_files(root) if root else None
     if root is None or files is None:
         raise UsageError("dscluster sync copies a git checkout's tracked files, but dscluster runs from "
-                         f"{root or 'an installed copy'}, which is not a git checkout: install it on every node instead")
+                         f"{root or 'an installed copy'}, which is not a git checkout: "
+                         "install it on every node instead")
     parts = [Part("checkout", str(root), True, manifest.scan_here(manifest.request(str(root), files, hash=True)))]
     st = state.state_dir().absolute()
-    names = [f"env/{p.name}" for p in sorted((st / "env").glob("*.env"))] + [n for n in STATE_FILES if (st / n).is_file()]
+    names = ([f"env/{p.name}" for p in sorted((st / "env").glob("*.env"))]
+             + [n for n in STATE_FILES if (st / n).is_file()])
     if names:
         parts.append(Part("state", str(st), True, manifest.scan_here(manifest.request(str(st), names, hash=True))))
     if data is not None:

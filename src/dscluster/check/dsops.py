@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 OPS = {"fused_adam": "FusedAdam", "fused_lamb": "FusedLamb", "cpu_adam": "CPUAdam"}
 """DeepSpeed's op name -> the class a user's config pulls in (CPUAdam: where ZeRO-Offload is on)."""
@@ -31,8 +32,8 @@ def ds_op_facts() -> dict:
     import subprocess
     import sys as _sys
 
-    out = {"installed_ops": None, "ds_accelerator": None, "ninja": False, "nvcc": None,
-           "torch_cuda_arch_list": os.environ.get("TORCH_CUDA_ARCH_LIST")}
+    out: dict[str, Any] = {"installed_ops": None, "ds_accelerator": None, "ninja": False, "nvcc": None,
+                           "torch_cuda_arch_list": os.environ.get("TORCH_CUDA_ARCH_LIST")}
     spec = importlib.util.find_spec("deepspeed")
     if spec is not None and spec.submodule_search_locations:
         path = os.path.join(list(spec.submodule_search_locations)[0], "git_version_info_installed.py")

@@ -210,10 +210,10 @@ def parse_nvidia_smi_gpus(text: str) -> list[Gpu]:
         else:
             index, name, uuid, mem, driver, ecc = cells
             cc = ""
-        cc = cc if re.fullmatch(r"\d+\.\d+", cc) else compute_capability_from_name(name)
+        capability = cc if re.fullmatch(r"\d+\.\d+", cc) else compute_capability_from_name(name)
         m = re.match(r"(\d+)\s*MiB", mem)
         gpus.append(Gpu(
-            index=int(index), name=name, uuid=uuid, compute_capability=cc,
+            index=int(index), name=name, uuid=uuid, compute_capability=capability,
             memory_total_mb=int(m.group(1)) if m else None,
             driver=driver or None,
             ecc_uncorrected=int(ecc) if ecc.isdigit() else None,

@@ -80,8 +80,9 @@ def probe_layout(targets, sessions: dict, facts: dict, python: str, timeout: flo
         if data is not None:
             nodes[name]["data"] = _data_entry(head_data, data)
     return {"checkout": str(root), "commit": head.commit, "tree": manifest.tree_digest(head), "files": len(files),
-            "runs": runs_dir, "data": None if head_data is None else
-            {"path": data_dir, "present": head_data.exists, "files": len(head_data.files), "bytes": head_data.total_bytes},
+            "runs": runs_dir, "data": None if head_data is None else {
+                "path": data_dir, "present": head_data.exists, "files": len(head_data.files),
+                "bytes": head_data.total_bytes},
             "nodes": nodes}
 
 
@@ -121,8 +122,9 @@ def layout_findings(layout: dict, hostfile: str) -> list[Finding]:
                 "would run different code", f"run `{sync}` to copy the head's checkout to every node"))
         data = n.get("data")
         if data is not None and not data["same_as_head"]:
-            what = "missing" if not data["present"] else (f"{data['files']} files, {data['bytes']} bytes; the head has "
-                                                          f"{layout['data']['files']} files, {layout['data']['bytes']} bytes")
+            head = layout["data"]
+            what = "missing" if not data["present"] else (f"{data['files']} files, {data['bytes']} bytes; the head "
+                                                          f"has {head['files']} files, {head['bytes']} bytes")
             out.append(Finding("error", name, "files", f"data {layout['data']['path']}: {what}",
                                f"run `{sync} --data {layout['data']['path']}`"))
     if layout.get("nodes"):

@@ -69,7 +69,8 @@ os._exit(0)
 
 CLIENT_CODE = r"""
 import json, os, socket, sys, threading, time
-peer, addr, tcp, udp, mtu, timeout, secs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]), float(sys.argv[7])
+peer, addr, tcp = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+udp, mtu, timeout, secs = int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]), float(sys.argv[7])
 out = {"peer": peer, "ports": {}, "mtu": {}, "speed": None}
 def tryport(p):
     try:
@@ -114,7 +115,8 @@ if port is not None:
         out["speed"] = {"error": "%s: %s" % (type(e).__name__, e)}
 try:
     import subprocess
-    out["route"] = subprocess.run(["ip", "-o", "route", "get", addr], capture_output=True, text=True, timeout=5).stdout.strip()
+    route = subprocess.run(["ip", "-o", "route", "get", addr], capture_output=True, text=True, timeout=5)
+    out["route"] = route.stdout.strip()
 except Exception:
     out["route"] = None
 print("LINK " + json.dumps(out), flush=True)
@@ -185,7 +187,7 @@ def run_pairs(sessions: dict, python: str, address: dict[str, str], mtu: dict[st
             by_sender = dict(pairs)
 
             def work(t: remote.Target) -> dict | None:
-                peer = by_sender[t.name]
+                peer = by_sender[t.name]  # noqa: B023 (fan_out returns before the next round rebinds it)
                 cmd = client_command(python, peer, address[peer], ready[peer], mtu.get(t.name) or 1500)
                 return parse_client(remote.run(sessions[t.name], cmd, timeout=timeout).stdout)
 

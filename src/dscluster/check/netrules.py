@@ -150,8 +150,8 @@ def rule_nic(records: list[dict], plan: NetworkPlan) -> list[Finding]:
     out = []
     for a, rows in sorted(wrong.items()):
         chosen, nics = plan.iface[a], sorted({nic for _, nic, _, _, _ in rows})
-        pairs = "; ".join(f"{a} → {b}: {sent / 1e6:.0f} MB left by {nic}, {ok / 1e6:.0f} MB by {chosen} (route: {route})"
-                          for b, nic, sent, ok, route in rows)
+        pairs = "; ".join(f"{a} → {b}: {sent / 1e6:.0f} MB left by {nic}, {ok / 1e6:.0f} MB by {chosen} "
+                          f"(route: {route})" for b, nic, sent, ok, route in rows)
         out.append(Finding("error", a, "nic",
                            f"traffic to the other nodes leaves by {', '.join(nics)}, not by {chosen}, the interface "
                            f"NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME name: {pairs}",

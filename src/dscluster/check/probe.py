@@ -89,7 +89,8 @@ except Exception:
 print(json.dumps(out))
 """
 # DeepSpeed's op facts: the function check/dsops.py owns, sent along as source (standard library only).
-PYTHON_FACTS = PYTHON_FACTS.replace("\ntry:\n    out[\"ds_ops\"]", "\n" + inspect.getsource(ds_op_facts) + "\ntry:\n    out[\"ds_ops\"]", 1)
+_DS_OPS_CALL = "\ntry:\n    out[\"ds_ops\"]"
+PYTHON_FACTS = PYTHON_FACTS.replace(_DS_OPS_CALL, "\n" + inspect.getsource(ds_op_facts) + _DS_OPS_CALL, 1)
 
 
 def probe_script(python: str, runs_dir: str) -> str:
@@ -189,7 +190,8 @@ def reach_script(python: str, others: list[str], master_addr: str | None, master
         code = (
             "import socket,sys\n"
             "try:\n"
-            f"    socket.create_connection(({master_addr!r}, {master_port}), timeout={max(2.0, timeout)}).close(); print('PORT ok')\n"
+            f"    socket.create_connection(({master_addr!r}, {master_port}), timeout={max(2.0, timeout)}).close()\n"
+            "    print('PORT ok')\n"
             "except Exception as e:\n"
             "    print('PORT fail', type(e).__name__, e)\n"
         )
@@ -241,9 +243,11 @@ def listener_code(addr: str, port: int, expected: int, seconds: float) -> str:
 
 def start_listener(client, python: str, addr: str, port: int, expected: int, seconds: float):
     """Start the listener over an open session; returns (channel, None) or (None, reason)."""
-    chan, line = start_ready(client, f"{shlex.quote(python)} -c {shlex.quote(listener_code(addr, port, expected, seconds))}",
-                             seconds)
-    return (chan, None) if chan is not None else (None, line.replace("BINDFAIL", "").strip() or "listener did not start")
+    code = listener_code(addr, port, expected, seconds)
+    chan, line = start_ready(client, f"{shlex.quote(python)} -c {shlex.quote(code)}", seconds)
+    if chan is not None:
+        return chan, None
+    return None, line.replace("BINDFAIL", "").strip() or "listener did not start"
 
 
 def start_ready(client, command: str, seconds: float):

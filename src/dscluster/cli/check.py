@@ -156,7 +156,8 @@ def render(doc: dict) -> None:
               f"{len(files['node_env'])} node env file(s) in {doc['wall_s']:.1f} s")
     total = sum(1 for _ in doc["nodes"])
     if doc["ok"]:
-        out.print(f"Next: step 5 of setup/CHECKLIST.md — mpirun -np {doc['np']} --hostfile {doc['hostfile']} ./entry_cn.sh")
+        out.print(f"Next: step 5 of setup/CHECKLIST.md — mpirun -np {doc['np']} --hostfile {doc['hostfile']} "
+                  "./entry_cn.sh")
     else:
         out.print(f"[red]{sum(1 for f in doc['findings'] if f['severity'] == 'error')} error(s) on "
                   f"{total} node(s)[/]: fix them and re-run `dscluster check`; then step 5 of setup/CHECKLIST.md")

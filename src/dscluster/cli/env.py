@@ -113,8 +113,9 @@ def _render_check(check: dict | None) -> None:
     if check["error"]:
         out.print(f"last check: {escape(check['path'])}: [red]{escape(check['error'])}[/]")
         return
-    when = (time.strftime("%Y-%m-%d %H:%M", time.localtime(check["created"])) + f" ({_ago(check['created'], time.time())})"
-            if check["created"] is not None else "unknown time")
+    created = check["created"]
+    when = (time.strftime("%Y-%m-%d %H:%M", time.localtime(created)) + f" ({_ago(created, time.time())})"
+            if created is not None else "unknown time")
     verdict = {True: "[green]ok[/]", False: "[red]problems[/]", None: "?"}[check["ok"]]
     out.print(f"last check: {when}, {verdict} ({check['errors']} error(s), {check['warnings']} warning(s)) "
               f"on {escape(str(check['hostfile']))}")

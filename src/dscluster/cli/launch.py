@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dscluster import paths, redact, state
-from dscluster.launch import builders
-from dscluster.launch.mpirun import launcher_bin_dir
 from dscluster.check import checkfile
 from dscluster.check.checkfile import CheckFile
 from dscluster.errors import UsageError
 from dscluster.fsutil import atomic_write_text
 from dscluster.hosts import hostfile_sha256, parse_hostfile
+from dscluster.launch import builders
+from dscluster.launch.mpirun import launcher_bin_dir
 from dscluster.runinfo import resolve_run_id, runs_root
 
 EPILOG = """examples:
@@ -139,7 +139,8 @@ def build_plan(args: argparse.Namespace) -> tuple[builders.LaunchPlan, CheckOutp
     env = out.cluster_env
     port = env.get("MASTER_PORT") or str(builders.DEFAULT_MASTER_PORT)
     if not port.isdigit():
-        raise UsageError(f"{state_dir / 'cluster.env'}: MASTER_PORT={port!r} is not a port; run `dscluster check` again")
+        raise UsageError(f"{state_dir / 'cluster.env'}: MASTER_PORT={port!r} is not a port; "
+                         "run `dscluster check` again")
     plan = builders.LaunchPlan(
         hostfile=str(hostfile),
         hosts=tuple((h.name, h.slots) for h in hf.hosts),

@@ -13,8 +13,8 @@ import time
 from rich.table import Table
 
 from dscluster import console
-from dscluster.sim import lab as sim
 from dscluster.errors import JobFailed, UsageError
+from dscluster.sim import lab as sim
 from dscluster.sim.netfaults import parse_faults
 from dscluster.sim.options import parse_env, parse_gpus, resolve_size
 

@@ -26,7 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--hostfile", default="hosts.txt", help="OpenMPI hostfile listing the nodes (default: hosts.txt)")
     p.add_argument("--user", default=None, help="account on the nodes (default: your user name here)")
-    p.add_argument("--data", metavar="DIR", default=None, help="also copy this folder (a dataset, data.path) to every node")
+    p.add_argument("--data", metavar="DIR", default=None,
+                   help="also copy this folder (a dataset, data.path) to every node")
     p.add_argument("--dry-run", action="store_true", help="compare and say what would be copied; copy nothing")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per node for the scan and for the copy")
     p.add_argument("--json", action="store_true", help="print the result per node as JSON on stdout")
@@ -63,7 +64,8 @@ def render(results: list[NodeSync], dry_run: bool) -> None:
             out.print(f"[green]✓[/] {r.node}: copied {r.copied_files} file(s), {_size(r.copied_bytes)} ({parts}) "
                       f"by {r.method}")
     if any(r.error for r in results):
-        out.print("[red]some nodes do not have the head's files[/]: fix the errors above and run `dscluster sync` again")
+        out.print("[red]some nodes do not have the head's files[/]: "
+                  "fix the errors above and run `dscluster sync` again")
     elif not dry_run:
         out.print("Next: `dscluster check` again (it compares the checkouts), then step 5 of setup/CHECKLIST.md")
 

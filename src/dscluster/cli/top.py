@@ -146,7 +146,8 @@ def render(snap) -> Group:
             nodes.add_row(*[c if c is not None else ("no GPU" if i == 1 else "") for i, c in enumerate(node_cells)])
         for k, g in enumerate(n.gpus):
             hot = g.temp_c is not None and g.temp_c >= HOT_C
-            mem = f"{_num(g.mem_used_mb and g.mem_used_mb / 1024, '{:.1f}')}/{_num(g.mem_total_mb and g.mem_total_mb / 1024, '{:.0f}')} GiB"
+            used = _num(g.mem_used_mb and g.mem_used_mb / 1024, "{:.1f}")
+            mem = f"{used}/{_num(g.mem_total_mb and g.mem_total_mb / 1024, '{:.0f}')} GiB"
             row = [node_cells[0] if k == 0 else "", f"{g.index} {escape(g.name or '')}".strip(), _num(g.util_percent),
                    mem, Text(_num(g.temp_c), style="bold red" if hot else ""), _num(g.power_w),
                    Text(", ".join(g.throttle) or "—", style="bold red" if g.throttle else "dim")]

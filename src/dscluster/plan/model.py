@@ -269,7 +269,7 @@ def micro_step_s(s: Scenario) -> float:
 
     per_rank = [n.compute_s for n in s.nodes for _ in range(n.ranks)]
     shares = plan_shares([s.micro_batch / c for c in per_rank], s.micro_batch * s.world)
-    return max(b * c / s.micro_batch for b, c in zip(shares, per_rank))
+    return max(b * c / s.micro_batch for b, c in zip(shares, per_rank, strict=True))
 
 
 def predict(s: Scenario) -> Prediction:
@@ -283,7 +283,7 @@ def predict(s: Scenario) -> Prediction:
     step = model_step + extra if model_step + extra > 0 else compute
     rate = s.global_batch / step
     alone = {n.name: n.images_per_s(s.micro_batch) for n in s.nodes}
-    fastest = max(alone, key=alone.get)
+    fastest = max(alone, key=alone.__getitem__)
     speedup, efficiency = rate / alone[fastest], rate / sum(alone.values())
     slower = len(s.nodes) > 1 and speedup < 1
     comm_share = (comm - hidden) / step

@@ -13,9 +13,9 @@ def measure_here(config: str, overrides: list[str], ranks_text: str) -> dict:
     import socket
     import time
 
-    from dscluster.train.shape import data_shape
     from dscluster.plan.probe import fault_ms, measure_steady_compute, probe_key
     from dscluster.train.config import load_config
+    from dscluster.train.shape import data_shape
 
     try:
         first, count = (int(x) for x in ranks_text.split(":"))

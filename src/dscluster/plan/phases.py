@@ -22,6 +22,7 @@ the warm-up, but not after the last step).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from dscluster.errors import UsageError
 
@@ -135,7 +136,7 @@ def whole_run(c: RunCosts, *, epochs: int, max_steps: int, global_batch: int) ->
     head = span(c, 1, warm, total=total, epochs=epochs, events_to=0)
     rest = span(c, warm + 1, total, total=total, epochs=epochs, events_from=1)
     compressed = c.start_step is not None or c.step_s != c.plain_step_s
-    phases = [
+    phases: list[dict[str, Any]] = [
         {"name": "warm-up", "steps": warm, "seconds": head["plain_s"] + head["steady_s"] + c.warmup_extra_s,
          "note": f"the first {warm} steps, compilation and first-step costs included"},
         {"name": "uncompressed", "steps": rest["plain_steps"], "seconds": rest["plain_s"],

@@ -3,9 +3,10 @@
 <state>/plans.json (the state directory of state.py), written atomically, one entry per config:
 
     {"schema": 1,
-     "plans": {KEY: {"images_per_s": float, "step_s": float, "setting": "now"|"choice"|"without_compression"|"calibration",
-                     "model_step_s": float, "created": unix time, "config": str, "hostfile": str,
-                     "busbw_GBps": float, "compute_s": float, "overrides": [str],
+     "plans": {KEY: {"images_per_s": float, "step_s": float,
+                     "setting": "now"|"choice"|"without_compression"|"calibration", "model_step_s": float,
+                     "created": unix time, "config": str, "hostfile": str, "busbw_GBps": float,
+                     "compute_s": float, "overrides": [str],
                      "compute": FIGURE, "costs": RUNCOSTS, "model_costs": RUNCOSTS}},
      "outcomes": [{"key": KEY, "model": str, "precision": str, "compression": str, "ranks": int,
                    "model_step_s": float, "measured_step_s": float, "run_id": str, "at": unix time,
@@ -51,6 +52,7 @@ import math
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 from dscluster import state
 from dscluster.errors import UsageError
@@ -203,9 +205,9 @@ def compare(plan_key: str, measured_images_per_s: float | None, env=None, *, run
     if entry is None or not measured_images_per_s:
         return None
     predicted = float(entry["images_per_s"])
-    out = {"predicted_step_s": entry.get("step_s"),
-           # the model's step before calibration (plans older than calibration: their step_s)
-           "model_step_s": entry.get("model_step_s", entry.get("step_s"))}
+    out: dict[str, Any] = {"predicted_step_s": entry.get("step_s"),
+                           # the model's step before calibration (plans older than calibration: their step_s)
+                           "model_step_s": entry.get("model_step_s", entry.get("step_s"))}
     phased = timed(entry, run) if run is not None else None
     if phased is not None:
         out.update(phased)
@@ -235,10 +237,11 @@ def timed(entry: dict, run: dict) -> dict | None:
         global_batch = float(entry["images_per_s"]) * float(entry["step_s"])
     except (KeyError, TypeError, ValueError, UsageError):
         return None
-    if None in means:
+    step_s, model_step_s = means
+    if step_s is None or model_step_s is None:
         return None
     plain = phases.plain_steps(first, last, c.start_step)
-    return {"images_per_s": global_batch / means[0], "predicted_step_s": means[0], "model_step_s": means[1],
+    return {"images_per_s": global_batch / step_s, "predicted_step_s": step_s, "model_step_s": model_step_s,
             "timed_steps": last - first + 1, "timed_plain_steps": plain, "phase_aware": True}
 
 

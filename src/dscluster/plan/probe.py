@@ -207,8 +207,10 @@ def measure_steady_compute(cfg, in_chans: int, num_classes: int, micro: int, mea
     process took the machine for a while); the steadier of the two. A figure still disturbed says so
     (`ComputeFigure.disturbed`), and plan reports it: never silently used."""
     if measure is None:
-        def measure(*args):
-            return measure_compute(*args, slow_ms=slow_ms) if slow_ms else measure_compute(*args)
+        def measure(cfg, in_chans: int, num_classes: int, micro: int) -> ComputeFigure:
+            if slow_ms:
+                return measure_compute(cfg, in_chans, num_classes, micro, slow_ms=slow_ms)
+            return measure_compute(cfg, in_chans, num_classes, micro)
     first = measure(cfg, in_chans, num_classes, micro)
     if not first.disturbed:
         return first

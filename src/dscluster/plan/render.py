@@ -40,7 +40,8 @@ def render(doc: dict) -> None:
             if doc["compression"] != "none" else "")
     out.print(escape(f"dscluster plan: {doc['model']} ({doc['params'] / 1e6:.1f} M parameters, "
                      f"{doc['grad_bytes'] / 1e6:.0f} MB of {doc['grad_format']} gradients a step{wire}) on "
-                     f"{len(doc['nodes'])} node(s), {doc['world_size']} rank(s) from {doc['hostfile']}, {doc['precision']}"))
+                     f"{len(doc['nodes'])} node(s), {doc['world_size']} rank(s) from {doc['hostfile']}, "
+                     f"{doc['precision']}"))
     c = doc["compute"]
     when = (f", {time.strftime('%Y-%m-%d %H:%M', time.localtime(c['measured_at']))}"
             if c.get("measured_at") else "")

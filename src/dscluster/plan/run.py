@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from dscluster.plan import calibrate as calibration_run, model, predicted
+from dscluster.plan import calibrate as calibration_run
+from dscluster.plan import model, predicted
 from dscluster.plan.document import build, run_key, save, saved_entry, scenario_of, uses_powersgd
 from dscluster.plan.inputs import PlanInputs, PlanOptions, calibrations_with, measure
 

@@ -1,14 +1,16 @@
-"""Building a simulated lab's nodes: files, host keys, network, anchors, sshd.
+"""Building a simulated lab's nodes (files, host keys, network, anchors, sshd) and taking them down.
 
 Split from `sim` (the public API): this is the part that runs once per `sim up`, in stages
 over all nodes at once (all host keys, then all links, then all anchors, then all sshds), so
-a 5-node lab comes up in about as long as a 1-node one.
+a 5-node lab comes up in about as long as a 1-node one; and `teardown`, its reverse, for
+`sim down` and for an `up` that finds a broken lab.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -16,15 +18,40 @@ import time
 from pathlib import Path
 
 from dscluster.fsutil import atomic_write_text
-from dscluster.sim.ns import (
-    SimError, anchor_script, kill_and_wait, netns_exists, pid_in_netns, read_pid, sh, start_anchor,
-    start_sshd, wait_anchor, wait_sshd,
-)
 from dscluster.sim.netfaults import apply_faults
+from dscluster.sim.ns import (
+    SimError,
+    anchor_script,
+    host_mounts_under,
+    kill_and_wait,
+    link_names,
+    netns_exists,
+    netns_pids,
+    pid_in_netns,
+    read_pid,
+    sh,
+    start_anchor,
+    start_sshd,
+    wait_anchor,
+    wait_for,
+    wait_sshd,
+)
 from dscluster.sim.options import LINK_NONE, tbf_argv
 from dscluster.sim.plan import (
-    DECOY_CIDR, HOST_KEY_TYPES, LabState, SimNode, free_id, node_path, node_session_env, render_group,
-    render_hostfile, render_hosts, render_passwd, render_shadow, render_sshd_config, uplink_names,
+    DECOY_CIDR,
+    HOST_KEY_TYPES,
+    LabState,
+    SimNode,
+    free_id,
+    node_path,
+    node_session_env,
+    render_group,
+    render_hostfile,
+    render_hosts,
+    render_passwd,
+    render_shadow,
+    render_sshd_config,
+    uplink_names,
 )
 from dscluster.sim.private import anchor_lines, make_private_dirs, ops_checkout, tracked_files
 from dscluster.sim.reach import HOME_BIND, OVERLAY, REBIND
@@ -201,3 +228,57 @@ def restart_sshd(state: LabState, node: SimNode) -> None:
     log = Path(node.nodedir) / "sshd.log"
     start_sshd(node.anchor_pid, state.sshd, node.sshd_pidfile, log)
     wait_sshd(node.sshd_pidfile, log)
+
+
+# ---- taking a lab down -----------------------------------------------------------------
+
+def stray_netns(lab: str) -> list[str]:
+    """Namespaces named for `lab` that are still there (a lab whose state file was lost)."""
+    return [ns for ns in _netns_names() if re.fullmatch(rf"dscluster-{re.escape(lab)}-(node[0-9]+|sw)", ns)]
+
+
+def _netns_names() -> list[str]:
+    try:
+        return sorted(os.listdir("/run/netns"))
+    except FileNotFoundError:
+        return []
+
+
+def teardown_netns(names: list[str]) -> list[int]:
+    """Kill every process in the namespaces (until none is left), then delete them."""
+    left: list[int] = []
+    for _ in range(5):
+        pids = sorted({p for ns in names for p in netns_pids(ns)})
+        if not pids:
+            break
+        left = kill_and_wait(pids)
+    for ns in names:
+        if netns_exists(ns):
+            sh(["ip", "netns", "del", ns], check=False)
+    return left
+
+
+def teardown(state: LabState) -> None:
+    """Remove everything `build` made; SimError naming what is left if anything stays."""
+    names = [n.netns for n in state.nodes] + ([state.switch_netns] if state.switch_netns else [])
+    left = teardown_netns(names)
+    # Deleting the switch namespace deleted the host's cable to it; a state file from before the
+    # switch namespace has the bridge and its ports in the host's namespace.
+    ours = {n.switch_port for n in state.nodes} | {state.bridge} | ({state.uplink} if state.uplink else set())
+    for name in ours & set(link_names()):
+        sh(["ip", "link", "del", name], check=False)
+    # The kernel frees a namespace's veth ends asynchronously; wait for them to be gone.
+    wait_for(lambda: not ours & set(link_names()), 10, interval=0.05)
+    problems = []
+    if left:
+        problems.append(f"processes still running: {left}")
+    if [ns for ns in names if netns_exists(ns)]:
+        problems.append("network namespaces still present")
+    if ours & set(link_names()):
+        problems.append(f"links still present: {sorted(ours & set(link_names()))}")
+    mounts = host_mounts_under(state.labdir)
+    if mounts:
+        problems.append(f"mounts still present: {mounts}")
+    if problems:
+        raise SimError(f"lab {state.name!r} not fully removed: " + "; ".join(problems))
+    shutil.rmtree(state.labdir, ignore_errors=True)

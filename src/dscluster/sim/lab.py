@@ -21,7 +21,6 @@ from __future__ import annotations
 import fcntl
 import ipaddress
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -36,22 +35,36 @@ from typing import Iterator
 from dscluster.errors import UsageError
 from dscluster.fsutil import atomic_write_text
 from dscluster.hosts import is_valid_host
-from dscluster.sim.build import build, restart_sshd, save_state
+from dscluster.sim.build import build, restart_sshd, save_state, stray_netns, teardown, teardown_netns
 from dscluster.sim.host import (
-    check_gpus, check_link, extra_path_dirs, plan_shared_reach, repo_root, require_root, require_tools,
+    check_gpus,
+    check_link,
+    extra_path_dirs,
+    plan_shared_reach,
+    repo_root,
+    require_root,
+    require_tools,
     shared_targets,
 )
-from dscluster.sim.ns import (
-    SimError, host_mounts_under, kill_and_wait, link_names, netns_exists, netns_pids, nsenter_argv,
-    pid_in_netns, read_pid, sh, wait_for,
-)
 from dscluster.sim.netfaults import NetFaults
+from dscluster.sim.ns import SimError, nsenter_argv, pid_in_netns, read_pid, sh
 from dscluster.sim.options import LINK_NONE, parse_link, resolve_size, validate_env, validate_lab_name
-from dscluster.sim.private import host_path, plan_private
 from dscluster.sim.plan import (
-    HOST_KEY_TYPES, ROOT_PATH, SIM_ROOT, USER_PATH, LabState, SimNode, free_id, node_path,
-    node_session_env, pick_lab_index, plan_lab, render_hostfile, same_lab_or_refuse,
+    HOST_KEY_TYPES,
+    ROOT_PATH,
+    SIM_ROOT,
+    USER_PATH,
+    LabState,
+    SimNode,
+    free_id,
+    node_path,
+    node_session_env,
+    pick_lab_index,
+    plan_lab,
+    render_hostfile,
+    same_lab_or_refuse,
 )
+from dscluster.sim.private import host_path, plan_private
 
 __all__ = ["Lab", "SimNode", "SimError", "up", "down", "load", "status", "require_root", "repo_root"]
 
@@ -275,15 +288,15 @@ def up(
                 same_lab_or_refuse(state, nodes, gpus, link, env, shared_fs, faults)
                 _refresh(state, slots, hostfile)
                 return Lab(state)
-            _teardown(state)  # half-built or broken (e.g. after a reboot): start again
+            teardown(state)  # half-built or broken (e.g. after a reboot): start again
         else:
-            _teardown_netns(_stray_netns(lab))  # namespaces of a lab whose state was lost
+            teardown_netns(stray_netns(lab))  # namespaces of a lab whose state was lost
         state = _plan(lab, nodes, slots, hostfile, gpus=gpus, link=link, env=env, tools=tools, shared_fs=shared_fs,
                       faults=faults)
         try:
             build(state)
         except BaseException:
-            _teardown(state)
+            teardown(state)
             raise
         return Lab(state)
 
@@ -350,64 +363,14 @@ def down(lab: str = "dslab") -> bool:
     with _lock():
         state = _read_state(lab)
         if state is None:
-            stray = _stray_netns(lab)
+            stray = stray_netns(lab)
             if not stray and not (SIM_ROOT / lab).exists():
                 return False
-            _teardown_netns(stray)
+            teardown_netns(stray)
             shutil.rmtree(SIM_ROOT / lab, ignore_errors=True)
             return True
-        _teardown(state)
+        teardown(state)
         return True
-
-
-def _stray_netns(lab: str) -> list[str]:
-    return [ns for ns in _netns_names() if re.fullmatch(rf"dscluster-{re.escape(lab)}-(node[0-9]+|sw)", ns)]
-
-
-def _netns_names() -> list[str]:
-    try:
-        return sorted(os.listdir("/run/netns"))
-    except FileNotFoundError:
-        return []
-
-
-def _teardown_netns(names: list[str]) -> list[int]:
-    """Kill every process in the namespaces (until none is left), then delete them."""
-    left: list[int] = []
-    for _ in range(5):
-        pids = sorted({p for ns in names for p in netns_pids(ns)})
-        if not pids:
-            break
-        left = kill_and_wait(pids)
-    for ns in names:
-        if netns_exists(ns):
-            sh(["ip", "netns", "del", ns], check=False)
-    return left
-
-
-def _teardown(state: LabState) -> None:
-    names = [n.netns for n in state.nodes] + ([state.switch_netns] if state.switch_netns else [])
-    left = _teardown_netns(names)
-    # Deleting the switch namespace deleted the host's cable to it; a state file from before the
-    # switch namespace has the bridge and its ports in the host's namespace.
-    ours = {n.switch_port for n in state.nodes} | {state.bridge} | ({state.uplink} if state.uplink else set())
-    for name in ours & set(link_names()):
-        sh(["ip", "link", "del", name], check=False)
-    # The kernel frees a namespace's veth ends asynchronously; wait for them to be gone.
-    wait_for(lambda: not ours & set(link_names()), 10, interval=0.05)
-    problems = []
-    if left:
-        problems.append(f"processes still running: {left}")
-    if [ns for ns in names if netns_exists(ns)]:
-        problems.append("network namespaces still present")
-    if ours & set(link_names()):
-        problems.append(f"links still present: {sorted(ours & set(link_names()))}")
-    mounts = host_mounts_under(state.labdir)
-    if mounts:
-        problems.append(f"mounts still present: {mounts}")
-    if problems:
-        raise SimError(f"lab {state.name!r} not fully removed: " + "; ".join(problems))
-    shutil.rmtree(state.labdir, ignore_errors=True)
 
 
 # ---- status -------------------------------------------------------------------------------

@@ -200,7 +200,8 @@ def node_fault_argv(state, node) -> list[list[str]]:
     if node.name in faults.mtu:
         out.append(["ip", "-n", ns, "link", "set", node.iface, "mtu", str(faults.mtu[node.name])])
     if node.name in faults.link and faults.link[node.name] != LINK_NONE:
-        out += [tbf_argv(ns, node.iface, faults.link[node.name]), tbf_argv(sw, node.switch_port, faults.link[node.name])]
+        rate = faults.link[node.name]
+        out += [tbf_argv(ns, node.iface, rate), tbf_argv(sw, node.switch_port, rate)]
     if node.name in faults.second_nic:
         index = int(_NODE_RE.match(node.name).group(1))
         port = second_nic_port(state.index, index)

@@ -45,7 +45,8 @@ class SimError(DsclusterError):
     exit_code = 1
 
 
-def sh(argv: list[str], *, check: bool = True, timeout: float = 30, input: str | None = None) -> subprocess.CompletedProcess:
+def sh(argv: list[str], *, check: bool = True, timeout: float = 30,
+       input: str | None = None) -> subprocess.CompletedProcess:
     """Run a host-side command; a failure names the command and its stderr."""
     try:
         res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, input=input)

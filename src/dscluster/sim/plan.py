@@ -21,10 +21,16 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from dscluster.errors import UsageError
-from dscluster.sim.options import (  # noqa: F401  (validators re-exported: callers import them here)
-    LINK_NONE, MAX_NODES, assign_gpus, parse_link, validate_lab_name, validate_node_count, validate_slots,
-)
 from dscluster.sim.netfaults import NetFaults
+from dscluster.sim.options import (  # noqa: F401  (validators re-exported: callers import them here)
+    LINK_NONE,
+    MAX_NODES,
+    assign_gpus,
+    parse_link,
+    validate_lab_name,
+    validate_node_count,
+    validate_slots,
+)
 
 SIM_ROOT = Path("/run/dscluster-sim")
 SUBNET_BASE = "10.77"
@@ -105,7 +111,8 @@ def pick_lab_index(used: set[int], taken_subnets: list[ipaddress.IPv4Network] = 
         if any(net.overlaps(t) for t in taken_subnets):
             continue
         return k
-    raise UsageError(f"no free lab subnet in {SUBNET_BASE}.1-{MAX_LAB_INDEX}.0/24; run `dscluster sim down` on old labs")
+    raise UsageError(f"no free lab subnet in {SUBNET_BASE}.1-{MAX_LAB_INDEX}.0/24; "
+                     "run `dscluster sim down` on old labs")
 
 
 @dataclass

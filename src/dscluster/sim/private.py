@@ -61,7 +61,8 @@ def anchor_lines(ops: list[list[str]], nodedir: str) -> list[str]:
 
 
 # Not part of the tree where a checkout arrives without its git metadata (a copy of a working tree).
-_NOT_TREE = {".git", ".venv", ".dscluster", "runs", "__pycache__", ".pytest_cache", ".cache", ".whl", ".nettools", ".gl"}
+_NOT_TREE = {".git", ".venv", ".dscluster", "runs", "__pycache__", ".pytest_cache", ".cache", ".whl", ".nettools",
+             ".gl"}
 
 
 def tracked_files(repo: str) -> list[str]:

@@ -123,7 +123,7 @@ class NvmlBackend:
     def sample(self) -> list[dict[str, Any]]:
         nv = self._nv
         out = []
-        for h, static in zip(self._handles, self._static):
+        for h, static in zip(self._handles, self._static, strict=True):
             g = empty_gpu(static["index"])
             g.update(static)
             util = self._try(nv.nvmlDeviceGetUtilizationRates, h)

@@ -19,7 +19,13 @@ from dscluster.check import checkfile
 from dscluster.check.probe import default_key
 from dscluster.hosts import Hostfile
 from dscluster.telemetry.live import (
-    NodeNow, Snapshot, find_running_run, once_command, parse_once, rank_views, telemetry_nodes,
+    NodeNow,
+    Snapshot,
+    find_running_run,
+    once_command,
+    parse_once,
+    rank_views,
+    telemetry_nodes,
 )
 from dscluster.telemetry.sampler import job_interface
 
