@@ -91,3 +91,15 @@ def test_the_slowest_node_is_named_with_its_cost_and_balanced_batching_recommend
     assert balance and "batching=balanced" in notes[1]
     same = scenario([("node1", 1, 0.1), ("node2", 1, 0.1)])
     assert nodes.mixed_notes(same, model.predict(same), balanced_in_use=False) == ([], False)
+
+
+def test_a_node_probes_the_preset_the_head_loaded_wherever_plan_was_started(tmp_path, monkeypatch):
+    """`dscluster plan --config configs/x.yaml` in a work folder without configs/ loads the checkout's
+    preset; the node's probe must get that file, not <work folder>/configs/x.yaml (every node's probe
+    failed that way on the GPU lab, and plan fell back to the head's figure)."""
+    from dscluster.plan.nodes import node_config
+
+    monkeypatch.chdir(tmp_path)
+    got = Path(node_config("configs/digits.yaml"))
+    assert got.is_absolute() and got.is_file()
+    assert got == (Path(__file__).resolve().parents[2] / "configs" / "digits.yaml")

@@ -50,9 +50,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per node for each phase (default: 30)")
     p.add_argument("--skip-active", action="store_true", help="skip the MPI hello and all-reduce tests")
     p.add_argument("--no-tune", action="store_true",
-                   help="skip NCCL's socket tuning. On GPU nodes whose slowest link measures 5 Gbit/s of TCP or more, check "
-                   "runs its all-reduce 4 more times (NCCL_SOCKET_NTHREADS x NCCL_NSOCKS_PERTHREAD: 1x1 4x2 4x4 8x2), "
-                   "the largest message only: each run costs about one mpirun start (torch import, NCCL set-up) "
+                   help="skip NCCL's socket tuning. On GPU nodes whose slowest link measures 5 Gbit/s of TCP "
+                   "or more, check runs its all-reduce 4 more times (NCCL_SOCKET_NTHREADS x "
+                   "NCCL_NSOCKS_PERTHREAD: 1x1 4x2 4x4 8x2), the largest message only: each run costs "
+                   "about one mpirun start (torch import, NCCL set-up) "
                    "plus 13 all-reduces of 256 MiB, about 4.5 s on 10 GbE with 4 ranks")
     p.add_argument("--master-port", type=int, default=29500, help="rendezvous port to test and write (default: 29500)")
     p.add_argument("--allow-deprecated-fp16", action="store_true",

@@ -95,6 +95,15 @@ def parse_node_output(stdout: str, node: str) -> dict:
     raise UsageError(f"{node}: the compute probe printed no figure ({tail[0][:200]})")
 
 
+def node_config(config: str) -> str:
+    """The config path a node's probe loads: the file the head's plan loaded (a preset named relative
+    to the checkout, `configs/x.yaml`, resolves there, not in the directory plan runs in), at the same
+    path on every node, where the checkout sits on all of them."""
+    from dscluster import paths
+
+    return str(paths.config_path(config).resolve())
+
+
 def measure_nodes(hostfile, config: str, overrides: list[str], micro: int, precision: str, *, user: str | None = None,
                   check_json: Path | None = None, env=None,
                   only: set[str] | None = None) -> tuple[dict[str, dict], dict[str, str]]:
@@ -111,7 +120,7 @@ def measure_nodes(hostfile, config: str, overrides: list[str], micro: int, preci
     ranges, fault = rank_ranges(hostfile), env.get("DSCLUSTER_FAULT") or None
     settings = ProbeSettings(known_hosts=state.known_hosts_path(), key_filename=default_key(),
                              password=env.get("DSCLUSTER_SSH_PASSWORD"), timeout=PROBE_TIMEOUT_S)
-    config = str(Path(config).resolve())
+    config = node_config(config)
 
     def work(t: remote.Target) -> dict:
         client = open_session(t, settings)
