@@ -16,9 +16,10 @@ from dscluster.train.timing import StepWindow, is_timed
 
 
 class LogWindow:
-    def __init__(self, log, split, boundary, guard, facts: dict, run_length: int, *, scale_history=None):
+    def __init__(self, log, split, boundary, guard, run_record, run_length: int, *, scale_history=None):
+        """`run_record`: the run's RunRecord (runlog.py), whose overflow_steps the window counts."""
         self.log, self.split, self.boundary, self.guard = log, split, boundary, guard
-        self.facts, self.run_length = facts, run_length
+        self.run_record, self.run_length = run_record, run_length
         self.scale_history = scale_history  # a list to append (scale, overflow) to: calibration runs
         self.window = StepWindow()
         self.records: list[dict] = []
@@ -49,7 +50,7 @@ class LogWindow:
                 rec["loss_scale"], rec["overflow"] = scale, overflow
             if norm is not None:
                 rec["grad_norm"] = norm
-            self.facts["overflow_steps"] += rec["overflow"]
+            self.run_record.overflow_steps += rec["overflow"]
             if self.scale_history is not None:
                 self.scale_history.append((rec["loss_scale"], rec["overflow"]))
             self.log.record("step", **rec)

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dscluster import redact, runinfo
@@ -94,3 +95,42 @@ def summary_record(**fields) -> dict:
     out = {k: fields.get(k) for k in keys}
     out.update({k: v for k, v in fields.items() if k not in out})
     return out
+
+
+@dataclass
+class RunRecord:
+    """What summary.json tells of a run, filled in as it goes: the loop sets the run's shape and its
+    end, the log window counts overflow steps (logwindow.py)."""
+
+    run_id: str
+    world_size: int
+    hosts: list[str]
+    model: str
+    dataset: str
+    epochs: int
+    steps: int = 0
+    """The last global step reached: what a failed run's summary reports."""
+    overflow_steps: int = 0
+    precision: str | None = None
+    global_batch: int | None = None
+    images_per_s: float | None = None
+    accuracy: float | None = None
+    peak_mem_mb: float | None = None
+    timed_steps: int | None = None
+    timed_s: float | None = None
+    time_to_accuracy: dict = field(default_factory=dict)
+    """evaluation.TimeToAccuracy.summary(): target_accuracy and time_to_accuracy where a target is set."""
+    plan: dict | None = None
+    """plan's saved prediction against this run (plan/predicted.py), where there was one."""
+    vanished_hosts: list[str] | None = None
+    """Nodes that stopped answering when a collective failed (liveness.py)."""
+
+    def summary(self, *, status: str, wall_s: float, **failure) -> dict:
+        """summary.json's record: the fields set so far (peak_mem_mb always), then `failure`'s."""
+        fields = {k: v for k, v in asdict(self).items()
+                  if k != "time_to_accuracy" and (v is not None or k in _ALWAYS_IN_SUMMARY)}
+        return summary_record(status=status, wall_s=wall_s, **fields, **self.time_to_accuracy, **failure)
+
+
+# summary_record's keys are always there; of the rest, peak_mem_mb too (null on CPU)
+_ALWAYS_IN_SUMMARY = ("peak_mem_mb",)
