@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from dscluster.rundir.writer import RunLog, RunRecord
 from dscluster.train.checkpoint import is_write_failure
 from dscluster.train.config import load_config
 from dscluster.train.dist import default_extensions_dir, is_peer_failure
-from dscluster.train.runlog import RunLog, RunRecord
 from dscluster.train.setup_engine import calibration_batch, needs_memory_fit
 
 

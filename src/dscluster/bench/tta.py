@@ -12,6 +12,8 @@ import json
 import statistics
 from pathlib import Path
 
+from dscluster.rundir import layout
+
 ALONE, LAB = "alone", "lab"
 
 
@@ -34,7 +36,7 @@ def runs_for(config: str, seeds: list[int], target: float, extra: list[str], nod
 def run_record(run_dir: Path) -> dict:
     """What one run reached, from its summary.json (an absent or unreadable one: status missing)."""
     try:
-        s = json.loads((Path(run_dir) / "summary.json").read_text())
+        s = json.loads((Path(run_dir) / layout.SUMMARY_FILE).read_text())
     except (OSError, ValueError):
         return {"status": "missing", "time_to_accuracy_s": None, "accuracy": None, "images_per_s": None}
     tta = s.get("time_to_accuracy") if isinstance(s.get("time_to_accuracy"), dict) else None

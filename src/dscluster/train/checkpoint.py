@@ -25,10 +25,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from dscluster import console, runinfo
+from dscluster import console
 from dscluster.errors import UsageError
 from dscluster.filemodel import validate
 from dscluster.fsutil import StorageFull, atomic_write_text, free_space_text
+from dscluster.rundir import layout
 from dscluster.train import dist, nodelocal
 
 LATEST = "latest"
@@ -204,7 +205,7 @@ class Checkpointer:
     def __init__(self, cfg, rdir: Path, info, *, hosts: list[str], device, primary: bool, calibrate: bool,
                  faults):
         """Collective (every rank finds out whether it shares rank 0's run directory)."""
-        self.dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(rdir) / runinfo.CHECKPOINT_DIR
+        self.dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(rdir) / layout.CHECKPOINT_DIR
         self.resume_mode = None if calibrate else cfg.checkpoint.resume
         self.every_steps = 0 if calibrate else cfg.checkpoint.every_steps
         self.every_epochs = 0 if calibrate else cfg.checkpoint.every_epochs

@@ -17,7 +17,7 @@ from dscluster.train.timing import StepWindow, is_timed
 
 class LogWindow:
     def __init__(self, log, split, boundary, guard, run_record, run_length: int, *, scale_history=None):
-        """`run_record`: the run's RunRecord (runlog.py), whose overflow_steps the window counts."""
+        """`run_record`: the run's RunRecord (rundir/writer.py), whose overflow_steps the window counts."""
         self.log, self.split, self.boundary, self.guard = log, split, boundary, guard
         self.run_record, self.run_length = run_record, run_length
         self.scale_history = scale_history  # a list to append (scale, overflow) to: calibration runs

@@ -8,7 +8,7 @@ resume → per epoch: equal-step check, steps (step.py; records per log window, 
 held-out eval on rank 0 between barriers (evaluation.py), checkpoint → summary, and plan's
 saved prediction beside the measured images/s (plan/predicted.py). Any exception still writes the
 `end` record and, where this rank knows the story, a failed summary.json (from the run's typed
-RunRecord, runlog.py); the process group is
+RunRecord, rundir/writer.py); the process group is
 destroyed in `finally`. Every rank keeps RUN_DIR/traces/rank-R.txt open for Python stack dumps
 (traces.py); a failing rank also dumps torch's flight recorder to RUN_DIR/nccl_trace/ before the
 group is destroyed, on gloo as on NCCL. Test-only faults: faults.FaultHook, which does nothing
@@ -25,10 +25,12 @@ from pathlib import Path
 
 import torch
 
-from dscluster import console, cpus, liveness, runinfo
+from dscluster import console, cpus, liveness
 from dscluster.errors import DsclusterError, UsageError
 from dscluster.fsutil import atomic_write_json, atomic_write_text
 from dscluster.plan import predicted
+from dscluster.rundir import layout
+from dscluster.rundir.writer import RunLog, RunRecord
 from dscluster.train import dist, evaluation, faults, guards
 from dscluster.train.checkpoint import Checkpointer, Position
 from dscluster.train.config import TrainConfig, to_yaml
@@ -37,7 +39,6 @@ from dscluster.train.logwindow import LogWindow
 from dscluster.train.optstep import StepBoundary
 from dscluster.train.precision import PrecisionDecision, decide_here
 from dscluster.train.progress import ProgressBar
-from dscluster.train.runlog import RunLog, RunRecord
 from dscluster.train.step import TrainStep
 from dscluster.train.syncwatch import SyncWatch
 from dscluster.train.timing import WARMUP_STEPS, ends_warmup
@@ -65,8 +66,8 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
     # bad input: exit 2 before anything is written
     decision = decide_precision(cfg, calibrate, info, has_cuda)
     check_comm_here(cfg, calibrate, decision)
-    run_id = runinfo.resolve_run_id()
-    rdir = runinfo.run_dir()
+    run_id = layout.resolve_run_id()
+    rdir = layout.run_dir()
     traces = StackTraces(rdir, info.rank)
     prepare_rank(info, run_id, rdir, has_cuda)
     primary, host = info.rank == 0, dist.hostname()
@@ -97,7 +98,7 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
         raise
     except BaseException as e:
         # Before anything else touches the broken group: what every rank's collectives were.
-        dist.dump_flight_recorder(rdir / "nccl_trace", info.rank)
+        dist.dump_flight_recorder(rdir / layout.NCCL_TRACE_DIR, info.rank)
         traces.exception()
         record_crash(e, log, record, rdir, peak_mem_mb(device), primary=primary, wall_s=round(time.time() - t0, 3))
         raise
@@ -120,7 +121,7 @@ def prepare_rank(info, run_id: str, rdir: Path, has_cuda: bool) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, info.local_world_size)))
     dist.set_primary(info.rank == 0)
     dist.export_env(info, run_id)
-    dist.enable_nccl_diagnostics(rdir / "nccl_trace")
+    dist.enable_nccl_diagnostics(rdir / layout.NCCL_TRACE_DIR)
 
 
 def rank_device(info, has_cuda: bool) -> torch.device:
@@ -265,10 +266,10 @@ class Trainer:
             return
         for note in self.b.notes:
             console.err.print(f"[dim]dscluster train: {note}[/dim]")
-        atomic_write_text(self.rdir / runinfo.CONFIG_FILE, to_yaml(self.cfg))
-        atomic_write_json(self.rdir / runinfo.DS_CONFIG_FILE, self.b.ds_config)
+        atomic_write_text(self.rdir / layout.CONFIG_FILE, to_yaml(self.cfg))
+        atomic_write_json(self.rdir / layout.DS_CONFIG_FILE, self.b.ds_config)
         if self.b.share_plan is not None:
-            atomic_write_json(self.rdir / "shares.json", self.b.share_plan)
+            atomic_write_json(self.rdir / layout.SHARES_FILE, self.b.share_plan)
 
     def fit(self) -> Outcome:
         self.start = self.ckpt.resume()

@@ -14,8 +14,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dscluster import redact, runinfo
+from dscluster import redact
 from dscluster.fsutil import JsonlWriter, atomic_write_json
+from dscluster.rundir import layout
 
 _ENV_PREFIXES = ("NCCL_", "GLOO_", "MASTER_", "OMPI_COMM_WORLD_", "DSCLUSTER_", "TORCH_NCCL_", "TORCH_FR_", "SLURM_",
                  "PMI_")
@@ -48,7 +49,7 @@ class RunLog:
 
     def __init__(self, run_dir: Path, rank: int, host: str):
         self.run_dir, self.rank, self.host = Path(run_dir), rank, host
-        self.metrics = JsonlWriter(self.run_dir / runinfo.METRICS_DIR / f"rank-{rank}.jsonl")
+        self.metrics = JsonlWriter(self.run_dir / layout.METRICS_DIR / f"rank-{rank}.jsonl")
         self._secrets = redact.secret_values()  # an error message may quote one: records never do
 
     def record(self, kind: str, **fields) -> dict:
@@ -62,7 +63,7 @@ class RunLog:
         """env/rank-R.json: the effective environment, versions, and `facts` (e.g. the rank's CPUs)."""
         snap = effective_env()
         snap.update({"host": self.host, "pid": os.getpid(), "versions": software_versions(), **facts})
-        atomic_write_json(self.run_dir / runinfo.ENV_DIR / f"rank-{self.rank}.json",
+        atomic_write_json(self.run_dir / layout.ENV_DIR / f"rank-{self.rank}.json",
                           redact.redact_doc(snap, values=self._secrets))
 
     def write_summary(self, summary: dict, *, only_if_absent_or_not_failed: bool = False) -> None:
@@ -78,7 +79,7 @@ def write_summary(run_dir: Path, summary: dict, *, only_if_absent_or_not_failed:
     """summary.json, atomically, through the one secret rule (`secrets`: values to hide besides the
     environment's, redact.secret_values()); with `only_if_absent_or_not_failed` a failure already
     there stays."""
-    path = Path(run_dir) / runinfo.SUMMARY_FILE
+    path = Path(run_dir) / layout.SUMMARY_FILE
     if only_if_absent_or_not_failed and path.exists():
         try:
             if json.loads(path.read_text()).get("status") == "failed":
