@@ -98,7 +98,7 @@ export DSCLUSTER_LOCAL_RANK="$LOCAL_RANK_ID"
 eval "$(python - <<'PY'
 import os, shlex
 from dscluster.hosts import hostfile_sha256
-from dscluster.runinfo import resolve_run_id, runs_root
+from dscluster.rundir.layout import resolve_run_id, runs_root
 rid = resolve_run_id()
 print(f"export DSCLUSTER_RUN_ID={shlex.quote(rid)}")
 print(f"RUN_DIR={shlex.quote(str(runs_root() / rid))}")

@@ -332,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.keep and (work / "runs" / name).is_dir():
                 shutil.copytree(work / "runs" / name, args.keep / name, dirs_exist_ok=True,
                                 ignore=shutil.ignore_patterns("checkpoints"))
-            print(f"{name}: {nodes} node(s), {ranks[nodes]} rank(s), rc {r.returncode}, {summary.get('images_per_s') or 0:,.1f} img/s, plan "
+            print(f"{name}: {nodes} node(s), {ranks[nodes]} rank(s), rc {r.returncode}, "
+                  f"{summary.get('images_per_s') or 0:,.1f} img/s, plan "
                   f"{pred.get('images_per_s') or 0:,.1f}", flush=True)
             doc["accuracy_by_compression"] = accuracy_by_compression(doc["runs"])
             if args.tta:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from dscluster import console, paths
 from dscluster.launch.mpirun import App, mpirun_argv, mpirun_path
+from dscluster.rundir import layout
 
 LAB = "dslab"
 NODES = 3
@@ -156,7 +157,7 @@ def copy_run(src: Path, dest_root: Path) -> Path:
     dest = dest_root / src.name
     if dest.exists():
         shutil.rmtree(dest)
-    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("checkpoints"))
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns(layout.CHECKPOINT_DIR))
     return dest
 
 
@@ -167,7 +168,7 @@ def plot(journey: Journey, run_dir: Path | None) -> Path | None:
         journey.done(step, "skipped", "no run directory")
         return None
     rc = stream([sys.executable, str(script), str(run_dir)], timeout=300)
-    pictures = run_dir / "plots"
+    pictures = run_dir / layout.PLOTS_DIR
     journey.done(step, "ok" if rc == 0 else "failed", f"{pictures}" if rc == 0 else f"exit {rc}")
     return pictures if rc == 0 else None
 
@@ -274,7 +275,7 @@ def finish(journey: Journey, run_dir: Path | None, pictures: Path | None) -> int
     journey.summary()
     if run_dir is not None:
         console.out.print(f"run directory: {run_dir}")
-        summary = run_dir / "summary.json"
+        summary = run_dir / layout.SUMMARY_FILE
         if summary.exists():
             import json
 
@@ -284,7 +285,7 @@ def finish(journey: Journey, run_dir: Path | None, pictures: Path | None) -> int
                               f"held-out accuracy {acc:.1%}" if isinstance(acc, float) else f"result: {s}")
     if pictures is not None:
         console.out.print(f"pictures: {pictures}" + (f"  report: {pictures.parent / 'report.html'}"
-                                                    if (pictures.parent / "report.html").exists() else ""))
+                                                    if (pictures.parent / layout.REPORT_FILE).exists() else ""))
     return 0 if journey.ok else 1
 
 

@@ -24,15 +24,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dscluster import runinfo
 from dscluster.fsutil import atomic_write_json
 from dscluster.gpus import visible_indices
 from dscluster.ranks import detect_ranks
-from dscluster.train.runlog import summary_record, write_summary
+from dscluster.rundir import layout
+from dscluster.rundir.writer import summary_record, write_summary
 
 
 def record_path(run_dir: Path, rank: int) -> Path:
-    return Path(run_dir) / runinfo.PROCESS_DIR / f"rank-{rank}.json"
+    return Path(run_dir) / layout.PROCESS_DIR / f"rank-{rank}.json"
 
 
 def exit_text(code: int) -> str:
@@ -107,7 +107,7 @@ def end(run_dir: Path, code: int, env: dict[str, str], now: float | None = None)
 def _summary_complete(run_dir: Path, world_size: int, wall: float | None) -> None:
     """Rank 0 exited 0: summary.json says complete with exit 0. A summary the program wrote itself
     (userlog) says more and stays, gaining the exit code; a failure another rank recorded stays."""
-    path = run_dir / runinfo.SUMMARY_FILE
+    path = run_dir / layout.SUMMARY_FILE
     try:
         summary = json.loads(path.read_text())
     except FileNotFoundError:

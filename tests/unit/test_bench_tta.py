@@ -8,8 +8,8 @@ from pathlib import Path
 
 from dscluster.bench import tta
 from dscluster.fsutil import atomic_write_json
+from dscluster.rundir.writer import summary_record
 from dscluster.train.evaluation import TimeToAccuracy
-from dscluster.train.runlog import summary_record
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -111,6 +111,19 @@ def test_every_package_imports_in_a_fresh_interpreter(package):
     assert out.returncode == 0, out.stderr
 
 
+def test_the_training_package_imports_without_torch_and_its_modules_in_a_fresh_interpreter():
+    # the package face stays cheap (the CLI imports it for --help); every module of it imports on its own
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    face = subprocess.run([sys.executable, "-c", "import sys, dscluster.train; print('torch' in sys.modules)"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert face.returncode == 0 and face.stdout.strip() == "False", face.stderr or face.stdout
+    train = sorted(n for n in MODULES if n.startswith("dscluster.train."))
+    assert "dscluster.train.loop" in train and "dscluster.train" in PACKAGES
+    code = "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)"
+    out = subprocess.run([sys.executable, "-c", code, *train], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+
+
 def test_no_module_is_over_the_line_limit():
     long = {name: n for name, p in MODULES.items()
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES and name not in OVER_MAX_LINES}

@@ -6,7 +6,7 @@ import pytest
 
 from dscluster import envreport, redact
 from dscluster.cli import main
-from dscluster.train.runlog import RunLog, effective_env
+from dscluster.rundir.writer import RunLog, effective_env
 
 KEY_BLOCK = "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAA\n-----END OPENSSH PRIVATE KEY-----\n"
 # One planted secret of each kind: a word in the name, a known name, a value that is a private key.

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 
 from dscluster.errors import JobFailed, UsageError
-from dscluster.train.checkpoint import commit_latest, find_latest, resume_decision
+from dscluster.ranks import RankInfo
+from dscluster.train.checkpoint import Checkpointer, Position, commit_latest, find_latest, resume_decision
 from dscluster.train.config import load_config
-from dscluster.train.faults import parse_fault
+from dscluster.train.faults import FaultHook, parse_fault
 from dscluster.train.guards import LossScaleGuard, TrainingAborted, check_equal_steps
 from dscluster.train.losscale import recommend_initial_scale_power, replay_dynamic_scaler, write_initial_scale_power
 
@@ -107,6 +108,52 @@ def test_fault_injection_parsing():
     for bad in ("explode:rank=1", "exit:rank=1", "exit:step=3", "skip_collective:rank=x,step=1"):
         with pytest.raises(UsageError, match="DSCLUSTER_FAULT"):
             parse_fault(bad)
+
+
+def test_the_fault_hook_does_nothing_unless_a_fault_names_this_rank():
+    env = {"DSCLUSTER_FAULT": "disk_full:rank=0,step=20;mismatch_steps:rank=0;slow_comm:rank=1,ms=200"}
+    for quiet in (FaultHook(0, {}), FaultHook(2, env)):
+        assert not quiet and not quiet.fails_save(20) and quiet.extra_steps_per_epoch() == 0
+        assert quiet.comm_delay_s() == 0.0
+        quiet.before_step(20, log=None, timeout_s=1.0)  # nothing to inject: returns at once
+    rank0, rank1 = FaultHook(0, env), FaultHook(1, env)
+    assert rank0 and [s for s in (19, 20, 21) if rank0.fails_save(s)] == [20]
+    assert rank0.extra_steps_per_epoch() == 1 and rank1.extra_steps_per_epoch() == 0
+    assert rank1.comm_delay_s() == 0.2 and not rank1.fails_save(20)
+
+
+def checkpointer(run_dir, *overrides: str, calibrate: bool = False, steps_per_epoch: int = 7) -> Checkpointer:
+    ckpt = Checkpointer(load_config(None, list(overrides)), run_dir, RankInfo(0, 0, 1, 1, "single"), hosts=["node1"],
+                        device=None, primary=True, calibrate=calibrate, faults=FaultHook(0, {}))
+    sampler = type("Sampler", (), {"steps_per_epoch": steps_per_epoch})()
+    ckpt.attach(type("Built", (), {"engine": None, "comm": None, "sampler": sampler})(), boundary=None)
+    return ckpt
+
+
+def saves_of_a_run(run_dir, *overrides: str, epochs: int = 2, calibrate: bool = False) -> list[tuple[int, int, int]]:
+    """Where the Checkpointer saves over a run of 7 steps an epoch, driven as train/loop.py drives it."""
+    ckpt = checkpointer(run_dir, *overrides, calibrate=calibrate)
+    saved = []
+    ckpt.save = lambda pos: saved.append((pos.epoch, pos.step_in_epoch, pos.global_step))
+    step = 0
+    for epoch in range(epochs):
+        for s in range(7):
+            step += 1
+            ckpt.maybe_save(Position(epoch, s + 1, step))
+        ckpt.maybe_save(Position(epoch, 7, step), epoch_end=True, last=epoch + 1 == epochs)
+    return saved
+
+
+def test_the_checkpointer_saves_where_the_rules_say(tmp_path):
+    assert checkpointer(tmp_path).dir == tmp_path / "checkpoints"
+    assert checkpointer(tmp_path, f"checkpoint.dir={tmp_path / 'elsewhere'}").dir == tmp_path / "elsewhere"
+    # every epoch (the default), and mid-epoch every 5 steps but never on an epoch's last step
+    assert saves_of_a_run(tmp_path, "checkpoint.every_steps=5") == [(0, 5, 5), (0, 7, 7), (1, 3, 10), (1, 7, 14)]
+    # every 3rd epoch: the run's last epoch still saves
+    assert saves_of_a_run(tmp_path, "checkpoint.every_epochs=3", epochs=4) == [(2, 7, 21), (3, 7, 28)]
+    assert saves_of_a_run(tmp_path, "checkpoint.every_epochs=0") == []
+    assert saves_of_a_run(tmp_path, "checkpoint.every_steps=5", calibrate=True) == []  # calibration never saves
+    assert checkpointer(tmp_path, "checkpoint.resume=true", calibrate=True).resume() == Position(0, 0, 0)
 
 
 def test_resume_decision_and_latest_pointer(tmp_path):

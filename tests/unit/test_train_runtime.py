@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from dscluster.rundir.writer import RunLog, RunRecord
 from dscluster.train.checkpoint import is_write_failure
 from dscluster.train.config import load_config
 from dscluster.train.dist import default_extensions_dir, is_peer_failure
-from dscluster.train.runlog import RunLog
 from dscluster.train.setup_engine import calibration_batch, needs_memory_fit
 
 
@@ -108,3 +108,18 @@ def test_speed_calibration_of_a_small_card_stays_within_its_memory_fit():
     assert calibration_batch(128, 79) == 79
     assert calibration_batch(64, 900) == 64
     assert calibration_batch(32, None) == 32  # CPU: no fit measured
+
+
+def test_the_run_record_gives_summary_json_its_fields():
+    record = RunRecord(run_id="r1", world_size=2, hosts=["node1", "node2"], model="vit_tiny", dataset="digits",
+                       epochs=3)
+    failed = record.summary(status="failed", wall_s=1.5, failed_rank=1, failed_host="node2", error="boom")
+    assert failed["status"] == "failed" and failed["failed_host"] == "node2" and failed["steps"] == 0
+    assert failed["precision"] is None and failed["peak_mem_mb"] is None  # not reached yet, still said
+    assert not {"plan", "vanished_hosts", "timed_steps", "target_accuracy"} & set(failed)
+    record.steps, record.overflow_steps, record.peak_mem_mb, record.vanished_hosts = 12, 3, 812.5, []
+    record.time_to_accuracy = {"target_accuracy": 0.9, "time_to_accuracy": None}
+    done = record.summary(status="complete", wall_s=9.0)
+    assert (done["steps"], done["overflow_steps"], done["peak_mem_mb"]) == (12, 3, 812.5)
+    assert done["vanished_hosts"] == [] and done["target_accuracy"] == 0.9 and done["time_to_accuracy"] is None
+    assert list(done)[:3] == ["status", "run_id", "world_size"]

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from dscluster import userlog
 from dscluster.analysis import analyse
 from dscluster.analysis.diagnose import diagnose
 from dscluster.analysis.load import load_run
 from dscluster.fsutil import read_jsonl
+from dscluster.rundir import userlog
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -115,7 +117,7 @@ def test_plot_script_exits_0_on_a_userlog_run(tmp_path):
     assert (run / "plots" / "loss.png").exists()
 
 
-def test_run_dir_is_entry_cn_s_else_runinfo_s_rule(tmp_path):
+def test_run_dir_is_entry_cn_s_else_the_layout_s_rule(tmp_path):
     assert userlog.run_dir({userlog.RUN_DIR_ENV: "/r/x"}) == Path("/r/x")
     assert userlog.run_dir({"DSCLUSTER_RUNS": "/r", "DSCLUSTER_RUN_ID": "abc"}) == Path("/r/abc")
 
@@ -153,3 +155,16 @@ def test_exports_cli_names_a_bad_launcher_variable(capsys, monkeypatch):
     assert userlog.main(["--exports"]) == 2
     assert "OMPI_COMM_WORLD_RANK='x'" in capsys.readouterr().err
     assert userlog.main([]) == 2
+
+
+def test_users_scripts_keep_their_import_and_entry_cn_its_command(tmp_path):
+    # `from dscluster import userlog` (docs/byo-script.md) and `python -m dscluster.userlog --exports`
+    # (entry_cn.sh) hand on the run directory package's API
+    from dscluster import userlog as public
+
+    assert public.open_run is userlog.open_run and public.program_exports is userlog.program_exports
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI", "SLURM", "RANK", "WORLD"))}
+    out = subprocess.run([sys.executable, "-m", "dscluster.userlog", "--exports"], capture_output=True, text=True,
+                         env={**env, userlog.RUN_DIR_ENV: str(tmp_path)}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"export {userlog.RUN_DIR_ENV}={tmp_path}" in out.stdout.splitlines()

@@ -10,7 +10,7 @@ from pathlib import Path
 from dscluster import redact
 from dscluster.analysis.load import RunData, load_run
 from dscluster.fsutil import atomic_write_text
-from dscluster.runinfo import PLOTS_DIR, REPORT_FILE
+from dscluster.rundir.layout import PLOTS_DIR, REPORT_FILE
 
 
 @dataclass

@@ -21,7 +21,7 @@ from dscluster.analysis.monitor import read_monitor
 from dscluster.errors import UsageError
 from dscluster.filemodel import NUMBER, validate
 from dscluster.fsutil import read_jsonl
-from dscluster.runinfo import (
+from dscluster.rundir.layout import (
     CHECKPOINT_DIR,
     CONFIG_FILE,
     DS_CONFIG_FILE,

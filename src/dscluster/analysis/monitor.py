@@ -16,7 +16,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from dscluster.runinfo import CHECKPOINT_DIR
+from dscluster.rundir.layout import CHECKPOINT_DIR
 
 Series = list[tuple[float, float]]
 EXPORT_DIR = Path("tensorboard") / "dscluster"

@@ -36,7 +36,7 @@ from dscluster.bench import runner
 from dscluster.errors import UsageError
 from dscluster.fsutil import atomic_write_json, read_jsonl
 from dscluster.launch.mpirun import App, mpirun_argv, mpirun_path
-from dscluster.runinfo import METRICS_DIR, SUMMARY_FILE
+from dscluster.rundir.layout import METRICS_DIR, SUMMARY_FILE
 
 TARGET_RATIO = 0.9
 """The goal: real data at no less than 0.9× the synthetic-data throughput on one GPU."""

@@ -24,7 +24,7 @@ from dscluster.errors import UsageError
 from dscluster.launch import mpirun as launch_mpirun
 from dscluster.launch.mpirun import App, mpirun_path
 from dscluster.netif import free_port  # noqa: F401  (each job gets its own rendezvous)
-from dscluster.runinfo import METRICS_DIR
+from dscluster.rundir.layout import METRICS_DIR
 
 LAUNCHERS = ("torchrun", "mpirun")
 

@@ -13,6 +13,7 @@ import statistics
 from pathlib import Path
 
 from dscluster.fsutil import read_jsonl
+from dscluster.rundir import layout
 
 ALONE, LAB = "alone", "lab"
 
@@ -42,7 +43,7 @@ def training_seconds(run_dir: Path) -> float | None:
     prediction covers (steps, warm-up and compilation, evaluations, saves), without the process
     start-up before the first step (imports, DeepSpeed and NCCL bring-up, the data set)."""
     try:
-        recs = read_jsonl(Path(run_dir) / "metrics" / "rank-0.jsonl")
+        recs = read_jsonl(Path(run_dir) / layout.METRICS_DIR / "rank-0.jsonl")
     except OSError:
         return None
     steps = [r for r in recs if r.get("kind") == "step" and isinstance(r.get("step_time"), (int, float))]
@@ -55,7 +56,7 @@ def training_seconds(run_dir: Path) -> float | None:
 def run_record(run_dir: Path) -> dict:
     """What one run reached, from its summary.json (an absent or unreadable one: status missing)."""
     try:
-        s = json.loads((Path(run_dir) / "summary.json").read_text())
+        s = json.loads((Path(run_dir) / layout.SUMMARY_FILE).read_text())
     except (OSError, ValueError):
         return {"status": "missing", "time_to_accuracy_s": None, "accuracy": None, "images_per_s": None}
     tta = s.get("time_to_accuracy") if isinstance(s.get("time_to_accuracy"), dict) else None

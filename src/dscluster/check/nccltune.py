@@ -97,6 +97,7 @@ def decide_socket_tuning(record: dict | None) -> tuple[dict[str, str], Finding |
     env = {THREADS: str(t), SOCKS: str(s)}
     return env, Finding("info", None, "allreduce",
                         f"NCCL socket tuning on a {line} link: {THREADS}={t} {SOCKS}={s} reached {best:.3f} GB/s, "
-                        f"{best / base - 1:.0%} over the defaults' {base:.3f} GB/s (GB/s by threads x sockets: {table})",
+                        f"{best / base - 1:.0%} over the defaults' {base:.3f} GB/s "
+                        f"(GB/s by threads x sockets: {table})",
                         "nothing to do: written to the env files")
 

@@ -284,6 +284,6 @@ def start_ready(client, command: str, seconds: float):
 
 def runs_dir_for_probe() -> str:
     """Absolute path of where runs are written (ranks run in the head's cwd on every node)."""
-    from dscluster.runinfo import runs_root
+    from dscluster.rundir.layout import runs_root
 
     return os.path.abspath(runs_root())

@@ -23,8 +23,17 @@ from dscluster.check.layout import layout_findings, probe_layout
 from dscluster.check.nccltune import SOCKS, THREADS, decide_socket_tuning, grid_envs, grid_point, why_not_tuned
 from dscluster.check.netprobe import run_pairs
 from dscluster.check.netrules import evaluate_links, iface_mtus, links_summary
-from dscluster.check.probe import (ProbeSettings, default_key, open_session, parse_reach, probe_node,
-                                   reach_script, runs_dir_for_probe, start_listener, start_ready)
+from dscluster.check.probe import (
+    ProbeSettings,
+    default_key,
+    open_session,
+    parse_reach,
+    probe_node,
+    reach_script,
+    runs_dir_for_probe,
+    start_listener,
+    start_ready,
+)
 from dscluster.check.rules import Evaluation, Finding, evaluate, has_errors, node_envs
 from dscluster.errors import UsageError
 from dscluster.hosts import Hostfile, hostfile_sha256, parse_hostfile
@@ -167,7 +176,8 @@ def mca_phase(sessions, facts, ev: Evaluation, opts: CheckOptions, python: str) 
                               timeout=opts.timeout + 5, description="mpirun's subnet", show_progress=opts.show_progress)
     out = []
     for name, o in sorted(outcomes.items()):
-        for rel, r in ((o.value or {}) if o.ok else {".openmpi and ~/.prte parameter files": {"ok": False, "error": str(o.error)}}).items():
+        failed = {".openmpi and ~/.prte parameter files": {"ok": False, "error": str(o.error)}}
+        for rel, r in ((o.value or {}) if o.ok else failed).items():
             if not r.get("ok"):
                 out.append(Finding("warning", name, "mpi", f"could not write ~/{rel}: {r.get('error')}: a "
                                    "hand-typed mpirun may send its own traffic through docker0 or a down interface",
@@ -332,7 +342,8 @@ def run_check(opts: CheckOptions) -> CheckRun:
         raise UsageError(f"--master-port {opts.master_port}: expected a TCP port 1-65535")
     known_hosts = state.known_hosts_path()
     if not known_hosts.exists():
-        raise UsageError(f"{known_hosts}: no pinned host keys yet; run `dscluster setup --hostfile {opts.hostfile}` first "
+        raise UsageError(f"{known_hosts}: no pinned host keys yet; "
+                         f"run `dscluster setup --hostfile {opts.hostfile}` first "
                          "(or set DSCLUSTER_STATE to the state directory setup used)")
     python = sys.executable
     settings = ProbeSettings(known_hosts=known_hosts, key_filename=default_key(),

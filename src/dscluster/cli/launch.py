@@ -25,7 +25,7 @@ from dscluster.fsutil import atomic_write_text
 from dscluster.hosts import hostfile_sha256, parse_hostfile
 from dscluster.launch import builders
 from dscluster.launch.mpirun import launcher_bin_dir
-from dscluster.runinfo import resolve_run_id, runs_root
+from dscluster.rundir.layout import resolve_run_id, runs_root
 
 EPILOG = """examples:
   dscluster launch --dry-run                              # print the mpirun command

@@ -20,8 +20,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dscluster import liveness, runinfo
+from dscluster import liveness
 from dscluster.launch.builders import NodeCommand
+from dscluster.rundir import layout
 
 # After the run's summary.json is written (the job's outcome is known), or after mpirun exited
 # leaving ranks of this node behind, how long the job gets to end by itself before it is stopped.
@@ -117,7 +118,7 @@ def summary_mark(run_dir: Path | None) -> float:
     if run_dir is None:
         return 0.0
     try:
-        return (run_dir / runinfo.SUMMARY_FILE).stat().st_mtime
+        return (run_dir / layout.SUMMARY_FILE).stat().st_mtime
     except OSError:
         return 0.0
 
@@ -127,7 +128,7 @@ def summary_since(run_dir: Path | None, mark: float) -> dict:
     a resumed run's directory holds the earlier attempt's), else {}."""
     if run_dir is None:
         return {}
-    path = run_dir / runinfo.SUMMARY_FILE
+    path = run_dir / layout.SUMMARY_FILE
     try:
         if path.stat().st_mtime <= mark:
             return {}
@@ -142,7 +143,7 @@ def run_pg_timeout(run_dir: Path | None) -> float:
     import yaml
 
     try:
-        cfg = yaml.safe_load((run_dir / runinfo.CONFIG_FILE).read_text(encoding="utf-8"))
+        cfg = yaml.safe_load((run_dir / layout.CONFIG_FILE).read_text(encoding="utf-8"))
         return float(cfg["dist"]["timeout_s"])
     except Exception:  # noqa: BLE001 - not started yet, or unreadable: the default bound
         return DEFAULT_PG_TIMEOUT_S

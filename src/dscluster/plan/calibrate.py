@@ -16,7 +16,8 @@ import subprocess
 import sys
 import time
 
-from dscluster import paths, runinfo
+from dscluster import paths
+from dscluster.rundir import layout
 
 STEPS = 12
 """Steps of a calibration run: train's warm-up steps (train/timing.py), then the timed ones."""
@@ -60,9 +61,9 @@ def run(hostfile: str, config: str, user_overrides: list[str], world: int) -> di
     except OSError as e:  # no mpirun to start
         print(f"dscluster plan: could not start {cmd[0]}: {e}", file=sys.stderr)
         rc = 127
-    run_dir = runinfo.runs_root() / run_id
+    run_dir = layout.runs_root() / run_id
     try:
-        summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+        summary = json.loads((run_dir / layout.SUMMARY_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         summary = {}
     return {"compression": "powersgd", "run_id": run_id, "run_dir": str(run_dir), "exit_code": rc,

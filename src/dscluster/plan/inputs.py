@@ -252,7 +252,8 @@ def gradient_shapes(cfg, in_chans: int, num_classes: int) -> tuple[int, tuple[tu
     device: shapes only, no memory, so ViT-B costs nothing to count."""
     import torch
 
-    from dscluster.train.model import build_model, count_params as count
+    from dscluster.train.model import build_model
+    from dscluster.train.model import count_params as count
 
     with torch.device("meta"):
         net = build_model(cfg.model, in_chans=in_chans, num_classes=num_classes, img_size=cfg.data.img_size)
@@ -357,7 +358,8 @@ def measure(opts: PlanOptions) -> PlanInputs:
             pass  # a read-only state directory costs the next plan a measurement, not this one
     return PlanInputs(cfg=cfg, hostfile=hostfile, compute=compute, how=how, source=source, busbw=busbw,
                       check_world=check_world, latency=latency, world=world, micro=micro, accum=accum,
-                      global_batch=shape.global_batch, batch_note=batch_note, params=params, matrices=matrices, precision=precision,
+                      global_batch=shape.global_batch, batch_note=batch_note, params=params, matrices=matrices,
+                      precision=precision,
                       precision_note=precision_note, grad_format=gradient_format(cfg, precision), allowed=allowed,
                       refused=refused, powersgd_s=powersgd_s, calibration=calibration, notes=list(shape.notes) + notes)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dscluster.analysis.stats import STRAGGLER_FACTOR
-from dscluster.runinfo import METRICS_DIR, PROCESS_DIR, TELEMETRY_DIR, runs_root
+from dscluster.rundir.layout import METRICS_DIR, PROCESS_DIR, TELEMETRY_DIR, runs_root
 from dscluster.telemetry.backends import SLOWDOWN_REASONS
 
 FRESH_S = 5.0

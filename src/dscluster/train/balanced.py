@@ -87,14 +87,14 @@ def _water_fill(speeds: Sequence[float], total: int, caps: Sequence[int]) -> lis
     sum(clip(lam * s_i, 1, cap_i)) grows monotonically from n to sum(caps) as lam grows,
     so bisection on lam finds the one proportional-where-possible split.
     """
-    lo, hi = 0.0, max(c / s for c, s in zip(caps, speeds)) * 2.0
+    lo, hi = 0.0, max(c / s for c, s in zip(caps, speeds, strict=True)) * 2.0
     for _ in range(200):
         lam = (lo + hi) / 2
-        if sum(min(max(lam * s, 1.0), c) for s, c in zip(speeds, caps)) < total:
+        if sum(min(max(lam * s, 1.0), c) for s, c in zip(speeds, caps, strict=True)) < total:
             lo = lam
         else:
             hi = lam
-    return [min(max(hi * s, 1.0), c) for s, c in zip(speeds, caps)]
+    return [min(max(hi * s, 1.0), c) for s, c in zip(speeds, caps, strict=True)]
 
 
 def plan_shares(samples_per_s: Sequence[float], global_batch: int, max_micro: Sequence[int] | None = None) -> list[int]:
@@ -110,7 +110,7 @@ def plan_shares(samples_per_s: Sequence[float], global_batch: int, max_micro: Se
     caps = _check_inputs(samples_per_s, global_batch, max_micro)
     speeds = [float(s) for s in samples_per_s]
     ideal = _water_fill(speeds, global_batch, caps)
-    shares = [min(max(int(math.floor(x + 1e-9)), 1), c) for x, c in zip(ideal, caps)]
+    shares = [min(max(int(math.floor(x + 1e-9)), 1), c) for x, c in zip(ideal, caps, strict=True)]
     # Largest remainder: hand out what floor() cut off to the ranks furthest below their
     # ideal share that still have room; take back (bisection noise) from those furthest above.
     while sum(shares) < global_batch:
@@ -248,7 +248,7 @@ class SharePlan:
 
     def predicted_step_s(self) -> list[float]:
         """Each rank's expected compute time per micro-step: b_i / s_i (ideally all equal)."""
-        return [b / s for b, s in zip(self.shares, self.samples_per_s)]
+        return [b / s for b, s in zip(self.shares, self.samples_per_s, strict=True)]
 
     def to_dict(self) -> dict:
         return {

@@ -25,9 +25,12 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from dscluster import console
 from dscluster.errors import UsageError
 from dscluster.filemodel import validate
 from dscluster.fsutil import StorageFull, atomic_write_text, free_space_text
+from dscluster.rundir import layout
+from dscluster.train import dist, nodelocal
 
 LATEST = "latest"
 MAX_FAILED_SAVES = 2
@@ -189,3 +192,78 @@ def position_of(client: dict, where: str) -> Position:
     except (ValueError, AttributeError) as e:
         raise UsageError(f"{where}: damaged checkpoint metadata: {e}; {fix}") from None
     return Position(int(p["epoch"]), int(p["step_in_epoch"]), int(p["global_step"]))
+
+
+class Checkpointer:
+    """The run's save and resume rules in one place: where checkpoints go (checkpoint.dir, else the
+    run directory's), whether the nodes share it (nodelocal.py), which checkpoint a start resumes
+    from (`resume`: the flag, `latest`, and every node naming the same tag), when a save is due
+    (`maybe_save`: checkpoint.every_steps inside an epoch; checkpoint.every_epochs and the run's last
+    epoch at an epoch's end) and what a failed save does (`after_save`). A calibration run neither
+    resumes nor saves."""
+
+    def __init__(self, cfg, rdir: Path, info, *, hosts: list[str], device, primary: bool, calibrate: bool,
+                 faults):
+        """Collective (every rank finds out whether it shares rank 0's run directory)."""
+        self.dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(rdir) / layout.CHECKPOINT_DIR
+        self.resume_mode = None if calibrate else cfg.checkpoint.resume
+        self.every_steps = 0 if calibrate else cfg.checkpoint.every_steps
+        self.every_epochs = 0 if calibrate else cfg.checkpoint.every_epochs
+        self.info, self.hosts, self.device, self.primary, self.faults = info, hosts, device, primary, faults
+        self.shared = nodelocal.run_dir_shared(rdir, info.rank)
+        self.node_local = not self.shared  # without NFS every node keeps its own checkpoint
+        self.engine = self.comm = self.boundary = None
+        self.steps_per_epoch = 0
+        self.failed_in_a_row = 0
+        self.say = console.err.print  # rank 0 points it at the progress bar once there is one
+
+    def attach(self, built, boundary) -> None:
+        """What a checkpoint holds: the engine, PowerSGD's state (built.comm) and the step boundary's."""
+        self.engine, self.comm, self.boundary = built.engine, built.comm, boundary
+        self.steps_per_epoch = built.sampler.steps_per_epoch
+
+    def resume(self) -> Position:
+        """Collective: where this run starts (0 unless a checkpoint every rank agrees on is loaded)."""
+        if self.resume_mode is None:
+            return Position(0, 0, 0)
+        tag = resume_decision(self.resume_mode, self.dir)
+        tag = nodelocal.resume_agreement(dist.all_gather_strings(tag or ""), self.hosts, self.dir, self.shared)
+        if not tag:
+            return Position(0, 0, 0)
+        pos, client = load(self.engine, self.dir, tag)
+        self.boundary.load_state_dict(client)
+        note = None if self.comm is None else self.comm.restore(
+            self.dir / tag, self.info.rank, self.info.world_size, self.device, dist.all_gather_strings)
+        if self.primary:
+            console.err.print(f"dscluster train: resumed from {self.dir}/{tag} at global step {pos.global_step}")
+            if note:
+                console.err.print(f"[dim]dscluster train: {note}[/dim]")
+        return pos
+
+    def maybe_save(self, pos: Position, *, epoch_end: bool = False, last: bool = False, before=None) -> None:
+        """Collective: save at `pos` when the rules above ask for one (`before()` first: the log window
+        is flushed, so the checkpoint's steps are on record). Inside an epoch never on its last step:
+        the epoch's own save follows."""
+        if epoch_end:
+            due = bool(self.every_epochs and ((pos.epoch + 1) % self.every_epochs == 0 or last))
+        else:
+            due = bool(self.every_steps and pos.global_step % self.every_steps == 0
+                       and pos.step_in_epoch < self.steps_per_epoch)
+        if not due:
+            return
+        if before is not None:
+            before()
+        self.save(pos)
+
+    def save(self, pos: Position) -> None:
+        """Collective: save now; a failure warns, or stops the run at MAX_FAILED_SAVES (`after_save`)."""
+        info, comm = self.info, self.comm
+        rank_state = None if comm is None else (lambda tag_dir: comm.save(tag_dir, info.rank, info.world_size))
+        ok, msg = save(self.engine, self.dir, pos, rank=info.rank, fail_save=self.faults.fails_save(pos.global_step),
+                       extra=self.boundary.state_dict(), rank_state=rank_state,
+                       writes_latest=nodelocal.writes_latest(info.rank, info.local_rank, self.shared))
+        self.failed_in_a_row, msg = after_save(ok, msg, self.failed_in_a_row)
+        if ok and not self.primary:
+            return
+        text = f"{'[yellow]warning:[/yellow] ' if not ok else ''}{msg}"
+        (self.say if self.primary else console.err.print)(text + ("" if self.primary else f" (rank {info.rank})"))

@@ -33,7 +33,8 @@ import time
 from pathlib import Path
 
 import torch
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
 from dscluster.fsutil import atomic_write_bytes
 

@@ -23,8 +23,15 @@ import yaml
 from dscluster import paths
 from dscluster.errors import UsageError
 from dscluster.train.config_checks import (
-    SMALL_IMAGE_MODEL, ConfigValueError, check_deepspeed_section, check_fields, check_optimizer_name,
-    check_relations, check_world, compression_conflict, limits,
+    SMALL_IMAGE_MODEL,
+    ConfigValueError,
+    check_deepspeed_section,
+    check_fields,
+    check_optimizer_name,
+    check_relations,
+    check_world,
+    compression_conflict,
+    limits,
 )
 
 
@@ -333,7 +340,8 @@ def _from_node(cls, node: yaml.Node, path: str, section: str, lines: dict[str, i
     `lines` collects dotted key → line number, so later range checks can say where."""
     lines = {} if lines is None else lines
     if not isinstance(node, yaml.MappingNode):
-        raise UsageError(f"{path}:{node.start_mark.line + 1}: {section or 'the config'} must be a mapping of key: value")
+        raise UsageError(f"{path}:{node.start_mark.line + 1}: {section or 'the config'} "
+                         "must be a mapping of key: value")
     fields, hints = _fields(cls), _hints(cls)
     kwargs: dict[str, Any] = {}
     seen: dict[str, int] = {}
@@ -421,7 +429,8 @@ def apply_override(cfg: TrainConfig, text: str) -> str:
             return _override_in_mapping(obj, parts, i, raw, where)
         if dataclasses.is_dataclass(tp):
             if i == len(parts) - 1:
-                raise UsageError(f"{where}: {key!r} is a section; set one of its keys, e.g. {key}.{next(iter(_fields(tp)))}=...")
+                raise UsageError(f"{where}: {key!r} is a section; set one of its keys, "
+                                 f"e.g. {key}.{next(iter(_fields(tp)))}=...")
             obj = getattr(obj, part)
             continue
         if i != len(parts) - 1:

@@ -303,9 +303,9 @@ def compression_conflict(cfg, precision: str | None) -> None:
 
 def checkpoint_dir(cfg, run_dir: Path) -> Path:
     """Where checkpoints go: checkpoint.dir, else <run dir>/checkpoints."""
-    from dscluster import runinfo
+    from dscluster.rundir import layout
 
-    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / runinfo.CHECKPOINT_DIR
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / layout.CHECKPOINT_DIR
 
 
 def check_world(cfg) -> None:
@@ -342,10 +342,10 @@ def check_world(cfg) -> None:
         raise E("checkpoint.dir", f"checkpoint.dir {cfg.checkpoint.dir!r} is a file; point it at a folder "
                                   "(it is created when missing)")
     if cfg.checkpoint.resume == "true":
-        from dscluster import runinfo
+        from dscluster.rundir import layout
         from dscluster.train.checkpoint import resume_decision
 
         try:
-            resume_decision("true", checkpoint_dir(cfg, runinfo.run_dir()))
+            resume_decision("true", checkpoint_dir(cfg, layout.run_dir()))
         except UsageError as e:
             raise E("checkpoint.resume", str(e), also=("checkpoint.dir",)) from None

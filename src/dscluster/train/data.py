@@ -3,8 +3,8 @@
 Every data set answers `get_batch(indices, device, dtype)`. Samples are kept compactly (uint8 or
 small float at native resolution), so CIFAR-10 at 224×224 does not need 30 GB of RAM, and
 synthetic benchmark data lives on the GPU from the start (no host→device copy per step).
-ImageFolder, CIFAR-10 and fractal (train/fractal.py) batches are made on the host (`prepare`: decode, resize to img_size,
-augment, as uint8), which DataLoader workers do ahead of the step (train/loader.py); the
+ImageFolder, CIFAR-10 and fractal (train/fractal.py) batches are made on the host (`prepare`:
+decode, resize to img_size, augment, as uint8), which DataLoader workers do ahead of the step (train/loader.py); the
 device only normalises them. Digits, tiny and in memory, is resized and normalised on the
 device. What crosses from the host goes through pinned memory, so no step waits for the GPU.
 """
@@ -382,7 +382,8 @@ def load_imagefolder(cfg: DataConfig) -> Splits:
         return Splits(_limit(train, cfg.limit), hold)
     full = _scan_folder(root, cfg.img_size, "imagefolder")
     tr, ho = _split(len(full), cfg.holdout_fraction)
-    return Splits(_limit(full.subset(tr.tolist(), "imagefolder"), cfg.limit), full.subset(ho.tolist(), "imagefolder-holdout"))
+    return Splits(_limit(full.subset(tr.tolist(), "imagefolder"), cfg.limit),
+                  full.subset(ho.tolist(), "imagefolder-holdout"))
 
 
 def load_fractal(cfg: DataConfig) -> Splits:

@@ -287,7 +287,7 @@ def apply_timeout_everywhere(timeout_s: float) -> int:
     if not tdist.is_initialized():
         return 0
     td = datetime.timedelta(seconds=timeout_s)
-    setter = getattr(tdist, "set_timeout", None) or getattr(c10d, "_set_pg_timeout")
+    setter = getattr(tdist, "set_timeout", None) or c10d._set_pg_timeout
     count = 0
     for group in list(c10d._world.pg_map.keys()):
         try:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from dscluster import runinfo
 from dscluster.errors import UsageError
+from dscluster.rundir import layout
 from dscluster.train.config import TrainConfig
 from dscluster.train.optstep import dscluster_clips
 from dscluster.train.precision import amp_dtype
@@ -73,7 +73,7 @@ def monitor_defaults(theirs: dict | None, run_dir: Path | None = None) -> dict:
     """A DeepSpeed monitor the user turned on writes into the run directory (RUN_DIR/monitor/deepspeed/)
     unless they gave its output_path or job_name: DeepSpeed's own default is the working directory,
     where `plot` would not find it and every run would append to the same files."""
-    run_dir = runinfo.run_dir() if run_dir is None else run_dir
+    run_dir = layout.run_dir() if run_dir is None else run_dir
     return {key: {"output_path": str(Path(run_dir).absolute() / "monitor"), "job_name": "deepspeed"}
             for key in MONITORS if isinstance((theirs or {}).get(key), dict) and theirs[key].get("enabled")}
 

@@ -49,7 +49,8 @@ class TimeToAccuracy:
         """An `eval` record: the first one at or above the target becomes the `target` record."""
         if self.target is None or self.reached is not None or rec["accuracy"] < self.target:
             return
-        self.reached = {"target": self.target, "accuracy": rec["accuracy"], "seconds": round(rec["t"] - self.started, 3),
+        self.reached = {"target": self.target, "accuracy": rec["accuracy"],
+                        "seconds": round(rec["t"] - self.started, 3),
                         "step": rec["step"], "epoch": rec["epoch"], "images": rec["step"] * self.global_batch,
                         "t": rec["t"]}
         log.record("target", **self.reached)

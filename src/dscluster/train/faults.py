@@ -91,6 +91,33 @@ def inject(my_fault: dict[str, Fault], step: int, log, timeout_s: float) -> None
         os._exit(4)
 
 
+class FaultHook:
+    """This rank's test-only faults where the loop and the engine ask for them; with none set (every
+    real run) each call does nothing and `bool(hook)` is False."""
+
+    def __init__(self, rank: int, env: dict[str, str] | None = None):
+        self.faults = for_rank(rank, env)
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    def before_step(self, step: int, log, timeout_s: float) -> None:
+        if self.faults:
+            inject(self.faults, step, log, timeout_s)
+
+    def extra_steps_per_epoch(self) -> int:
+        """What a mismatch_steps rank adds to the steps per epoch it reports."""
+        return 1 if "mismatch_steps" in self.faults else 0
+
+    def fails_save(self, step: int) -> bool:
+        """Whether the checkpoint save at `step` meets a full disk (disk_full)."""
+        f = self.faults.get("disk_full")
+        return f is not None and f.step == step
+
+    def comm_delay_s(self) -> float:
+        return comm_delay_s(self.faults)
+
+
 def comm_delay_s(my_fault: dict[str, Fault]) -> float:
     """Seconds a slow_comm fault holds each gradient bucket before it is sent (0: none)."""
     f = my_fault.get("slow_comm")

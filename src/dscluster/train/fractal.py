@@ -147,7 +147,7 @@ class FractalRenderer:
         u = np.empty((b, steps, CHAINS), np.float32)
         scale, offset, flip = np.empty(b), np.empty((b, 2)), np.empty(b, bool)
         colours = np.empty((b, 2, 3), np.float32)
-        for j, (c, i) in enumerate(zip(labels, indices)):
+        for j, (c, i) in enumerate(zip(labels, indices, strict=True)):
             rng = np.random.default_rng([self.seed, int(c), int(i)])
             m = self.maps[c]
             maps[j, :len(m)] = m * (1 + JITTER * rng.standard_normal(m.shape))

@@ -16,9 +16,10 @@ from dscluster.train.timing import StepWindow, is_timed
 
 
 class LogWindow:
-    def __init__(self, log, split, boundary, guard, facts: dict, run_length: int, *, scale_history=None):
+    def __init__(self, log, split, boundary, guard, run_record, run_length: int, *, scale_history=None):
+        """`run_record`: the run's RunRecord (rundir/writer.py), whose overflow_steps the window counts."""
         self.log, self.split, self.boundary, self.guard = log, split, boundary, guard
-        self.facts, self.run_length = facts, run_length
+        self.run_record, self.run_length = run_record, run_length
         self.scale_history = scale_history  # a list to append (scale, overflow) to: calibration runs
         self.window = StepWindow()
         self.records: list[dict] = []
@@ -42,14 +43,14 @@ class LogWindow:
         elapsed = self.window.close(self.records, timed=is_timed(steps_this_run - len(self.records) + 1,
                                                                  self.run_length))
         self.split.resolve(self.marks, self.records, elapsed)
-        for rec, (loss_v, *stats) in zip(self.records, values):
+        for rec, (loss_v, *stats) in zip(self.records, values, strict=True):
             norm, scale, overflow = optstep.decode(stats)
             rec["loss"] = loss_v
             if self.boundary.device_scale:
                 rec["loss_scale"], rec["overflow"] = scale, overflow
             if norm is not None:
                 rec["grad_norm"] = norm
-            self.facts["overflow_steps"] += rec["overflow"]
+            self.run_record.overflow_steps += rec["overflow"]
             if self.scale_history is not None:
                 self.scale_history.append((rec["loss_scale"], rec["overflow"]))
             self.log.record("step", **rec)

@@ -30,7 +30,8 @@ def recommend_initial_scale_power(points: list[tuple[float, bool]]) -> int:
     first_ok = next((i for i, (_, ov) in enumerate(points) if not ov), None)
     if first_ok is None:
         raise JobFailed(
-            f"loss-scale calibration: all {len(points)} steps overflowed (last scale {points[-1][0] if points else '?'}); "
+            f"loss-scale calibration: all {len(points)} steps overflowed "
+            f"(last scale {points[-1][0] if points else '?'}); "
             "fp16 does not work for this model/lr: use precision=bf16 or fp32, or lower optim.lr"
         )
     ok_scales = [s for s, ov in points[first_ok:] if not ov]

@@ -57,6 +57,7 @@ def resume_agreement(tags: list[str], hosts: list[str], ckpt_dir: Path, shared: 
         fix = "checkpoint.dir must be storage every rank sees the same (like NFS)"
     else:
         fix = (f"no shared filesystem: copy {ckpt_dir}/{best} and {ckpt_dir}/latest from {have[0]} to "
-               f"{', '.join(sorted(other))} at the same path (e.g. scp -r), or start fresh with checkpoint.resume=false")
+               f"{', '.join(sorted(other))} at the same path (e.g. scp -r), "
+               "or start fresh with checkpoint.resume=false")
     raise UsageError(f"the nodes would resume from different checkpoints in {ckpt_dir}: {', '.join(have)} "
                      f"{'has' if len(have) == 1 else 'have'} {best}; {lacking}. Training did not start: {fix}")

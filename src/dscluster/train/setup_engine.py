@@ -15,7 +15,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from dscluster.errors import UsageError
-from dscluster.train import autofit, data as data_mod, dist
+from dscluster.train import autofit, dist
+from dscluster.train import data as data_mod
 from dscluster.train.config import TrainConfig
 from dscluster.train.ds_config import build_ds_config
 from dscluster.train.model import build_model, count_params
@@ -143,8 +144,9 @@ def compiles(setting: str, device: torch.device) -> bool:
 
 
 def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision: str,
-          node_local_checkpoints: bool = False) -> Built:
-    """`node_local_checkpoints`: no shared filesystem, every node saves the model states (train/nodelocal.py)."""
+          node_local_checkpoints: bool = False, faults=None) -> Built:
+    """`node_local_checkpoints`: no shared filesystem, every node saves the model states (train/nodelocal.py);
+    `faults`: this rank's test-only fault hook (faults.FaultHook), None for none."""
     import deepspeed
 
     notes: list[str] = []
@@ -198,9 +200,9 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
     split = StepSplit(device, "measured" if ddp is not None else "none" if info.world_size == 1 else "unmeasured")
     hook = None
     if ddp is not None:
-        from dscluster.train import comm, faults
+        from dscluster.train import comm
 
-        hook = comm.install(ddp, cfg, split, faults.comm_delay_s(faults.for_rank(info.rank)))
+        hook = comm.install(ddp, cfg, split, faults.comm_delay_s() if faults else 0.0)
     elif cfg.comm.compression != "none":
         notes.append(f"comm.compression={cfg.comm.compression} has nothing to compress on one rank: no gradient "
                      "crosses a network")

@@ -204,4 +204,5 @@ def resolve(cfg, world: int, facts: DeviceFacts = DeviceFacts()) -> RunShape:
         shares = [batch.micro_batch] * world
     in_chans, num_classes = data_shape(cfg)
     return RunShape(precision=facts.precision, batch=batch, shares=tuple(shares), in_chans=in_chans,
-                    num_classes=num_classes, notes=tuple(notes), per_rank=cfg.batching == "balanced" or even is not None)
+                    num_classes=num_classes, notes=tuple(notes),
+                    per_rank=cfg.batching == "balanced" or even is not None)

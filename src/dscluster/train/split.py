@@ -125,7 +125,7 @@ class StepSplit:
     def resolve(self, marks: list[Marks], records: list[dict], window_s: float) -> None:
         """Give each record compute_s, comm_s, data_s and other_s (after the window's device sync)."""
         spans = []
-        for m, rec in zip(marks, records):
+        for m, rec in zip(marks, records, strict=True):
             span = max(0.0, self._seconds(m.start, m.end))
             comm: float | None = 0.0
             if self.comm == "unmeasured":

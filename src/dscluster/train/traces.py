@@ -9,6 +9,8 @@ import time
 import traceback
 from pathlib import Path
 
+from dscluster.rundir import layout
+
 
 class StackTraces:
     """RUN_DIR/traces/rank-R.txt: Python stacks of every thread when the rank is stuck or dies.
@@ -20,7 +22,7 @@ class StackTraces:
     """
 
     def __init__(self, run_dir: Path, rank: int):
-        self.path = Path(run_dir) / "traces" / f"rank-{rank}.txt"
+        self.path = Path(run_dir) / layout.TRACES_DIR / f"rank-{rank}.txt"
         self.file = None
         self.signals: list[int] = []
         try:

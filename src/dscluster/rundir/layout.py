@@ -56,3 +56,6 @@ PROCESS_DIR = "process"          # process/rank-R.json, entry_cn.sh's record of 
 CHECKPOINT_DIR = "checkpoints"
 PLOTS_DIR = "plots"
 REPORT_FILE = "report.html"
+SHARES_FILE = "shares.json"      # rank 0: the balanced batching's per-rank shares (train, batching=balanced)
+TRACES_DIR = "traces"            # traces/rank-R.txt, Python stack dumps of every rank
+NCCL_TRACE_DIR = "nccl_trace"    # torch's flight recorder dumps of a failing rank

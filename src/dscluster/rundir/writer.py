@@ -11,10 +11,12 @@ import json
 import os
 import sys
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dscluster import redact, runinfo
+from dscluster import redact
 from dscluster.fsutil import JsonlWriter, atomic_write_json
+from dscluster.rundir import layout
 
 _ENV_PREFIXES = ("NCCL_", "GLOO_", "MASTER_", "OMPI_COMM_WORLD_", "DSCLUSTER_", "TORCH_NCCL_", "TORCH_FR_", "SLURM_",
                  "PMI_")
@@ -47,7 +49,7 @@ class RunLog:
 
     def __init__(self, run_dir: Path, rank: int, host: str):
         self.run_dir, self.rank, self.host = Path(run_dir), rank, host
-        self.metrics = JsonlWriter(self.run_dir / runinfo.METRICS_DIR / f"rank-{rank}.jsonl")
+        self.metrics = JsonlWriter(self.run_dir / layout.METRICS_DIR / f"rank-{rank}.jsonl")
         self._secrets = redact.secret_values()  # an error message may quote one: records never do
 
     def record(self, kind: str, **fields) -> dict:
@@ -61,7 +63,7 @@ class RunLog:
         """env/rank-R.json: the effective environment, versions, and `facts` (e.g. the rank's CPUs)."""
         snap = effective_env()
         snap.update({"host": self.host, "pid": os.getpid(), "versions": software_versions(), **facts})
-        atomic_write_json(self.run_dir / runinfo.ENV_DIR / f"rank-{self.rank}.json",
+        atomic_write_json(self.run_dir / layout.ENV_DIR / f"rank-{self.rank}.json",
                           redact.redact_doc(snap, values=self._secrets))
 
     def write_summary(self, summary: dict, *, only_if_absent_or_not_failed: bool = False) -> None:
@@ -77,7 +79,7 @@ def write_summary(run_dir: Path, summary: dict, *, only_if_absent_or_not_failed:
     """summary.json, atomically, through the one secret rule (`secrets`: values to hide besides the
     environment's, redact.secret_values()); with `only_if_absent_or_not_failed` a failure already
     there stays."""
-    path = Path(run_dir) / runinfo.SUMMARY_FILE
+    path = Path(run_dir) / layout.SUMMARY_FILE
     if only_if_absent_or_not_failed and path.exists():
         try:
             if json.loads(path.read_text()).get("status") == "failed":
@@ -94,3 +96,42 @@ def summary_record(**fields) -> dict:
     out = {k: fields.get(k) for k in keys}
     out.update({k: v for k, v in fields.items() if k not in out})
     return out
+
+
+@dataclass
+class RunRecord:
+    """What summary.json tells of a run, filled in as it goes: the loop sets the run's shape and its
+    end, the log window counts overflow steps (logwindow.py)."""
+
+    run_id: str
+    world_size: int
+    hosts: list[str]
+    model: str
+    dataset: str
+    epochs: int
+    steps: int = 0
+    """The last global step reached: what a failed run's summary reports."""
+    overflow_steps: int = 0
+    precision: str | None = None
+    global_batch: int | None = None
+    images_per_s: float | None = None
+    accuracy: float | None = None
+    peak_mem_mb: float | None = None
+    timed_steps: int | None = None
+    timed_s: float | None = None
+    time_to_accuracy: dict = field(default_factory=dict)
+    """evaluation.TimeToAccuracy.summary(): target_accuracy and time_to_accuracy where a target is set."""
+    plan: dict | None = None
+    """plan's saved prediction against this run (plan/predicted.py), where there was one."""
+    vanished_hosts: list[str] | None = None
+    """Nodes that stopped answering when a collective failed (liveness.py)."""
+
+    def summary(self, *, status: str, wall_s: float, **failure) -> dict:
+        """summary.json's record: the fields set so far (peak_mem_mb always), then `failure`'s."""
+        fields = {k: v for k, v in asdict(self).items()
+                  if k != "time_to_accuracy" and (v is not None or k in _ALWAYS_IN_SUMMARY)}
+        return summary_record(status=status, wall_s=wall_s, **fields, **self.time_to_accuracy, **failure)
+
+
+# summary_record's keys are always there; of the rest, peak_mem_mb too (null on CPU)
+_ALWAYS_IN_SUMMARY = ("peak_mem_mb",)
