@@ -254,10 +254,18 @@ def _disk_full_scenario(runs: Path, ckpt: Path) -> None:
     first = f"epoch0000-step{spe:08d}"
     assert (ckpt / "latest").exists(), f"not even the first checkpoint fitted:\n{out[-3000:]}"
     assert (ckpt / "latest").read_text().strip() == first
-    assert rc == 0, f"a full disk while checkpointing stopped training:\n{out[-3000:]}"
-    assert "failed" in out and "still points to " + first in out
+    # The stated rule (docs/failure-behaviour.md): one failed save is a warning and training goes on; a
+    # second in a row (here the save after the last epoch) stops the run, exit 1, naming the folder and
+    # its free space. Every step was trained, and `latest` still names the one complete checkpoint.
+    assert rc != 0, f"two failed saves in a row did not stop the run:\n{out[-3000:]}"
+    assert "training goes on without this checkpoint" in out and "2 checkpoint saves failed in a row: stopping" in out
+    assert f"{ckpt} has " in out and " MB free" in out and "still points to " + first in out
+    assert [r["step"] for r in records(job.run, 0, "step")] == list(range(1, 3 * spe + 1))
     assert sorted(p.name for p in ckpt.iterdir()) == sorted(["latest", first]), "a half-written checkpoint was left"
 
+    # The fix the message gives: free space there and run the same command; it resumes from `latest`.
+    grown = subprocess.run(["mount", "-o", "remount,size=8m", str(ckpt)], capture_output=True, text=True)
+    assert grown.returncode == 0, grown.stderr
     again = start(runs, "d2", *overrides, "checkpoint.resume=true")
     rc, out = again.wait()
     assert rc == 0, out[-3000:]
