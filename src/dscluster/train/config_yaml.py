@@ -65,20 +65,14 @@ def coerce(value: Any, tp: Any, where: str, key: str, written: str | None = None
             out = value.lower() in ("true", "yes", "on", "1")
         else:
             raise UsageError(f"{where}: {key} must be true or false, got {value!r}")
-    elif tp is int:
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise UsageError(f"{where}: {key} must be a whole number, got {value!r}")
+    elif tp in (int, float):  # a bool is an int to Python, never a number to the user
+        accepted, what = ((int, str), "a whole number") if tp is int else ((int, float, str), "a number")
+        if isinstance(value, bool) or not isinstance(value, accepted):
+            raise UsageError(f"{where}: {key} must be {what}, got {value!r}")
         try:
-            out = int(value)
+            out = tp(value)
         except ValueError:
-            raise UsageError(f"{where}: {key} must be a whole number, got {value!r}") from None
-    elif tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise UsageError(f"{where}: {key} must be a number, got {value!r}")
-        try:
-            out = float(value)
-        except ValueError:
-            raise UsageError(f"{where}: {key} must be a number, got {value!r}") from None
+            raise UsageError(f"{where}: {key} must be {what}, got {value!r}") from None
     elif tp is str:
         if isinstance(value, (dict, list)) or value is None:
             raise UsageError(f"{where}: {key} must be a string, got {value!r}")
