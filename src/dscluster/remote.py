@@ -342,6 +342,73 @@ def _short(command: str, limit: int = 120) -> str:
 
 # --------------------------------------------------------------------------- fan-out
 
+class _FanOutBooks:
+    """One fan-out's shared books: when each node's call started and its outcome, under one lock."""
+
+    def __init__(self, targets: list[Target], fn: Callable[[Target], Any], *, timeout: float, description: str,
+                 max_workers: int) -> None:
+        self.targets, self.fn, self.timeout, self.description = targets, fn, timeout, description
+        self.slots = threading.Semaphore(max(1, max_workers))
+        self.lock = threading.Lock()
+        self.started: dict[str, float] = {}
+        self.results: dict[str, Outcome] = {}
+        self.done = threading.Event()
+
+    def work(self, t: Target) -> None:
+        """One node's call, run in its own daemon thread; its clock starts when it gets a slot."""
+        with self.slots:
+            t0 = time.monotonic()
+            with self.lock:
+                if t.name in self.results:  # already timed out while it waited for a slot
+                    return
+                self.started[t.name] = t0
+            try:
+                value = self.fn(t)
+                outcome = Outcome(True, value, None, time.monotonic() - t0)
+            except BaseException as e:  # noqa: BLE001 - reported per node
+                if isinstance(e, (paramiko.SSHException, OSError, EOFError)) and not isinstance(e, RemoteError):
+                    e = classify(e, t, self.timeout)
+                outcome = Outcome(False, None, e, time.monotonic() - t0)
+            with self.lock:  # the first outcome wins: a late return never replaces a timeout already shown
+                self.results.setdefault(t.name, outcome)
+                if len(self.results) == len(self.targets):
+                    self.done.set()
+
+    def expire_overdue(self) -> list[str]:
+        """Mark every node whose call has run past the timeout as timed out; return the names still pending."""
+        now = time.monotonic()
+        with self.lock:
+            for t in self.targets:
+                t0 = self.started.get(t.name)
+                if t.name not in self.results and t0 is not None and now - t0 > self.timeout:
+                    self.results[t.name] = Outcome(
+                        False, None,
+                        RemoteError("timeout", t.host,
+                                    f"{t.name}: no result within {self.timeout:g} s ({self.description})"),
+                        now - t0,
+                    )
+            return [t.name for t in self.targets if t.name not in self.results]
+
+
+def _start_progress(description: str, total: int) -> tuple[Any, Any]:
+    """A transient progress bar on stderr (stdout stays clean for --json); rich is imported only when shown."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from dscluster import console
+
+    progress = Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), TextColumn("[dim]{task.fields[pending]}"),
+        console=console.err, transient=True,
+    )
+    progress.start()
+    return progress, progress.add_task(description, total=total, pending="")
+
+
+def _waiting_for(pending: list[str]) -> str:
+    return ("waiting for " + ", ".join(pending[:6]) + (" …" if len(pending) > 6 else "")) if pending else ""
+
+
 def fan_out(
     targets: Iterable[Target],
     fn: Callable[[Target], Any],
@@ -358,73 +425,24 @@ def fan_out(
     system call never keeps the command from exiting. Returns {target.name: Outcome} in input order.
     """
     targets = list(targets)
-    slots = threading.Semaphore(max(1, max_workers))
-    lock = threading.Lock()
-    started: dict[str, float] = {}
-    results: dict[str, Outcome] = {}
-    done = threading.Event()
-
-    def work(t: Target) -> None:
-        with slots:
-            t0 = time.monotonic()
-            with lock:
-                if t.name in results:
-                    return
-                started[t.name] = t0
-            try:
-                value = fn(t)
-                outcome = Outcome(True, value, None, time.monotonic() - t0)
-            except BaseException as e:  # noqa: BLE001 - reported per node
-                if isinstance(e, (paramiko.SSHException, OSError, EOFError)) and not isinstance(e, RemoteError):
-                    e = classify(e, t, timeout)
-                outcome = Outcome(False, None, e, time.monotonic() - t0)
-            with lock:
-                results.setdefault(t.name, outcome)
-                if len(results) == len(targets):
-                    done.set()
-
     if not targets:
         return {}
-    threads = [threading.Thread(target=work, args=(t,), daemon=True, name=f"fan-out-{t.name}") for t in targets]
-    for th in threads:
-        th.start()
+    books = _FanOutBooks(targets, fn, timeout=timeout, description=description, max_workers=max_workers)
+    for t in targets:
+        threading.Thread(target=books.work, args=(t,), daemon=True, name=f"fan-out-{t.name}").start()
 
-    progress = None
-    task = None
-    if show_progress:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-        from dscluster import console
-
-        progress = Progress(
-            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn(), TextColumn("[dim]{task.fields[pending]}"),
-            console=console.err, transient=True,
-        )
-        progress.start()
-        task = progress.add_task(description, total=len(targets), pending="")
+    progress, task = _start_progress(description, len(targets)) if show_progress else (None, None)
     try:
+        # The main thread only watches: it enforces the per-node timeout (a stuck thread cannot)
+        # and redraws the bar, waking as soon as the last node reports.
         while True:
-            now = time.monotonic()
-            with lock:
-                for t in targets:
-                    t0 = started.get(t.name)
-                    if t.name not in results and t0 is not None and now - t0 > timeout:
-                        results[t.name] = Outcome(
-                            False, None,
-                            RemoteError("timeout", t.host, f"{t.name}: no result within {timeout:g} s ({description})"),
-                            now - t0,
-                        )
-                finished = len(results)
-                pending = [t.name for t in targets if t.name not in results]
+            pending = books.expire_overdue()
             if progress is not None:
-                progress.update(task, completed=finished,
-                                pending=("waiting for " + ", ".join(pending[:6]) + (" …" if len(pending) > 6 else ""))
-                                if pending else "")
-            if finished == len(targets):
+                progress.update(task, completed=len(targets) - len(pending), pending=_waiting_for(pending))
+            if not pending:
                 break
-            done.wait(0.1)
+            books.done.wait(0.1)
     finally:
         if progress is not None:
             progress.stop()
-    return {t.name: results[t.name] for t in targets}
+    return {t.name: books.results[t.name] for t in targets}

@@ -7,10 +7,9 @@ import sys
 
 import pytest
 
-from dscluster import envreport
 from dscluster.check.checkfile import CheckFile
 from dscluster.cli import env as cli_env
-from dscluster.cli import main
+from dscluster.cli import envreport, main
 
 TOP_KEYS = {"schema", "summary", "versions", "python", "torch", "gpus", "deepspeed", "mpi", "env", "check"}
 CHECK_DOC = {

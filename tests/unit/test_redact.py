@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from dscluster import envreport, redact
-from dscluster.cli import main
+from dscluster import redact
+from dscluster.cli import envreport, main
 from dscluster.rundir.writer import RunLog, effective_env
 
 KEY_BLOCK = "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAA\n-----END OPENSSH PRIVATE KEY-----\n"

@@ -48,6 +48,44 @@ def _amp(device_type: str, precision: str):
     return torch.autocast(device_type=device_type, dtype=dtype)
 
 
+def _this_rank_device(args: argparse.Namespace, local_rank: int):
+    """This rank's GPU (capped and with TF32 on, as the DeepSpeed run it is compared with), or the CPU."""
+    import torch
+
+    if args.device != "cuda":
+        return torch.device("cpu")
+    torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device())
+    if args.memory_cap_gb:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gb * 2**30 / total), device)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    return device
+
+
+def _result(args: argparse.Namespace, world: int, cuda: bool, gathered: list[list[float]]) -> dict:
+    """The result from every rank's [seconds, peak MB, loss]: the slowest rank's time is the run's time."""
+    seconds_max = max(s[0] for s in gathered)
+    return {
+        "path": "ddp_baseline",
+        "model": args.model,
+        "world_size": world,
+        "micro_batch": args.micro_batch,
+        "global_batch": args.micro_batch * world,
+        "precision": args.precision,
+        "compile": bool(args.compile),
+        "fused_adamw": cuda,
+        "memory_cap_gb": args.memory_cap_gb,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "seconds": seconds_max,
+        "images_per_s": args.micro_batch * world * args.steps / seconds_max,
+        "peak_mem_mb": max(s[1] for s in gathered) if cuda else None,
+        "final_loss": gathered[0][2],
+    }
+
+
 def run(args: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
@@ -61,16 +99,7 @@ def run(args: argparse.Namespace) -> dict:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
     cuda = args.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
-        if args.memory_cap_gb:
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gb * 2**30 / total), device)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    else:
-        device = torch.device("cpu")
+    device = _this_rank_device(args, local_rank)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world,
                             timeout=timedelta(minutes=10), **({"device_id": device} if cuda else {}))
     try:
@@ -109,24 +138,7 @@ def run(args: argparse.Namespace) -> dict:
         stats = torch.tensor([seconds, peak_mb, float(loss)], dtype=torch.float64, device=device)
         gathered = [torch.zeros_like(stats) for _ in range(world)]
         dist.all_gather(gathered, stats)
-        seconds_max = max(float(s[0]) for s in gathered)
-        result = {
-            "path": "ddp_baseline",
-            "model": args.model,
-            "world_size": world,
-            "micro_batch": args.micro_batch,
-            "global_batch": args.micro_batch * world,
-            "precision": args.precision,
-            "compile": bool(args.compile),
-            "fused_adamw": cuda,
-            "memory_cap_gb": args.memory_cap_gb,
-            "steps": args.steps,
-            "warmup": args.warmup,
-            "seconds": seconds_max,
-            "images_per_s": args.micro_batch * world * args.steps / seconds_max,
-            "peak_mem_mb": max(float(s[1]) for s in gathered) if cuda else None,
-            "final_loss": float(gathered[0][2]),
-        }
+        result = _result(args, world, cuda, [[float(v) for v in s] for s in gathered])
         if rank == 0:
             atomic_write_json(args.out, result)
         return result

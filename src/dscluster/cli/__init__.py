@@ -43,7 +43,7 @@ class VersionAction(argparse.Action):
         super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from dscluster.envreport import package_versions, versions_line
+        from dscluster.cli.envreport import package_versions, versions_line
 
         print(versions_line(package_versions()))
         parser.exit()

@@ -49,7 +49,8 @@ import time
 from rich.markup import escape
 from rich.table import Table
 
-from dscluster import console, envreport, redact
+from dscluster import console, redact
+from dscluster.cli import envreport
 
 NOT_INSTALLED = "[red]not installed[/]"
 STATUS_STYLE = {"ok": "green", "warning": "yellow", "error": "red", "unreachable": "red"}

@@ -165,23 +165,9 @@ def run_sampler(
               f"{telemetry_path(cfg.run_dir, hostname)}; this one exits", file=log)
         return 0
     stop = stop_event or threading.Event()
-    reason = {"why": None}
-
-    def _on_signal(signum, _frame):
-        reason["why"] = signal.Signals(signum).name
-        stop.set()
-
-    previous = {}
-    if install_signal_handlers:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            previous[sig] = signal.signal(sig, _on_signal)
-
-    message = ""
-    if backend is None:
-        choice = select_backend(cfg.backend, pcie=cfg.pcie)
-        backend, message = choice.backend, choice.message
-    else:
-        message = f"backend {backend.name} (given)"
+    reason: dict[str, str | None] = {"why": None}  # why the loop ended; the signal handler sets it too
+    previous = _stop_on_signals(stop, reason) if install_signal_handlers else {}
+    backend, message = _choose_backend(cfg, backend)
     host = HostSampler()
     path = telemetry_path(cfg.run_dir, hostname)
     start_wall, start_mono = clock(), time.monotonic()
@@ -195,38 +181,9 @@ def run_sampler(
                 "backend_message": message, "period": cfg.period, "pid": os.getpid(),
                 "parent_pid": cfg.parent_pid, "cpu_count": psutil.cpu_count(),
             })
-            next_tick = start_mono
-            full = None
-            while not stop.is_set():
-                if cfg.parent_pid is not None and not parent_alive(cfg.parent_pid):
-                    reason["why"] = f"parent {cfg.parent_pid} exited"
-                    break
-                record = {"kind": "sample", "t": clock(), "host": hostname, "backend": backend.name}
-                record.update(host.sample())
-                try:
-                    record["gpus"] = backend.sample()
-                except Exception as e:  # a driver hiccup must not end the record
-                    record["gpus"] = []
-                    record["error"] = f"{type(e).__name__}: {e}"
-                try:
-                    out.write(record)
-                    samples += 1
-                    full = None
-                except StorageFull as e:  # training goes on; the record resumes whole once there is room
-                    if full is None:
-                        print(f"telemetry: warning: {e}; sampling goes on, writing again once there is room",
-                              file=log)
-                    full = e
-                if cfg.duration is not None and time.monotonic() - start_mono >= cfg.duration:
-                    reason["why"] = "duration reached"
-                    break
-                # Fixed-rate schedule: a slow sample does not stretch every later period.
-                next_tick += cfg.period
-                delay = next_tick - time.monotonic()
-                if delay < 0:
-                    next_tick = time.monotonic()
-                    delay = 0
-                stop.wait(delay)
+            samples = _sample_until_stopped(cfg, out, hostname=hostname, backend=backend, host=host, stop=stop,
+                                            reason=reason, log=log, clock=clock, start_mono=start_mono)
+            # The end line's own cost figures are what shows the sampler stays cheap beside training.
             wall = time.monotonic() - start_mono
             cpu = host.own_cpu_seconds() - start_cpu
             try:
@@ -244,3 +201,63 @@ def run_sampler(
             signal.signal(sig, handler)
     print(f"telemetry: stopped ({reason['why'] or 'stopped'}), {samples} samples in {path}", file=log)
     return 0
+
+
+def _stop_on_signals(stop: threading.Event, reason: dict[str, str | None]) -> dict[Any, Any]:
+    """SIGTERM/SIGINT end the loop between samples (so the file ends whole); returns the handlers to restore."""
+    def _on_signal(signum, _frame):
+        reason["why"] = signal.Signals(signum).name
+        stop.set()
+
+    return {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _choose_backend(cfg: SamplerConfig, backend: GpuBackend | None) -> tuple[GpuBackend, str]:
+    if backend is not None:
+        return backend, f"backend {backend.name} (given)"
+    choice = select_backend(cfg.backend, pcie=cfg.pcie)
+    return choice.backend, choice.message
+
+
+def _sample_once(hostname: str, backend: GpuBackend, host: HostSampler, clock: Callable[[], float]) -> dict:
+    record: dict[str, Any] = {"kind": "sample", "t": clock(), "host": hostname, "backend": backend.name}
+    record.update(host.sample())
+    try:
+        record["gpus"] = backend.sample()
+    except Exception as e:  # a driver hiccup must not end the record
+        record["gpus"] = []
+        record["error"] = f"{type(e).__name__}: {e}"
+    return record
+
+
+def _sample_until_stopped(cfg: SamplerConfig, out: JsonlWriter, *, hostname: str, backend: GpuBackend,
+                          host: HostSampler, stop: threading.Event, reason: dict[str, str | None], log: TextIO,
+                          clock: Callable[[], float], start_mono: float) -> int:
+    """The loop: one sample line per period until stopped; returns how many lines were written."""
+    samples = 0
+    next_tick = start_mono
+    full = None
+    while not stop.is_set():
+        if cfg.parent_pid is not None and not parent_alive(cfg.parent_pid):
+            reason["why"] = f"parent {cfg.parent_pid} exited"
+            break
+        record = _sample_once(hostname, backend, host, clock)
+        try:
+            out.write(record)
+            samples += 1
+            full = None
+        except StorageFull as e:  # training goes on; the record resumes whole once there is room
+            if full is None:
+                print(f"telemetry: warning: {e}; sampling goes on, writing again once there is room", file=log)
+            full = e
+        if cfg.duration is not None and time.monotonic() - start_mono >= cfg.duration:
+            reason["why"] = "duration reached"
+            break
+        # Fixed-rate schedule: a slow sample does not stretch every later period.
+        next_tick += cfg.period
+        delay = next_tick - time.monotonic()
+        if delay < 0:
+            next_tick = time.monotonic()
+            delay = 0
+        stop.wait(delay)
+    return samples

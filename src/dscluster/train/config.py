@@ -5,15 +5,13 @@ collective starts: unknown keys and badly typed values raise UsageError naming F
 (from PyYAML's node marks) and the valid keys. Every number and choice declares its allowed
 range on its field (`limits(...)`, `choices`; enforced by config_checks), and a value out of it
 names the same FILE:LINE or override. The resolved config (file + overrides + defaults) is
-what gets written into the run directory, so a run can be repeated exactly.
+what gets written into the run directory, so a run can be repeated exactly. Reading YAML nodes and
+overrides into typed fields is config_yaml's; this module owns the fields and what a load checks.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +31,7 @@ from dscluster.train.config_checks import (
     compression_conflict,
     limits,
 )
+from dscluster.train.config_yaml import apply_override, from_node
 
 
 @dataclass
@@ -264,110 +263,6 @@ class TrainConfig:
     """Run the fp16 loss-scale calibration instead of training."""
 
 
-def _fields(cls) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(cls)}
-
-
-def _hints(cls) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _coerce(value: Any, tp: Any, where: str, key: str, written: str | None = None) -> Any:
-    """Convert a YAML/override value to the field's declared type, or raise UsageError (ranges and
-    choices are `validate`'s, so that a value is judged alike whether it came from a file or not).
-
-    `written` is the scalar as typed: YAML 1.1 reads off/on/yes/no as booleans, and a string
-    field such as sync_debug must get 'off', not 'false'."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a, where, key, written)
-            except UsageError as e:
-                errors.append(str(e))
-        names = " or ".join("null" if a is type(None) else "a mapping" if typing.get_origin(a) is dict
-                            else getattr(a, "__name__", str(a)) for a in args)
-        raise UsageError(f"{where}: {key} must be {names}, got {value!r}")
-    if origin is dict:  # a free-form section (deepspeed:), checked by validate, not typed here
-        if not isinstance(value, dict):
-            raise UsageError(f"{where}: {key} must be a mapping such as {{tensorboard: {{enabled: true}}}}, "
-                             f"got {value!r}")
-        return copy.deepcopy(value)
-    if origin is list:
-        (inner,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise UsageError(f"{where}: {key} must be a list such as [1, 2], got {value!r}")
-        return [_coerce(v, inner, where, f"{key}[{i}]") for i, v in enumerate(value)]
-    if tp is bool:
-        if isinstance(value, bool):
-            out = value
-        elif isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "on", "off", "1", "0"):
-            out = value.lower() in ("true", "yes", "on", "1")
-        else:
-            raise UsageError(f"{where}: {key} must be true or false, got {value!r}")
-    elif tp is int:
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise UsageError(f"{where}: {key} must be a whole number, got {value!r}")
-        try:
-            out = int(value)
-        except ValueError:
-            raise UsageError(f"{where}: {key} must be a whole number, got {value!r}") from None
-    elif tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise UsageError(f"{where}: {key} must be a number, got {value!r}")
-        try:
-            out = float(value)
-        except ValueError:
-            raise UsageError(f"{where}: {key} must be a number, got {value!r}") from None
-    elif tp is str:
-        if isinstance(value, (dict, list)) or value is None:
-            raise UsageError(f"{where}: {key} must be a string, got {value!r}")
-        out = (str(value) if written is None else written).lower() if isinstance(value, bool) else str(value)
-    else:
-        raise UsageError(f"{where}: {key}: unsupported type {tp}")
-    return out
-
-
-def _from_node(cls, node: yaml.Node, path: str, section: str, lines: dict[str, int] | None = None):
-    """Build dataclass `cls` from a YAML mapping node, checking every key against its fields.
-
-    `lines` collects dotted key → line number, so later range checks can say where."""
-    lines = {} if lines is None else lines
-    if not isinstance(node, yaml.MappingNode):
-        raise UsageError(f"{path}:{node.start_mark.line + 1}: {section or 'the config'} "
-                         "must be a mapping of key: value")
-    fields, hints = _fields(cls), _hints(cls)
-    kwargs: dict[str, Any] = {}
-    seen: dict[str, int] = {}
-    for knode, vnode in node.value:
-        key = knode.value
-        line = knode.start_mark.line + 1
-        where = f"{path}:{line}"
-        dotted = f"{section}.{key}" if section else key
-        if key not in fields:
-            raise UsageError(
-                f"{where}: unknown key {dotted!r}; valid keys{' in ' + section if section else ''}: "
-                f"{', '.join(fields)}"
-            )
-        if key in seen:
-            raise UsageError(f"{where}: {dotted!r} given twice (first on line {seen[key]})")
-        seen[key] = line
-        lines[dotted] = line
-        tp = hints[key]
-        if dataclasses.is_dataclass(tp):
-            kwargs[key] = _from_node(tp, vnode, path, dotted, lines)
-        else:
-            value = yaml.safe_load(yaml.serialize(vnode))
-            kwargs[key] = _coerce(value, tp, where, dotted, vnode.value if isinstance(vnode, yaml.ScalarNode) else None)
-    return cls(**kwargs)
-
-
 def load_config(path: str | Path | None, overrides: list[str] = (), *, world: bool = False) -> TrainConfig:
     """Load a YAML preset (or the defaults when path is None), apply overrides, validate.
 
@@ -392,7 +287,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (), *, world: bo
             line = f":{mark.line + 1}" if mark else ""
             raise UsageError(f"{path}{line}: not valid YAML ({getattr(e, 'problem', e)})") from None
         lines: dict[str, int] = {}
-        cfg = TrainConfig() if node is None else _from_node(TrainConfig, node, path, "", lines)
+        cfg = TrainConfig() if node is None else from_node(TrainConfig, node, path, "", lines)
         origin.update({k: f"{path}:{n}" for k, n in lines.items()})
     for ov in overrides:
         key = apply_override(cfg, ov)
@@ -407,61 +302,6 @@ def load_config(path: str | Path | None, overrides: list[str] = (), *, world: bo
             where = f"{path} (default of {e.key})"
         raise ConfigValueError(e.key, f"{where}: {e}" if where else str(e), e.also) from None
     return cfg
-
-
-def apply_override(cfg: TrainConfig, text: str) -> str:
-    """Apply one `dotted.key=value` override (value parsed as YAML, then typed); returns the dotted key."""
-    where = f"override {text!r}"
-    if "=" not in text:
-        raise UsageError(f"{where}: expected key=value, e.g. optim.lr=0.0005 or epochs=5")
-    key, raw = text.split("=", 1)
-    parts = key.strip().split(".")
-    obj: Any = cfg
-    for i, part in enumerate(parts):
-        fields = _fields(type(obj))
-        if part not in fields:
-            prefix = ".".join(parts[:i])
-            raise UsageError(
-                f"{where}: unknown key {key!r}; valid keys{' in ' + prefix if prefix else ''}: {', '.join(fields)}"
-            )
-        tp = _hints(type(obj))[part]
-        if _is_mapping(tp) and i < len(parts) - 1:
-            return _override_in_mapping(obj, parts, i, raw, where)
-        if dataclasses.is_dataclass(tp):
-            if i == len(parts) - 1:
-                raise UsageError(f"{where}: {key!r} is a section; set one of its keys, "
-                                 f"e.g. {key}.{next(iter(_fields(tp)))}=...")
-            obj = getattr(obj, part)
-            continue
-        if i != len(parts) - 1:
-            raise UsageError(f"{where}: {'.'.join(parts[:i + 1])!r} is not a section")
-        setattr(obj, part, _coerce(_yaml_value(raw), tp, where, key, raw.strip()))
-    return ".".join(parts)
-
-
-def _yaml_value(raw: str) -> Any:
-    try:
-        return yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        return raw
-
-
-def _is_mapping(tp: Any) -> bool:
-    return any(typing.get_origin(a) is dict for a in (tp, *typing.get_args(tp)))
-
-
-def _override_in_mapping(obj: Any, parts: list[str], i: int, raw: str, where: str) -> str:
-    """`deepspeed.zero_optimization.offload_optimizer.device=cpu`: one value inside a mapping field,
-    making the mappings on the way. Returns the key of the top-level entry it changed."""
-    mapping = getattr(obj, parts[i]) or {}
-    inner = mapping
-    for depth in range(i + 1, len(parts) - 1):
-        inner = inner.setdefault(parts[depth], {})
-        if not isinstance(inner, dict):
-            raise UsageError(f"{where}: {'.'.join(parts[:depth + 1])} is {inner!r}, not a mapping")
-    inner[parts[-1]] = _yaml_value(raw)
-    setattr(obj, parts[i], mapping)
-    return ".".join(parts[:i + 2])
 
 
 def validate(cfg: TrainConfig) -> None:
