@@ -67,6 +67,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -112,14 +113,28 @@ class Lab:
         self.log, self.lab = log, lab
 
     def sh(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+        """Run `argv`, its output streamed into the log line by line (a run cut short by a limit still
+        leaves what it printed), and returned whole; rc 124 when `timeout` passed and it was killed."""
         print(f"$ {shlex.join(argv)}", file=self.log, flush=True)
-        try:
-            r = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired as e:
-            out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-            r = subprocess.CompletedProcess(argv, 124, out + f"\n(timed out after {timeout:.0f} s)")
-        print(r.stdout[-8000:], f"-> rc={r.returncode}", file=self.log, sep="\n", flush=True)
-        return r
+        lines: list[str] = []
+        killed = threading.Event()
+        with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              errors="replace") as proc:
+            timer = threading.Timer(timeout, lambda: (killed.set(), proc.kill()))
+            timer.start()
+            try:
+                for line in proc.stdout or ():
+                    lines.append(line)
+                    self.log.write(line)
+                    self.log.flush()
+            finally:
+                timer.cancel()
+            rc = proc.wait()
+        out = "".join(lines)
+        if killed.is_set():
+            rc, out = 124, out + f"\n(timed out after {timeout:.0f} s)"
+        print(f"-> rc={rc}", file=self.log, flush=True)
+        return subprocess.CompletedProcess(argv, rc, out)
 
     def dsc(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
         return self.sh([sys.executable, "-m", "dscluster", *args], timeout)
