@@ -49,6 +49,15 @@ alone and the accuracy difference in points.
     sudo .venv/bin/python bench/gpu_lab.py --link 10gbit --gpus 1,1 --tta configs/vit_small_fractal.yaml \
         --target 0.9 --seeds 1,2
 
+--no-shared-fs builds the lab without a shared filesystem (`sim up --no-shared-fs`): every node its own
+clone and run directories. After check it runs `dscluster sync`; after each run `dscluster collect`
+(what the nodes' push at job end left behind), both timed, and each node's push line (its seconds)
+is kept from the run's output.
+
+--observe, per multi-node run: `dscluster top --once --json` and `--once --svg` while the run trains
+(once rank 0 has timed steps), then `python analysis/plot.py` and `dscluster diagnose --json` on
+the run; their files go to --keep DIR (observe-<run>/).
+
 --keep DIR copies each run directory (without checkpoints) there, for `analysis/plot.py` and for
 checking any figure against the per-rank metrics.
 
@@ -75,6 +84,7 @@ from dscluster import paths
 from dscluster.bench import tta
 from dscluster.fsutil import atomic_write_json, read_jsonl
 from dscluster.hosts import format_hostfile, parse_hostfile
+from dscluster.sim import lab as sim_lab
 from dscluster.train.timing import WARMUP_STEPS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,6 +208,51 @@ def print_tta_runs(args) -> int:
     return 0
 
 
+def observe_during(lab: Lab, cd: str, hwork: Path, name: str, hostfile: str) -> threading.Thread:
+    """While run `name` trains: once rank 0 has timed steps, `dscluster top --once` as JSON and as SVG."""
+
+    def watch() -> None:
+        metrics = hwork / "runs" / name / "metrics" / "rank-0.jsonl"
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            steps = [r for r in read_jsonl(metrics) if r.get("kind") == "step"] if metrics.exists() else []
+            if len(steps) > WARMUP_STEPS + 3:
+                break
+            time.sleep(0.5)
+        else:
+            return
+        lab.node1(cd + f"dscluster top --hostfile {hostfile} --run-dir runs/{name} --once --json > top-{name}.json"
+                  f" && dscluster top --hostfile {hostfile} --run-dir runs/{name} --once --svg top-{name}.svg", 120)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+def after_run(lab: Lab, cd: str, hwork: Path, name: str, output: str, args, several: bool) -> dict:
+    """--no-shared-fs: each node's push line and a timed `dscluster collect`; --observe: plot and diagnose,
+    their files (and top's) kept in --keep DIR/observe-<name>."""
+    out: dict = {}
+    if args.no_shared_fs and several:
+        out["push_lines"] = [ln.strip() for ln in output.splitlines() if "dscluster collect: sent" in ln]
+        r = lab.node1(cd + f"dscluster collect runs/{name} --json > collect-{name}.json", 300)
+        try:
+            out["collect"] = {"rc": r.returncode, **json.loads((hwork / f"collect-{name}.json").read_text())}
+        except (OSError, ValueError):
+            out["collect"] = {"rc": r.returncode}
+    if args.observe and several:
+        lab.node1(cd + f"python {shlex.quote(str(ROOT / 'analysis' / 'plot.py'))} runs/{name} --json "
+                  f"> plot-{name}.json", 300)
+        lab.node1(cd + f"dscluster diagnose runs/{name} --json > diagnose-{name}.json", 120)
+        if args.keep:
+            dest = args.keep / f"observe-{name}"
+            dest.mkdir(parents=True, exist_ok=True)
+            for f in (f"top-{name}.json", f"top-{name}.svg", f"plot-{name}.json", f"diagnose-{name}.json"):
+                if (hwork / f).exists():
+                    shutil.copy2(hwork / f, dest / f)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -226,6 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="--tta: an override of every run")
     p.add_argument("--tta-roles", default="alone,lab", help="--tta: which runs, alone and/or lab (default both; the "
                    "node alone does not depend on the link, so a second link's invocation can run lab only)")
+    p.add_argument("--no-shared-fs", action="store_true", help="a lab without NFS (sim up --no-shared-fs); "
+                   "sync after check, collect after each run, both timed")
+    p.add_argument("--observe", action="store_true", help="top (json and svg) during each multi-node run, "
+                   "plot and diagnose after it, into --keep DIR")
     p.add_argument("--dry-run", action="store_true", help="--tta: print the runs it would make, build nothing "
                    "(no root needed)")
     p.add_argument("runs", nargs="*", metavar="RUN")
@@ -252,19 +311,23 @@ def main(argv: list[str] | None = None) -> int:
         up += ["--gpus", args.gpus] if args.gpus else ["--nodes", str(args.nodes)]
         for e in args.env:
             up += ["--env", e]
+        if args.no_shared_fs:
+            up.append("--no-shared-fs")
         if lab.dsc(*up).returncode:
             raise SystemExit(f"sim up failed: see {log_path}")
         st = json.loads(lab.dsc("sim", "status", "--lab", LAB, "--json", "--show-password").stdout)
         st = st if "shared" in st else st.get(LAB, st)
-        work = Path(st["shared"]) / "work"
-        work.mkdir(parents=True, exist_ok=True)
+        work = Path(st["shared"]) / "work"  # as node1 sees it; hwork: where it lies on this host
+        simlab = sim_lab.load(LAB)
+        hwork = simlab.path_on("node1", work) if args.no_shared_fs and simlab else work
+        hwork.mkdir(parents=True, exist_ok=True)
         hosts = parse_hostfile(st["hostfile"]).hosts
         ranks = {}
         for k in range(1, len(hosts) + 1):
-            (work / f"hosts{k}.txt").write_text(format_hostfile([(h.name, h.slots) for h in hosts[:k]]))
+            (hwork / f"hosts{k}.txt").write_text(format_hostfile([(h.name, h.slots) for h in hosts[:k]]))
             ranks[k] = sum(h.slots for h in hosts[:k])
         fastest = hosts[tta.fastest_node([h.slots for h in hosts])]
-        (work / "hosts-fastest.txt").write_text(format_hostfile([(fastest.name, fastest.slots)]))
+        (hwork / "hosts-fastest.txt").write_text(format_hostfile([(fastest.name, fastest.slots)]))
         ranks["fastest"] = fastest.slots
         if args.tta:
             seeds = [int(x) for x in args.seeds.split(",")]
@@ -273,18 +336,25 @@ def main(argv: list[str] | None = None) -> int:
                                                       tuple(args.tta_roles.split(",")))]
         if max((n for _, n, _ in runs if n != "fastest"), default=0) > len(hosts):
             raise SystemExit(f"a run asks for more nodes than the lab's {len(hosts)} ({st['hostfile']})")
-        subprocess.run(["chown", "-R", str(st.get("uid", 2000)), str(work)], check=False)
+        subprocess.run(["chown", "-R", str(st.get("uid", 2000)), str(hwork)], check=False)
         cd = f"cd {shlex.quote(str(work))} && export PATH={shlex.quote(str(paths.venv_bin()))}:$PATH && "
         pw = shlex.quote(st.get("password", ""))
         lab.node1(cd + f"DSCLUSTER_SSH_PASSWORD={pw} dscluster setup --hostfile {st['hostfile']} "
                   "--trust-new-hosts --fix-path", 600)
         lab.node1(cd + f"dscluster check --hostfile {st['hostfile']} --json > check-out.json", 600)
         try:
-            result = json.loads((work / "check-out.json").read_text())["active"]["allreduce"]["result"]
+            check_doc = json.loads((hwork / "check-out.json").read_text())
+            doc["check_layout"] = check_doc.get("layout")
+            doc["check_nccl_socket"] = (check_doc.get("active") or {}).get("nccl_socket")
+            result = check_doc["active"]["allreduce"]["result"]
             doc["check_allreduce"] = {"device": result.get("device"), "world_size": result.get("world_size"),
                                       "rows": result.get("results")}
         except (OSError, ValueError, KeyError, TypeError):
             pass
+        if args.no_shared_fs:
+            t_sync = time.time()
+            r = lab.node1(cd + f"dscluster sync --hostfile {st['hostfile']} --json", 600)
+            doc["sync"] = {"rc": r.returncode, "seconds": round(time.time() - t_sync, 2)}
         card = ((doc["check_allreduce"] or {}).get("device") or ("cpu" if args.nodes else "gpu"))
         doc["card"] = card
         kind = "tta" if args.tta else "lab"
@@ -294,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             base = " ".join(["--config", args.tta, f"target_accuracy={args.target}", *args.set])
             lab.node1(cd + f"dscluster plan --hostfile hosts{len(hosts)}.txt --json {base} > plan-tta.json", 900)
             try:
-                doc["tta_plan"] = json.loads((work / "plan-tta.json").read_text())
+                doc["tta_plan"] = json.loads((hwork / "plan-tta.json").read_text())
                 # pasted as printed, after the run's own overrides (nothing recommended: the preset as is)
                 rec[args.tta] = " ".join(doc["tta_plan"]["recommendation"].get("overrides") or [])
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -306,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
                     doc["runs"].append({"name": name, "nodes": nodes, "skipped": f"no recommendation for {cfg} yet"})
                     continue
                 overrides = overrides.replace("@rec", rec[cfg])
-            plan_file = work / f"plan-{name}.json"
+            plan_file = hwork / f"plan-{name}.json"
             hostfile = "hosts-fastest.txt" if nodes == "fastest" else f"hosts{nodes}.txt"
             several = nodes != "fastest" and nodes > 1
             calibrate = "--calibrate " if args.calibrate and several else ""
@@ -321,10 +391,14 @@ def main(argv: list[str] | None = None) -> int:
             if plan and several and plan["recommendation"].get("overrides") and not args.tta:
                 rec[cfg] = " ".join(with_recommendation(overrides, plan["recommendation"]["overrides"]))
             t0 = time.time()
+            watch = observe_during(lab, cd, hwork, name, hostfile) if args.observe and several else None
             r = lab.node1(cd + f"DSCLUSTER_RUN_ID={name} mpirun -np {ranks[nodes]} --hostfile {hostfile} "
                           f"-x DSCLUSTER_RUN_ID {shlex.quote(str(paths.entry_script()))} {overrides} progress=false",
                           args.run_timeout)
-            summary_path = work / "runs" / name / "summary.json"
+            if watch is not None:
+                watch.join(timeout=150)
+            extra = after_run(lab, cd, hwork, name, r.stdout, args, several)
+            summary_path = hwork / "runs" / name / "summary.json"
             summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
             pred = (plan or {}).get("prediction") or {}
             doc["runs"].append({
@@ -332,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
                 "wall_s": round(time.time() - t0, 1), "images_per_s": summary.get("images_per_s"),
                 "global_batch": summary.get("global_batch"), "timed_steps": summary.get("timed_steps"),
                 "accuracy": summary.get("accuracy"),
-                "median_split_rank0": median_split(work / "runs" / name),
+                "median_split_rank0": median_split(hwork / "runs" / name), **extra,
                 "plan": None if not pred else {
                     "predicted_images_per_s": pred.get("images_per_s"), "predicted_step_s": pred.get("step_s"),
                     "split": {k: pred.get(k) for k in ("compute_s", "hook_s", "comm_s", "hidden_s")},
@@ -343,9 +417,9 @@ def main(argv: list[str] | None = None) -> int:
                     "whole_run": whole_run(plan)},
                 "deviation_percent": (summary.get("plan") or {}).get("deviation_percent"),
                 **({"role": tta.ALONE if nodes == "fastest" else tta.LAB, "host": fastest.name if nodes == "fastest"
-                    else None, **tta.run_record(work / "runs" / name)} if args.tta else {})})
-            if args.keep and (work / "runs" / name).is_dir():
-                shutil.copytree(work / "runs" / name, args.keep / name, dirs_exist_ok=True,
+                    else None, **tta.run_record(hwork / "runs" / name)} if args.tta else {})})
+            if args.keep and (hwork / "runs" / name).is_dir():
+                shutil.copytree(hwork / "runs" / name, args.keep / name, dirs_exist_ok=True,
                                 ignore=shutil.ignore_patterns("checkpoints"))
             print(f"{name}: {nodes} node(s), {ranks[nodes]} rank(s), rc {r.returncode}, "
                   f"{summary.get('images_per_s') or 0:,.1f} img/s, plan "

@@ -187,3 +187,22 @@ def test_the_live_view_quits_on_ctrl_c(tmp_path):
         if proc.poll() is None:
             proc.kill()
         os.close(fd)
+
+
+def test_once_svg_saves_the_view_as_a_picture_and_refuses_an_existing_file(tmp_path, capsys):
+    run = live_run(tmp_path, time.time())
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("node1 slots=1\nnode2 slots=1\n")
+    svg = tmp_path / "top.svg"
+    args = ["top", "--hostfile", str(hostfile), "--run-dir", str(run), "--once", "--no-ssh", "--svg", str(svg)]
+    assert main(args) == 0
+    text = svg.read_text()
+    assert text.startswith("<svg") and "node1" in text and "node2" in text and "straggler" in text
+    before = svg.read_bytes()
+    assert main(args) == 2  # the picture already there is kept, not overwritten
+    assert svg.read_bytes() == before
+    assert main(["top", "--hostfile", str(hostfile), "--svg", str(tmp_path / "new.svg")]) == 2  # needs --once
+    assert main(["top", "--hostfile", str(hostfile), "--once", "--svg", str(tmp_path / "no" / "x.svg")]) == 2
+    assert not (tmp_path / "new.svg").exists() and not (tmp_path / "no").exists()
+    err = capsys.readouterr().err
+    assert "exists" in err and "--once" in err and "no folder" in err

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 
 from dscluster import console, state
@@ -58,9 +59,10 @@ def collect_command(args: argparse.Namespace) -> int:
     if args.push:
         if args.check_json and not _runs_not_shared(args.check_json):
             return 0   # a shared run directory (or no check saying otherwise): nothing to send
+        t0 = time.monotonic()
         got = push(args.run_dir, args.push, timeout=args.timeout)
         console.err.print(f"dscluster collect: sent {len(got.files)} file(s), {got.bytes} bytes of "
-                          f"{args.run_dir} to {args.push}", markup=False)
+                          f"{args.run_dir} to {args.push} in {time.monotonic() - t0:.2f} s", markup=False)
         return 0
     if not Path(args.run_dir).is_dir():
         raise UsageError(f"{args.run_dir}: no such run directory here (the head)")

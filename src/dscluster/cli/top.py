@@ -1,7 +1,8 @@
 """`dscluster top`: every node's GPUs, CPU, RAM and network, and a running job's ranks, live.
 
 Parse -> call (telemetry/watch.py takes each snapshot) -> render (rich). `--once --json` prints one
-snapshot (docs/schemas.md) for scripts. Keys: q or Ctrl-C quits.
+snapshot (docs/schemas.md) for scripts; `--once --svg FILE` saves the view as a picture (rich's SVG
+export) to paste into an issue or a lab notebook. Keys: q or Ctrl-C quits.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "check's interface; per rank of the running job its step, img/s and share of time waiting for "
         "the network. Reads the telemetry a running job's nodes write, else samples the node over SSH. "
         "Stragglers and throttling show in colour. q or Ctrl-C quits.",
-        epilog="examples: dscluster top --hostfile hosts.txt; dscluster top --once --json",
+        epilog="examples: dscluster top --hostfile hosts.txt; dscluster top --once --json; "
+        "dscluster top --once --svg cluster.svg",
     )
     p.add_argument("--hostfile", default="hosts.txt", help="OpenMPI hostfile (default: hosts.txt)")
     p.add_argument("--run-dir", type=Path, default=None,
@@ -44,6 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1.0)")
     p.add_argument("--once", action="store_true", help="take one snapshot, print it and exit")
     p.add_argument("--json", action="store_true", help="with --once: print the snapshot as JSON")
+    p.add_argument("--svg", type=Path, default=None, metavar="FILE",
+                   help="with --once: save the view as an SVG picture (a new file) instead of printing it")
     p.add_argument("--no-ssh", action="store_true", help="only read telemetry files; never connect to nodes")
     p.set_defaults(func=top_command)
 
@@ -54,6 +58,8 @@ def top_command(args: argparse.Namespace) -> int:
 
     if args.json and not args.once:
         raise UsageError("--json prints one snapshot: use it with --once (dscluster top --once --json)")
+    if args.svg is not None:
+        check_svg_target(args)
     if not 0.2 <= args.interval <= 60:
         raise UsageError(f"--interval {args.interval:g}: choose between 0.2 and 60 seconds (default 1.0)")
     if args.run_dir is not None and not args.run_dir.is_dir():
@@ -64,12 +70,38 @@ def top_command(args: argparse.Namespace) -> int:
             snap = watcher.snapshot()
             if args.json:
                 print(json.dumps(snap.to_dict(), indent=2))
+            elif args.svg is not None:
+                save_svg(render(snap), args.svg)
+                console.err.print(f"dscluster top: saved the view to {args.svg}")
             else:
                 console.out.print(render(snap))
             return 0
         return live(watcher, args.interval)
     finally:
         watcher.close()
+
+
+def check_svg_target(args: argparse.Namespace) -> None:
+    """--svg: one snapshot, into a new file in an existing folder (nothing is written on bad input)."""
+    if not args.once or args.json:
+        raise UsageError("--svg saves one snapshot as a picture: use it with --once and without --json "
+                         "(dscluster top --once --svg cluster.svg)")
+    if args.svg.exists():
+        raise UsageError(f"--svg {args.svg}: the file exists; remove it or choose another name")
+    if not args.svg.parent.is_dir():
+        raise UsageError(f"--svg {args.svg}: no folder {args.svg.parent}; create it or choose another path")
+
+
+def save_svg(view, path: Path, width: int = 140) -> None:
+    """The view as rich draws it in a terminal `width` columns wide, saved as SVG (written atomically)."""
+    from rich.console import Console
+
+    from dscluster.fsutil import atomic_write_text
+
+    with open(os.devnull, "w") as sink:
+        rec = Console(record=True, width=width, file=sink, force_terminal=True, color_system="truecolor")
+        rec.print(view)
+    atomic_write_text(path, rec.export_svg(title="dscluster top"), mode=0o644)
 
 
 def live(watcher, interval: float) -> int:
