@@ -91,3 +91,17 @@ def test_a_checkout_without_git_metadata_is_copied_without_its_environment_state
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("x")
     assert tracked_files(str(tmp_path)) == ["README.md", "src/a.py"]
+
+
+def test_carried_tools_in_a_bin_folder_stay_whole_on_top_of_each_nodes_copy(tmp_path):
+    """Tools carried into the checkout as a prefix (bin/ wrappers that run ../real/ or ../lib/): without
+    a shared filesystem each node still runs them, so the whole prefix is bound back, not bin/ alone."""
+    from dscluster.sim.host import shared_targets
+    from dscluster.sim.lab import repo_root
+
+    repo = str(repo_root())
+    tools = f"{repo}/.tools-prefix/bin"
+    software = shared_targets(str(tmp_path), None, [tools])
+    assert f"{repo}/.tools-prefix" in software and tools not in software
+    ops = plan_private(repo, str(tmp_path), software)
+    assert ["restore-sw", f"{repo}/.tools-prefix"] in ops

@@ -99,9 +99,13 @@ def check_link(link: str, faults: NetFaults | None = None) -> None:
 def shared_targets(shared: str, hostfile: str | None, extra_path: list[str] = ()) -> list[str]:
     """Directories every node uses at the host's path: the checkout, the Python that runs
     dscluster (its venv and the installation the venv links to), the checkout's own .venv and
-    its Python, the lab's shared folder, the hostfile's folder, and folders of carried tools."""
+    its Python, the lab's shared folder, the hostfile's folder, and folders of carried tools (a
+    tool folder named bin is part of a prefix, as wrappers in bin/ that run ../real/ or ../lib/
+    are: the whole prefix)."""
     pythons = [sys.executable, paths.venv_bin() / "python"]
-    dirs = [repo_root(), sys.prefix, sys.base_prefix, shared, *extra_path]
+    tools = [os.path.dirname(os.path.normpath(t)) if os.path.basename(os.path.normpath(t)) == "bin" else t
+             for t in extra_path]
+    dirs = [repo_root(), sys.prefix, sys.base_prefix, shared, *tools]
     for py in pythons:
         if os.path.exists(py):
             real = Path(os.path.realpath(py))
