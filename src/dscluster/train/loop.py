@@ -359,6 +359,8 @@ class Trainer:
     def finish(self) -> Outcome:
         """The host-sync report, the run's figures into its record, and plan's comparison."""
         self.progress.stop()
+        if hasattr(self.b.sampler, "close"):
+            self.b.sampler.close()  # loader workers (train/loader.py): they exit now, not at interpreter exit
         if self.watch.enabled:
             for rec in self.watch.records():
                 self.log.record("host_sync", **rec)
