@@ -122,3 +122,21 @@ def test_mem_available_reads_meminfo(tmp_path):
     f.write_text("MemTotal:       131072000 kB\nMemFree:         1000 kB\nMemAvailable:   65536000 kB\n")
     assert datacache.mem_available(str(f)) == 65536000 * 1024
     assert datacache.mem_available(str(tmp_path / "absent")) is None
+
+
+def test_true_is_refused_before_the_run_when_the_node_cannot_hold_it():
+    huge = fractal(cache="true", img_size=1024, images_per_class=1_000_000)
+    with pytest.raises(UsageError, match="data.cache=true: this rank's splits need"):
+        datacache.refuse_unfit(huge, local_ranks=1, primary=True)
+    datacache.refuse_unfit(fractal(cache="true"), local_ranks=1, primary=True)  # fits: nothing said
+
+
+def test_the_fill_leaves_the_global_random_stream_alone():
+    """Model init follows the data set's load: a cached run must draw the weights an uncached one draws."""
+    cfg = fractal(cache="true")
+    splits = data.load(cfg, CPU)
+    torch.manual_seed(3)
+    datacache.cache_splits(splits, cfg, local_ranks=1, primary=True, notes=[])
+    after_fill = torch.rand(4)
+    torch.manual_seed(3)
+    assert torch.equal(after_fill, torch.rand(4))

@@ -118,11 +118,14 @@ def _quiet():
 
 
 def make_loader(images, sampler, workers: int, prefetch: int, pin: bool, *, persistent: bool) -> DataLoader:
+    """The batches' seeds are the plan's; the loader's own seed (drawn at each start of its workers) comes
+    from a generator of its own, not the global torch stream: model init, dropout and drop-path draw the
+    same numbers whether a split is cached (train/datacache.py) or made again at each pass."""
     with _quiet():
         return DataLoader(Prepared(images), sampler=sampler, batch_size=None, num_workers=workers, pin_memory=pin,
                           prefetch_factor=prefetch if workers else None,
                           persistent_workers=persistent and workers > 0,
-                          worker_init_fn=_spread_worker if workers else None)
+                          worker_init_fn=_spread_worker if workers else None, generator=torch.Generator())
 
 
 def start_workers(loader: DataLoader) -> Iterator:
