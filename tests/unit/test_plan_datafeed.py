@@ -32,7 +32,8 @@ def test_an_uncached_evaluation_costs_the_making_of_its_images_and_a_cached_one_
                                                                               + phases.WORKER_START_S)
     assert phases.evaluation_seconds(0.36, 10_000, None, 14) == 0.36  # cached, or made on the device
     assert phases.evaluation_seconds(30.0, 10_000, 0.002, 14) == 30.0  # the GPU is the slower
-    assert phases.fill_seconds(50_000, 0.002, 14) == pytest.approx(50_000 * 0.002 / 14)
+    assert phases.fill_seconds(50_000, 0.002, 14, passes=2) == pytest.approx(50_000 * 0.002 / 14
+                                                                         + 2 * phases.WORKER_START_S)
     assert phases.fill_seconds(0, 0.002, 14) == 0.0
     assert phases.feed_step_seconds(512, 0.002, 4) == pytest.approx(0.256)
     assert phases.feed_step_seconds(512, None, 4) == 0.0
@@ -41,7 +42,8 @@ def test_an_uncached_evaluation_costs_the_making_of_its_images_and_a_cached_one_
 def test_facts_price_only_what_is_not_cached():
     both = datafeed.DataFacts(train_n=40_000, holdout_n=10_000, s_per_image=0.002, workers=14, cached_train=True,
                               cached_holdout=True)
-    assert both.cached_images == 50_000 and both.fill_s() == pytest.approx(50_000 * 0.002 / 14)
+    assert both.cached_images == 50_000
+    assert both.fill_s() == pytest.approx(50_000 * 0.002 / 14 + 2 * phases.WORKER_START_S)  # two splits
     assert both.eval_s(0.36) == 0.36 and both.feed_step_s(512) == 0.0
     none = datafeed.DataFacts(train_n=40_000, holdout_n=10_000, s_per_image=0.002, workers=14)
     assert none.fill_s() == 0.0 and none.eval_s(0.36) > 1.4 and none.feed_step_s(512) == pytest.approx(512 * 0.002 / 14)

@@ -37,7 +37,8 @@ class DataFacts:
         return self.train_n * self.cached_train + self.holdout_n * self.cached_holdout
 
     def fill_s(self) -> float:
-        return phases.fill_seconds(self.cached_images, self.s_per_image or 0.0, self.workers)
+        return phases.fill_seconds(self.cached_images, self.s_per_image or 0.0, self.workers,
+                                   passes=self.cached_train + self.cached_holdout)
 
     def feed_step_s(self, images_per_rank: int) -> float:
         """The least a training step takes for its loader workers to make a rank's images (0: cached)."""
