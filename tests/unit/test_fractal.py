@@ -63,6 +63,7 @@ def test_train_and_held_out_are_other_images_of_the_same_classes():
     ("target_accuracy=1.5", "target_accuracy"),
     ("data.images_per_class=2", "data.images_per_class"),
     ("data.fractal_points=10", "data.fractal_points"),
+    ("data.cache=maybe", "data.cache"),
 ])
 def test_bad_fractal_and_target_values_name_the_key(override, key):
     with pytest.raises(UsageError, match=key.replace(".", r"\.")):
@@ -93,6 +94,12 @@ def test_a_tiny_vit_learns_fractal_classes_on_one_cpu(tmp_path):
     assert summary["dataset"] == "fractal" and summary["status"] == "complete"
     assert summary["accuracy"] >= 0.4, summary["accuracy"]
     assert "time_to_accuracy" not in summary  # no target: nothing about it
+    # data.cache auto: both splits made once before training, the fill's time in the run's records
+    records = [json.loads(line) for line in (run / "metrics" / "rank-0.jsonl").read_text().splitlines()]
+    fills = [r for r in records if r["kind"] == "data_cache"]
+    assert [(r["split"], r["images"], r["cached"]) for r in fills] == [("training", 1000, True),
+                                                                      ("held-out", 250, True)]
+    assert all(r["seconds"] > 0 for r in fills)
 
 
 @pytest.mark.slow

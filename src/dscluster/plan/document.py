@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from dscluster.plan import calibrate as calibration_run
-from dscluster.plan import model, predicted, wholerun
+from dscluster.plan import datafeed, model, predicted, wholerun
 from dscluster.plan import nodes as node_probe
 from dscluster.plan.inputs import COMPRESSION_KEY, PlanInputs, PlanOptions, figure_of
 
@@ -137,10 +137,10 @@ def setting_runs(inputs: PlanInputs, scenario: model.Scenario, prediction: model
     """The whole-run prediction of the config as given ("now") and of each recommended setting (made
     from `rec_scenario`), and the notes on them (`wholerun`)."""
     cfg, world = inputs.cfg, inputs.world
-    sizes = wholerun.dataset_sizes(cfg)
+    facts = datafeed.data_facts(cfg, max(h.slots for h in inputs.hostfile.hosts))
     extra = float(inputs.how.get("warmup_extra_s") or 0.0)
     now_start = wholerun.start_for(cfg, scenario.compression, world, recommended=False)
-    runs = {"now": wholerun.setting_run(cfg, scenario, prediction, sizes, start=now_start, warmup_extra_s=extra,
+    runs = {"now": wholerun.setting_run(cfg, scenario, prediction, facts, start=now_start, warmup_extra_s=extra,
                                         params=inputs.params)}
     choice_start = None
     for name in ("choice", "without_compression"):
@@ -151,9 +151,10 @@ def setting_runs(inputs: PlanInputs, scenario: model.Scenario, prediction: model
         if name == "choice" and start is not None and start != wholerun.powersgd_start(cfg):
             choice_start = start  # the rule moved it: say why
         s = replace(rec_scenario, grad_accum=o.grad_accum, compression=o.compression, samples_per_step=None)
-        runs[name] = wholerun.setting_run(cfg, s, o.prediction, sizes, start=start, warmup_extra_s=extra,
+        runs[name] = wholerun.setting_run(cfg, s, o.prediction, facts, start=start, warmup_extra_s=extra,
                                           params=inputs.params)
-    return runs, wholerun.run_note(cfg, sizes, now_start, choice_start, world)
+    feed = datafeed.notes(facts, scenario.micro_batch * scenario.grad_accum, prediction.step_s)
+    return runs, wholerun.run_note(cfg, facts, now_start, choice_start, world) + feed
 
 
 def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],

@@ -9,8 +9,11 @@ its steady step (docs/plan.md, "The whole run"):
     uncompressed     with comm.compression=powersgd, every step up to comm.powersgd_start_step is a
                      plain all-reduce of the fp32 gradients (torch's start_powerSGD_iter)
     steady           the rest, at the setting's step time (compressed after the start step)
+    data cache       a split made on the host and cached (data.cache, train/datacache.py): made once
+                     before the first step by the loader workers (`fill_seconds`)
     evaluation       rank 0 alone, a forward pass over the held-out set, after every
-                     eval_every_epochs-th epoch and after the last (the others wait)
+                     eval_every_epochs-th epoch and after the last (the others wait); a held-out set made
+                     on the host and not cached is made again each time (`evaluation_seconds`)
     checkpoints      one save per checkpoint.every_epochs epochs (and every every_steps steps)
 
 Step g (1-based, global) is uncompressed when g <= start_step. train's end-of-run comparison
@@ -41,6 +44,30 @@ CHECKPOINT_BYTES_PER_PARAM = 16
 """A ZeRO-0 checkpoint: fp32 weights (4 bytes), AdamW's two moments (8), the module's copy (4)."""
 CHECKPOINT_WRITE_GBps = 0.5
 """Assumed write rate of a checkpoint save (a local SSD or NFS); a stated guess, not measured."""
+WORKER_START_S = 0.3
+"""Starting an evaluation's loader workers (forked from a process that has imported torch): a 600-image
+fractal pass at 32 px by 2 workers took 0.37 s where its images take 0.03 s of rendering (2-core VM)."""
+
+
+def fill_seconds(images: int, s_per_image: float, workers: int, passes: int = 1) -> float:
+    """The data cache's fill: `images` made once, front to back, by the rank's loader workers, started
+    afresh for each of `passes` splits."""
+    return images * s_per_image / max(1, workers) + passes * WORKER_START_S if images else 0.0
+
+
+def evaluation_seconds(forward_s: float, images: int, s_per_image: float | None, workers: int) -> float:
+    """One held-out evaluation: the forward pass, or where its images are made again at each pass
+    (`s_per_image` seconds of one core each, not cached) the making of them by freshly started workers,
+    whichever is longer (the workers make the next chunks while the GPU runs one)."""
+    if s_per_image is None or not images:
+        return forward_s
+    return max(forward_s, images * s_per_image / max(1, workers) + WORKER_START_S)
+
+
+def feed_step_seconds(images_per_rank: int, s_per_image: float | None, workers: int) -> float:
+    """The least a step can take when a rank's loader workers make its images (not cached): its
+    micro-batches × grad_accum images, `s_per_image` seconds of one core each, over its workers."""
+    return 0.0 if s_per_image is None else images_per_rank * s_per_image / max(1, workers)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,12 +90,17 @@ class RunCosts:
     eval_every_epochs: int = 1
     checkpoint_every_epochs: int = 0
     checkpoint_every_steps: int = 0
+    cache_fill_s: float = 0.0
+    """Making the cached splits once before the first step (rank 0's: training and held-out)."""
+    cache_images: int = 0
+    cache_workers: int = 0
 
     def __post_init__(self):
         if self.steps_per_epoch < 1:
             raise UsageError(f"steps per epoch {self.steps_per_epoch}: the training set is smaller than one "
                              "global batch")
-        if not (self.plain_step_s > 0 and self.step_s > 0 and min(self.warmup_extra_s, self.eval_s, self.save_s) >= 0):
+        spent = (self.warmup_extra_s, self.eval_s, self.save_s, self.cache_fill_s)
+        if not (self.plain_step_s > 0 and self.step_s > 0 and min(spent) >= 0):
             raise UsageError(f"run costs out of range: {self}")
 
     def to_dict(self) -> dict:
@@ -137,6 +169,8 @@ def whole_run(c: RunCosts, *, epochs: int, max_steps: int, global_batch: int) ->
     rest = span(c, warm + 1, total, total=total, epochs=epochs, events_from=1)
     compressed = c.start_step is not None or c.step_s != c.plain_step_s
     phases: list[dict[str, Any]] = [
+        {"name": "data cache", "steps": 0, "seconds": c.cache_fill_s,
+         "note": f"{c.cache_images:,} images made once into memory by {c.cache_workers} worker(s)"},
         {"name": "warm-up", "steps": warm, "seconds": head["plain_s"] + head["steady_s"] + c.warmup_extra_s,
          "note": f"the first {warm} steps, compilation and first-step costs included"},
         {"name": "uncompressed", "steps": rest["plain_steps"], "seconds": rest["plain_s"],

@@ -1,29 +1,15 @@
 """What plan's whole-run prediction (plan/phases.py) is made from for one setting: the data set's
-size (train/data.py loads it, so the steps per epoch are training's), the step times of the
-setting with and without its compression, PowerSGD's start step, the probe's first-step cost, an
-evaluation pass and a checkpoint save.
+facts (plan/datafeed.py: its size as training splits it, the render probe, data.cache), the step
+times of the setting with and without its compression (at least what the loader workers need to make
+an uncached step's images), PowerSGD's start step, the probe's first-step cost, an evaluation pass
+(and the making of an uncached held-out set), the cache's fill and a checkpoint save.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from dscluster.errors import UsageError
-from dscluster.plan import model, phases
-
-
-def dataset_sizes(cfg) -> tuple[int, int] | str:
-    """(training images, held-out images) as training splits them, or why they are unknown."""
-    d = cfg.data
-    if d.dataset == "synthetic":
-        return d.synthetic_samples, 0
-    try:
-        from dscluster.train.data import load
-
-        splits = load(d, "cpu", cfg.seed)
-    except (UsageError, OSError, ImportError) as e:
-        return f"data set {d.dataset!r} not readable here ({e})"
-    return len(splits.train), len(splits.holdout) if splits.holdout is not None else 0
+from dscluster.plan import datafeed, model, phases
 
 
 def powersgd_start(cfg) -> int:
@@ -41,42 +27,48 @@ def start_for(cfg, compression: str, world: int, *, recommended: bool) -> int | 
     return (phases.recommended_start(own) or own) if recommended else own
 
 
-def costs(cfg, s: model.Scenario, p: model.Prediction, *, start: int | None, train_n: int, holdout_n: int,
+def costs(cfg, s: model.Scenario, p: model.Prediction, *, start: int | None, facts: datafeed.DataFacts,
           warmup_extra_s: float, params: int, uncalibrated: bool = False) -> phases.RunCosts:
     """The run costs of scenario `s` (predicted as `p`), whose steps after `start` are compressed;
     `uncalibrated`: the model's steps before calibration (what train's outcomes are measured against)."""
     plain = model.predict(replace(s, compression="none")) if s.compression == "powersgd" else p
     pick = (lambda q: q.model_step_s) if uncalibrated else (lambda q: q.step_s)
     rank0 = s.nodes[0].compute_s / s.micro_batch  # rank 0 evaluates alone
+    feed = facts.feed_step_s(s.micro_batch * s.grad_accum)
     every = cfg.checkpoint
     return phases.RunCosts(
-        plain_step_s=pick(plain), step_s=pick(p), start_step=start, warmup_extra_s=warmup_extra_s,
-        eval_s=holdout_n * rank0 * phases.FORWARD_SHARE,
+        plain_step_s=max(pick(plain), feed), step_s=max(pick(p), feed), start_step=start,
+        warmup_extra_s=warmup_extra_s, eval_s=facts.eval_s(facts.holdout_n * rank0 * phases.FORWARD_SHARE),
         save_s=params * phases.CHECKPOINT_BYTES_PER_PARAM / (phases.CHECKPOINT_WRITE_GBps * 1e9),
-        steps_per_epoch=max(1, train_n // s.global_batch), eval_every_epochs=cfg.eval_every_epochs,
-        checkpoint_every_epochs=every.every_epochs, checkpoint_every_steps=every.every_steps)
+        steps_per_epoch=max(1, facts.train_n // s.global_batch), eval_every_epochs=cfg.eval_every_epochs,
+        checkpoint_every_epochs=every.every_epochs, checkpoint_every_steps=every.every_steps,
+        cache_fill_s=facts.fill_s(), cache_images=facts.cached_images, cache_workers=facts.workers)
 
 
-def setting_run(cfg, s: model.Scenario, p: model.Prediction, sizes, *, start: int | None, warmup_extra_s: float,
-                params: int) -> dict | None:
+def setting_run(cfg, s: model.Scenario, p: model.Prediction, facts: datafeed.DataFacts | str, *, start: int | None,
+                warmup_extra_s: float, params: int) -> dict | None:
     """The whole-run prediction of one setting (phases.whole_run) with the model's uncalibrated steps
     beside it (`model_costs`), or None when the data set's size is unknown or smaller than a step."""
-    if isinstance(sizes, str) or sizes[0] < s.global_batch:
+    if isinstance(facts, str) or facts.train_n < s.global_batch:
         return None
-    kw = dict(start=start, train_n=sizes[0], holdout_n=sizes[1], warmup_extra_s=warmup_extra_s, params=params)
-    c = costs(cfg, s, p, **kw)
-    out = phases.whole_run(c, epochs=cfg.epochs, max_steps=cfg.max_steps, global_batch=s.global_batch)
-    out["model_costs"] = costs(cfg, s, p, uncalibrated=True, **kw).to_dict()
+    def of(uncalibrated: bool) -> phases.RunCosts:
+        return costs(cfg, s, p, start=start, facts=facts, warmup_extra_s=warmup_extra_s, params=params,
+                     uncalibrated=uncalibrated)
+
+    out = phases.whole_run(of(False), epochs=cfg.epochs, max_steps=cfg.max_steps, global_batch=s.global_batch)
+    out["model_costs"] = of(True).to_dict()
     return out
 
 
-def run_note(cfg, sizes, now_start: int | None, choice_start: int | None, world: int) -> list[str]:
+def run_note(cfg, facts: datafeed.DataFacts | str, now_start: int | None, choice_start: int | None,
+             world: int) -> list[str]:
     """What the reader should know about the whole-run figures and the start-step rule."""
     notes = []
-    if isinstance(sizes, str):
-        notes.append(f"no whole-run prediction: {sizes}; the step figures hold for the steady state only")
-    elif sizes[0] and world:
-        notes.append(f"whole run: {sizes[0]:,} training and {sizes[1]:,} held-out images, {cfg.epochs} epoch(s)"
+    if isinstance(facts, str):
+        notes.append(f"no whole-run prediction: {facts}; the step figures hold for the steady state only")
+    elif facts.train_n and world:
+        notes.append(f"whole run: {facts.train_n:,} training and {facts.holdout_n:,} held-out images, "
+                     f"{cfg.epochs} epoch(s)"
                      + (f", max_steps {cfg.max_steps}" if cfg.max_steps > 0 else "")
                      + f"; checkpoint saves assumed at {phases.CHECKPOINT_WRITE_GBps} GB/s")
     if now_start is not None and now_start > phases.WARMUP_STEPS:

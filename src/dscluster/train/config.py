@@ -77,6 +77,11 @@ class DataConfig:
     of the step; null: the node's CPUs divided among its ranks, at most 8; 0: in the training process."""
     prefetch: int = field(default=2, metadata=limits(ge=1, le=64))
     """Batches each loader worker keeps ready (DataLoader prefetch_factor)."""
+    cache: str = field(default="auto", metadata={"choices": ("auto", "true", "false")})
+    """imagefolder, fractal: make each split's images once, before training, into memory (the loader
+    workers then only read and augment them; evaluation is a GPU pass). auto: when the rank's splits fit
+    25 % of the node's available memory shared by its ranks, at most 16 GiB a rank; true: always (refused
+    when it cannot fit); false: made again every epoch."""
     synthetic_samples: int = field(default=4096, metadata=limits(ge=1))
     """Number of synthetic images per epoch."""
     num_classes: int = field(default=10, metadata=limits(ge=2))

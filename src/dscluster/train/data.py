@@ -5,8 +5,10 @@ small float at native resolution), so CIFAR-10 at 224×224 does not need 30 GB o
 synthetic benchmark data lives on the GPU from the start (no host→device copy per step).
 ImageFolder, CIFAR-10 and fractal (train/fractal.py) batches are made on the host (`prepare`:
 decode, resize to img_size, augment, as uint8), which DataLoader workers do ahead of the step (train/loader.py); the
-device only normalises them. Digits, tiny and in memory, is resized and normalised on the
-device. What crosses from the host goes through pinned memory, so no step waits for the GPU.
+device only normalises them. ImageFolder and fractal images can be made once into memory (data.cache,
+train/datacache.py); `prepare` then reads them from there and augments them alike. Digits, tiny and in
+memory, is resized and normalised on the device. What crosses from the host goes through pinned memory,
+so no step waits for the GPU.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ class ImageSet:
     """train/loader.Feed while the batches asked for are being made ahead by loader workers."""
     pass_feed: Callable | None = None
     """Starts a feed for a front-to-back read (evaluation); set by train/loader.with_loader."""
+    cached: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The split's un-augmented uint8 images [N, C, S, S] and labels, made once (train/datacache.py);
+    `prepare` reads them from here."""
 
     def __init__(self, name: str, num_classes: int, in_chans: int, img_size: int, mean, std):
         self.name = name
@@ -62,16 +67,32 @@ class ImageSet:
         """Whether batches are made on the host by `prepare` (and so by loader workers)."""
         return False
 
-    def prepare(self, indices: Sequence[int], seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """uint8 images [B, C, img_size, img_size] and int64 labels on the host; with a seed, augmented
-        (what a loader worker runs)."""
+    @property
+    def cacheable(self) -> bool:
+        """Whether its images are made on the host (decoded, rendered) and so worth making once (data.cache)."""
+        return False
+
+    def make(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """uint8 images [B, C, img_size, img_size] and int64 labels, un-augmented, made from the source."""
         raise NotImplementedError
+
+    def prepare(self, indices: Sequence[int], seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """uint8 images [B, C, img_size, img_size] and int64 labels on the host, from the cache where the
+        split is cached; with a seed, augmented (what a loader worker runs). Cached or not, the same tensors."""
+        if self.cached is not None:
+            idx = torch.as_tensor(list(indices), dtype=torch.long)
+            x, y = self.cached[0][idx], self.cached[1][idx]
+        else:
+            x, y = self.make(indices)
+        if seed is not None:
+            x = shift_on_host(x, seed, self.fill())
+        return x, y
 
     def _host_batch(self, indices: Sequence[int], augment: bool) -> tuple[torch.Tensor, torch.Tensor]:
         feed = self.feed
         if feed is not None and feed.one_pass and feed.done:
             self.feed = feed = None
-        if feed is None and self.pass_feed is not None:
+        if feed is None and self.pass_feed is not None and self.cached is None:
             self.feed = feed = self.pass_feed(indices)
         got = feed.take(indices) if feed is not None else None
         if got is not None:
@@ -79,7 +100,7 @@ class ImageSet:
         if augment:  # not from the plan (no loader): a seed of the process's own stream
             return self.prepare(indices, int(torch.randint(0, 2**62, (1,))))
         n = len(indices)
-        if list(indices) != list(range(n)):
+        if self.cached is not None or list(indices) != list(range(n)):
             return self.prepare(indices, None)
         # The memory fit and speed calibration ask for [0, b) again and again with growing b:
         # each image is made once.
@@ -150,13 +171,11 @@ class TensorImageSet(ImageSet):
     def host_prepared(self) -> bool:
         return self.x.dtype == torch.uint8  # CIFAR-10's images; digits (float, 8×8) stay on the device path
 
-    def prepare(self, indices, seed):
+    def make(self, indices):
         x = self.x[torch.as_tensor(list(indices), dtype=torch.long)]
         if x.shape[-1] != self.img_size or x.shape[-2] != self.img_size:
             x = F.interpolate(x.float(), size=(self.img_size, self.img_size), mode="bilinear", align_corners=False)
             x = x.round_().clamp_(0, 255).to(torch.uint8)
-        if seed is not None:
-            x = shift_on_host(x, seed, self.fill())
         return x, self.y[torch.as_tensor(list(indices), dtype=torch.long)]
 
     def _raw(self, idx, device):
@@ -210,7 +229,11 @@ class FolderImageSet(ImageSet):
     def host_prepared(self) -> bool:
         return True
 
-    def prepare(self, indices, seed):
+    @property
+    def cacheable(self) -> bool:
+        return True
+
+    def make(self, indices):
         from PIL import Image
 
         s = self.img_size
@@ -227,8 +250,6 @@ class FolderImageSet(ImageSet):
                                  "data.path") from None
         # NHWC as decoded, seen as NCHW: channels_last memory, which the device keeps when asked
         x = torch.from_numpy(out).permute(0, 3, 1, 2)
-        if seed is not None:
-            x = shift_on_host(x, seed, self.fill())
         return x, torch.tensor([self.labels[i] for i in indices], dtype=torch.long)
 
     def subset(self, idx: list[int], name: str) -> "FolderImageSet":
@@ -251,12 +272,14 @@ class FractalImageSet(ImageSet):
     def host_prepared(self) -> bool:
         return True
 
-    def prepare(self, indices, seed):
+    @property
+    def cacheable(self) -> bool:
+        return True
+
+    def make(self, indices):
         idx = np.asarray(list(indices), dtype=np.int64)
         labels = idx % self.num_classes
         x = self.renderer.render(labels.tolist(), (self.first + idx // self.num_classes).tolist())
-        if seed is not None:
-            x = shift_on_host(x, seed, self.fill())
         return x, torch.from_numpy(labels)
 
     def subset(self, idx, name: str) -> "FractalImageSet":  # data.limit: a prefix

@@ -13,7 +13,8 @@ it: 0 workers or 8 give the same tensors. `ImageSet.get_batch` takes the prepare
 indices match the ones the step asks for (`Feed`) and falls back to making it in-process.
 
 Held-out evaluation reads its set front to back in fixed chunks: its first chunk starts a
-one-pass feed of all the chunks (`pass_feed`).
+one-pass feed of all the chunks (`pass_feed`), unless the set is cached in memory (train/datacache.py),
+where a chunk is an index into the cache.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ def default_workers(local_ranks: int, cpus: int | None = None) -> int:
     """data.workers=null: this node's CPUs shared among its ranks, at most MAX_DEFAULT_WORKERS each."""
     cpus = cpus or os.cpu_count() or 1
     return max(1, min(MAX_DEFAULT_WORKERS, cpus // max(1, local_ranks)))
+
+
+def workers_for(cfg, local_ranks: int) -> int:
+    """A rank's loader workers: data.workers, or default_workers where it is null."""
+    return default_workers(local_ranks) if cfg.workers is None else cfg.workers
 
 
 def batch_seed(seed: int, epoch: int, step: int, micro: int, rank: int) -> int:
@@ -120,11 +126,14 @@ def _quiet():
 
 
 def make_loader(images, sampler, workers: int, prefetch: int, pin: bool, *, persistent: bool) -> DataLoader:
+    """The batches' seeds are the plan's; the loader's own seed (drawn at each start of its workers) comes
+    from a generator of its own, not the global torch stream: model init, dropout and drop-path draw the
+    same numbers whether a split is cached (train/datacache.py) or made again at each pass."""
     with _quiet():
         return DataLoader(Prepared(images), sampler=sampler, batch_size=None, num_workers=workers, pin_memory=pin,
                           prefetch_factor=prefetch if workers else None,
                           persistent_workers=persistent and workers > 0,
-                          worker_init_fn=_spread_worker if workers else None)
+                          worker_init_fn=_spread_worker if workers else None, generator=torch.Generator())
 
 
 def start_workers(loader: DataLoader) -> Iterator:
@@ -187,7 +196,7 @@ def with_loader(sampler, splits, cfg, device: torch.device, local_ranks: int, no
     train = splits.train
     if not train.host_prepared:
         return sampler
-    workers = default_workers(local_ranks) if cfg.workers is None else cfg.workers
+    workers = workers_for(cfg, local_ranks)
     pin = device.type == "cuda"
     bound = len(os.sched_getaffinity(0))
     if workers and bound < min(workers + 1, os.cpu_count() or 1):
@@ -196,6 +205,6 @@ def with_loader(sampler, splits, cfg, device: torch.device, local_ranks: int, no
     notes.append(f"data: {train.name} batches made ahead by {workers} loader worker(s)"
                  + (", pinned memory" if pin else "") if workers else
                  f"data: {train.name} batches made in the training process (data.workers=0)")
-    if splits.holdout is not None and splits.holdout.host_prepared:
+    if splits.holdout is not None and splits.holdout.host_prepared and splits.holdout.cached is None:
         splits.holdout.pass_feed = pass_feed(splits.holdout, workers, cfg.prefetch, pin)
     return LoaderSteps(sampler, train, workers=workers, prefetch=cfg.prefetch, pin=pin, augment=cfg.augment)

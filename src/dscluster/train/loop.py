@@ -31,7 +31,7 @@ from dscluster.fsutil import atomic_write_json, atomic_write_text
 from dscluster.plan import predicted
 from dscluster.rundir import layout
 from dscluster.rundir.writer import RunLog, RunRecord
-from dscluster.train import dist, evaluation, faults, guards
+from dscluster.train import datacache, dist, evaluation, faults, guards
 from dscluster.train.checkpoint import Checkpointer, Position
 from dscluster.train.config import TrainConfig, to_yaml
 from dscluster.train.config_checks import ConfigValueError, compression_conflict
@@ -66,6 +66,7 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
     # bad input: exit 2 before anything is written
     decision = decide_precision(cfg, calibrate, info, has_cuda)
     check_comm_here(cfg, calibrate, decision)
+    datacache.refuse_unfit(cfg.data, local_ranks=info.local_world_size, primary=info.rank == 0)
     run_id = layout.resolve_run_id()
     rdir = layout.run_dir()
     traces = StackTraces(rdir, info.rank)
@@ -261,7 +262,10 @@ class Trainer:
         self.write_run_files()
 
     def write_run_files(self) -> None:
-        """The engine's notes, and on rank 0 the config as resolved (config.yaml, ds_config.json, shares)."""
+        """The data cache's records, the engine's notes, and on rank 0 the config as resolved (config.yaml,
+        ds_config.json, shares)."""
+        for rec in self.b.data_cache:
+            self.log.record("data_cache", **rec)
         if not self.primary:
             return
         for note in self.b.notes:

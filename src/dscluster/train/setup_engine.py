@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from dscluster.errors import UsageError
-from dscluster.train import autofit, dist
+from dscluster.train import autofit, datacache, dist
 from dscluster.train import data as data_mod
 from dscluster.train.config import TrainConfig
 from dscluster.train.ds_config import build_ds_config
@@ -83,6 +83,8 @@ class Built:
     """The DDP communication hook (comm.CommHook) where ddp is set."""
     split: object = None
     """The step's time split (split.StepSplit), marked by the step and by the hook."""
+    data_cache: list[dict] = field(default_factory=list)
+    """What data.cache made once into memory, or why not: the run's `data_cache` records (train/datacache.py)."""
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -152,6 +154,9 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
     notes: list[str] = []
     torch.manual_seed(cfg.seed)  # identical init everywhere (DeepSpeed also broadcasts rank 0's weights)
     splits = data_mod.load(cfg.data, device, seed=cfg.seed)
+    # before the probes (their prefixes read the cache) and before the loader's workers fork
+    cached = datacache.cache_splits(splits, cfg.data, local_ranks=info.local_world_size, primary=info.rank == 0,
+                                    notes=notes)
     model = build_model(cfg.model, in_chans=splits.train.in_chans, num_classes=splits.train.num_classes,
                         img_size=cfg.data.img_size).to(device)
     # channels_last applies to the input batches only: DeepSpeed broadcasts parameters as byte
@@ -217,7 +222,7 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
         engine.compile()
     return Built(engine=engine, sampler=sampler, splits=splits, plan=plan, shares=shares, loss_weight=weight,
                  ds_config=ds_cfg, dtype=dtype, params=count_params(model), total_steps=total,
-                 share_plan=share_plan, notes=notes, ddp=ddp, comm=hook, split=split)
+                 share_plan=share_plan, notes=notes, ddp=ddp, comm=hook, split=split, data_cache=cached)
 
 
 def peak_lr(cfg: TrainConfig, global_batch: int) -> float:
