@@ -1,5 +1,6 @@
 """`dscluster top`: a snapshot of every node and rank from the files a running job writes, as the
-terminal view and as `--once --json`. (The SSH path runs against a lab in tests/cluster/test_top_lab.py.)"""
+terminal view and as `--once --json`. (The SSH path runs against a lab in tests/cluster/test_top_lab.py,
+and against a lab without a shared filesystem in tests/cluster/test_no_shared_fs.py.)"""
 
 from __future__ import annotations
 
@@ -58,8 +59,8 @@ def test_once_json_has_every_node_and_rank_from_the_jobs_files(tmp_path, capsys)
     assert nodes["node2"]["gpus"][0]["throttle"] == ["sw_thermal_slowdown"]  # gpu_idle is not a slowdown
     assert nodes["node1"]["gpus"][0]["throttle"] == []
     ranks = snap["ranks"]
-    assert [(r["rank"], r["host"], r["step"], r["straggler"]) for r in ranks] == [(0, "node1", 8, False),
-                                                                               (1, "node2", 8, True)]
+    assert [(r["rank"], r["host"], r["step"], r["straggler"], r["source"]) for r in ranks] == [
+        (0, "node1", 8, False, "file"), (1, "node2", 8, True, "file")]
     assert round(ranks[0]["images_per_s"], 1) == 32.0 and round(ranks[0]["comm_share"], 2) == 0.9
 
 
@@ -206,3 +207,110 @@ def test_once_svg_saves_the_view_as_a_picture_and_refuses_an_existing_file(tmp_p
     assert not (tmp_path / "new.svg").exists() and not (tmp_path / "no").exists()
     err = capsys.readouterr().err
     assert "exists" in err and "--once" in err and "no folder" in err
+
+
+# --- a lab without a shared filesystem: node2's ranks are only in node2's own copy of the run ------------
+
+def split_run(tmp_path: Path, now: float) -> tuple[Path, Path]:
+    """The head's copy of a running job (rank 0 and node1's telemetry) and node2's own copy at the same
+    run (rank 1, and the telemetry node2's sampler writes under this machine's hostname), as a lab
+    without a shared filesystem has them while the job runs."""
+    import shutil
+    import socket
+
+    whole = live_run(tmp_path / "whole", now)
+    head, node = tmp_path / "head" / "mpi-live", tmp_path / "node2" / "mpi-live"
+    for copy, rank, host in ((head, 0, "node1"), (node, 1, "node2")):
+        (copy / "metrics").mkdir(parents=True)
+        (copy / "telemetry").mkdir()
+        shutil.copy(whole / "metrics" / f"rank-{rank}.jsonl", copy / "metrics")
+        shutil.copy(whole / "telemetry" / f"{host}.jsonl",
+                    copy / "telemetry" / f"{host if copy is head else socket.gethostname()}.jsonl")
+    return head, node
+
+
+def test_once_with_run_dir_sends_the_job_samplers_sample_and_the_nodes_ranks(tmp_path):
+    from dscluster.telemetry.once import sample_once
+
+    now = time.time()
+    _, node = split_run(tmp_path, now)
+    rec = sample_once(None, run_dir=node)
+    assert rec["job_sampler"] is True and rec["t"] == now - 1  # the job sampler's sample, not one taken now
+    assert round(rec["net_rx_bytes_per_s"]) == 117_000_000 and rec["net_iface"] == "enp3s0"
+    assert list(rec["ranks"]) == ["1"]
+    one = rec["ranks"]["1"]
+    assert [s["step"] for s in one["steps"]] == [4, 5, 6, 7, 8] and one["last"]["step"] == 8
+    assert one["end"] is None and one["process"] is None
+    assert set(one["steps"][0]) == {"kind", "t", "rank", "host", "step", "step_time", "samples_per_s", "comm_s"}
+
+
+def test_once_without_a_fresh_job_sample_takes_one_and_still_reads_the_ranks(tmp_path):
+    from dscluster.telemetry.once import sample_once
+
+    now = time.time()
+    _, node = split_run(tmp_path, now - 60)  # the node's sampler stopped a minute ago; its files remain
+    (node / "process").mkdir()
+    (node / "process" / "rank-1.json").write_text(json.dumps({"rank": 1, "host": "node2", "exit_code": 3}))
+    rec = sample_once(None, window_s=0.05, run_dir=node)
+    assert "job_sampler" not in rec and rec["t"] >= now and rec["cpu_percent"] is not None
+    assert rec["ranks"]["1"]["process"] == {"rank": 1, "host": "node2", "exit_code": 3}
+
+
+def test_once_line_stays_small_with_many_ranks_and_long_records(tmp_path):
+    from dscluster.telemetry.once import MAX_RANKS, sample_once
+
+    now = time.time()
+    for rank in range(MAX_RANKS + 6):
+        big = {"config": "x" * 4000, "host": "node2", "rank": rank}
+        _jsonl(tmp_path / "run" / "metrics" / f"rank-{rank}.jsonl",
+               [{"kind": "start", "t": now - 30, **big}]
+               + [{"kind": "step", "t": now - 20 + s, "step": s, "step_time": 1.0, **big} for s in range(50)])
+    line = json.dumps(sample_once(None, window_s=0.05, run_dir=tmp_path / "run"))
+    ranks = json.loads(line)["ranks"]
+    assert len(ranks) == MAX_RANKS and "config" not in line
+    assert len(line) < 1000 * MAX_RANKS, len(line)
+
+
+def test_the_once_command_on_a_nodes_copy_adds_its_ranks_to_the_heads(tmp_path):
+    """once_command's argv run as SSH runs it (a shell), its line parsed, and merged with the head's files."""
+    import subprocess
+
+    from dscluster.telemetry.live import merge_rank_records, once_command, parse_once, rank_views, read_rank_records
+
+    now = time.time()
+    head, node = split_run(tmp_path, now)
+    res = subprocess.run(["bash", "-c", once_command(iface=None, run_dir=node)], capture_output=True, text=True,
+                         timeout=scaled(60), check=True)
+    seen, ranks = parse_once("node2", "node2", res.stdout, time.time())
+    assert seen.source == "telemetry" and seen.gpus[0].throttle == ["sw_thermal_slowdown"]
+    views = rank_views(merge_rank_records(read_rank_records(head), [ranks]), time.time())
+    assert [(r.rank, r.host, r.step, r.source, r.straggler) for r in views] == [(0, "node1", 8, "file", False),
+                                                                             (1, "node2", 8, "ssh", True)]
+    assert round(views[1].comm_share, 2) == 0.9 and round(views[1].images_per_s, 1) == 21.3
+
+
+def test_the_heads_file_wins_over_a_nodes_copy_and_the_newer_node_copy_over_an_older(tmp_path):
+    from dscluster.telemetry.live import RankRecords, merge_rank_records, rank_views
+
+    def rec(step: int, t: float, source: str) -> RankRecords:
+        s = {"kind": "step", "t": t, "host": "node2", "step": step, "step_time": 1.0}
+        return RankRecords(steps=[s], last=s, source=source)
+
+    merged = merge_rank_records({1: rec(40, 100.0, "file")}, [{1: rec(39, 99.0, "ssh"), 2: rec(7, 50.0, "ssh")},
+                                                              {2: rec(9, 60.0, "ssh")}])
+    views = rank_views(merged, 100.0)
+    assert [(r.rank, r.step, r.source) for r in views] == [(1, 40, "file"), (2, 9, "ssh")]
+
+
+def test_the_view_and_json_show_where_each_ranks_records_came_from(tmp_path):
+    from dscluster.telemetry.live import Snapshot, merge_rank_records, rank_views, read_rank_records
+
+    now = time.time()
+    head, node = split_run(tmp_path, now)
+    ranks = rank_views(merge_rank_records(read_rank_records(head), [read_rank_records(node, "ssh")]), now)
+    snap = Snapshot(t=now, run_dir=str(head), nodes=[], ranks=ranks)
+    assert [r["source"] for r in json.loads(json.dumps(snap.to_dict()))["ranks"]] == ["file", "ssh"]
+    con = Console(record=True, width=160)
+    con.print(render(snap))
+    rows = [line for line in con.export_text().splitlines() if "node2" in line]
+    assert len(rows) == 1 and "ssh" in rows[0] and "straggler" in rows[0]

@@ -188,7 +188,7 @@ def render(snap) -> Group:
     parts = [nodes]
     if snap.ranks:
         ranks = Table(title="ranks", title_justify="left", expand=True)
-        for col in ("rank", "host", "step", "img/s", "step s", "network wait", "status", "last record"):
+        for col in ("rank", "host", "step", "img/s", "step s", "network wait", "status", "last record", "from"):
             ranks.add_column(col, no_wrap=True)
         for r in snap.ranks:
             style = "bold yellow" if r.straggler else ("red" if r.status.startswith("failed") else "")
@@ -196,7 +196,7 @@ def render(snap) -> Group:
             ranks.add_row(f"{r.rank}{' straggler' if r.straggler else ''}", escape(r.host or "?"), _num(r.step, "{}"),
                           _num(r.images_per_s, "{:.1f}"), _num(r.step_time_s, "{:.3f}"),
                           Text(wait, style="red" if (r.comm_share or 0) > 0.5 else ""), r.status,
-                          _num(r.age_s, "{:.0f} s ago"), style=style)
+                          _num(r.age_s, "{:.0f} s ago"), Text(r.source, style="dim"), style=style)
         parts.append(ranks)
     parts.append(Text("q or Ctrl-C quits", style="dim"))
     return Group(*parts)

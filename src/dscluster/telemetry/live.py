@@ -6,6 +6,11 @@ there (no job, or its sampler stopped), one sample taken over SSH (`python -m ds
 on the node, through the project's pinned host keys, dscluster.remote). Files are read from the end
 only, so a long run's files cost the same as a short one's.
 
+Without a shared filesystem a node writes its ranks' files into its own copy of runs/<id>/ until the
+job ends, so the SSH sample also reads that copy (`once --run-dir`): the job sampler's fresh sample
+there, and each rank's records cut to what `rank_views` reads (`RankRecords`). The head's files win
+where both have a rank.
+
 The snapshot is plain data (`Snapshot.to_dict()` is `top --once --json`, documented in
 docs/schemas.md); cli/top.py only renders it.
 """
@@ -33,6 +38,8 @@ RUNNING_S = 30.0
 RECENT_STEPS = 5
 """A rank's pace is the median of its last steps: one slow step (an evaluation) is not a straggler."""
 TAIL_BYTES = 65536
+RANK_KEYS = ("kind", "t", "rank", "host", "step", "step_time", "samples_per_s", "comm_s", "status", "exit_code")
+"""The fields of a rank's records that top reads: what a node sends over SSH is cut to these."""
 
 
 @dataclass
@@ -82,6 +89,9 @@ class RankNow:
     """running, complete, failed (exit N), ..."""
     age_s: float | None
     """Seconds since its last record."""
+    source: str = "file"
+    """Where its records came from: "file" (the head's copy of the run directory) or "ssh" (the node's
+    own copy, read over SSH: a lab without a shared filesystem, before the job's end pushes it home)."""
 
 
 @dataclass
@@ -142,7 +152,7 @@ def gpu_now(g: dict) -> GpuNow:
                   throttle=[r for r in g.get("throttle_reasons") or [] if r in SLOWDOWN_REASONS])
 
 
-def _rate(new: dict, old: dict | None, key: str) -> float | None:
+def byte_rate(new: dict, old: dict | None, key: str) -> float | None:
     if not old or not isinstance(new.get(key), int) or not isinstance(old.get(key), int):
         return None
     dt = new["t"] - old["t"]
@@ -157,9 +167,16 @@ def node_from_samples(name: str, host: str, samples: list[dict], source: str, no
         name=name, host=host, source=source, age_s=round(max(0.0, now - last["t"]), 1),
         cpu_percent=last.get("cpu_percent"), ram_used_mb=last.get("ram_used_mb"),
         ram_total_mb=last.get("ram_total_mb"), net_iface=last.get("net_iface"),
-        net_rx_bytes_per_s=last.get("net_rx_bytes_per_s", _rate(last, prev, "net_rx_bytes")),
-        net_tx_bytes_per_s=last.get("net_tx_bytes_per_s", _rate(last, prev, "net_tx_bytes")),
+        net_rx_bytes_per_s=last.get("net_rx_bytes_per_s", byte_rate(last, prev, "net_rx_bytes")),
+        net_tx_bytes_per_s=last.get("net_tx_bytes_per_s", byte_rate(last, prev, "net_tx_bytes")),
         gpus=[gpu_now(g) for g in last.get("gpus") or []], error=last.get("error"))
+
+
+def fresh_samples(run_dir: Path, host: str, now: float) -> list[dict]:
+    """The last samples of a node's telemetry file when the newest is under FRESH_S old, else []."""
+    samples = [r for r in tail_records(run_dir / TELEMETRY_DIR / f"{host}.jsonl")
+               if r.get("kind", "sample") == "sample" and isinstance(r.get("t"), (int, float))]
+    return samples if samples and now - samples[-1]["t"] <= FRESH_S else []
 
 
 def telemetry_nodes(run_dir: Path | None, hosts: dict[str, str], now: float) -> dict[str, NodeNow]:
@@ -168,9 +185,8 @@ def telemetry_nodes(run_dir: Path | None, hosts: dict[str, str], now: float) -> 
     if run_dir is None:
         return out
     for name, host in hosts.items():
-        samples = [r for r in tail_records(run_dir / TELEMETRY_DIR / f"{host}.jsonl")
-                   if r.get("kind", "sample") == "sample" and isinstance(r.get("t"), (int, float))]
-        if samples and now - samples[-1]["t"] <= FRESH_S:
+        samples = fresh_samples(run_dir, host, now)
+        if samples:
             out[name] = node_from_samples(name, host, samples, "telemetry", now)
     return out
 
@@ -180,42 +196,95 @@ def _recent(steps: list[dict], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def rank_views(run_dir: Path | None, now: float) -> list[RankNow]:
-    """Every rank of the job: its last step, pace and network wait (metrics), or its exit (process)."""
+def _compact(rec: dict) -> dict:
+    return {k: rec[k] for k in RANK_KEYS if k in rec}
+
+
+@dataclass
+class RankRecords:
+    """What top reads of one rank: its last RECENT_STEPS step records, its last record and its end
+    record (metrics/rank-R.jsonl), entry_cn.sh's process record (process/rank-R.json), each cut to
+    RANK_KEYS, and where they were read."""
+    steps: list[dict] = field(default_factory=list)
+    last: dict = field(default_factory=dict)
+    end: dict | None = None
+    process: dict | None = None
+    source: str = "file"
+    """"file" (the head's copy of the run directory) or "ssh" (a node's own copy, read over SSH)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The records as `once --run-dir` sends them (the source is the reader's to say)."""
+        return {"steps": self.steps, "last": self.last, "end": self.end, "process": self.process}
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str) -> RankRecords:
+        steps = [r for r in d.get("steps") or [] if isinstance(r, dict)]
+        end, process = (d.get(k) if isinstance(d.get(k), dict) else None for k in ("end", "process"))
+        return cls(steps=steps[-RECENT_STEPS:], last=d["last"] if isinstance(d.get("last"), dict) else {},
+                   end=end, process=process, source=source)
+
+
+def read_rank_records(run_dir: Path | None, source: str = "file") -> dict[int, RankRecords]:
+    """{rank: its records} from a run directory's metrics/rank-R.jsonl and process/rank-R.json."""
+    out: dict[int, RankRecords] = {}
     if run_dir is None:
-        return []
-    ranks: dict[int, RankNow] = {}
-    files = {int(p.stem.split("-")[1]): p for p in (run_dir / METRICS_DIR).glob("rank-*.jsonl")
-             if p.stem.split("-")[1].isdigit()}
-    for rank, path in sorted(files.items()):
+        return out
+    for path in (run_dir / METRICS_DIR).glob("rank-*.jsonl"):
+        if not path.stem.split("-")[1].isdigit():
+            continue
         recs = tail_records(path)
-        steps = [r for r in recs if r.get("kind") == "step"]
+        steps = [_compact(r) for r in recs if r.get("kind") == "step"][-RECENT_STEPS:]
         end = next((r for r in reversed(recs) if r.get("kind") == "end"), None)
-        last = recs[-1] if recs else {}
-        comm = [s["comm_s"] / s["step_time"] for s in steps[-RECENT_STEPS:]
-                if isinstance(s.get("comm_s"), (int, float)) and s.get("step_time")]
-        ranks[rank] = RankNow(
-            rank=rank, host=last.get("host"), step=steps[-1]["step"] if steps else None,
-            images_per_s=_recent(steps, "samples_per_s"), comm_share=statistics.fmean(comm) if comm else None,
-            step_time_s=_recent(steps, "step_time"), straggler=False,
-            status=str(end.get("status")) if end else "running",
-            age_s=round(now - last["t"], 1) if isinstance(last.get("t"), (int, float)) else None)
+        out[int(path.stem.split("-")[1])] = RankRecords(steps=steps, last=_compact(recs[-1]) if recs else {},
+                                                        end=_compact(end) if end else None, source=source)
     for path in (run_dir / PROCESS_DIR).glob("rank-*.json"):
         try:
             rec = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        code = rec.get("exit_code")
-        status = "running" if code is None else ("complete" if code == 0 else f"failed (exit {code})")
-        view = ranks.get(rec.get("rank"))
-        if view is None and isinstance(rec.get("rank"), int):
-            ranks[rec["rank"]] = RankNow(rank=rec["rank"], host=rec.get("host"), step=None, images_per_s=None,
-                                         comm_share=None, step_time_s=None, straggler=False, status=status,
-                                         age_s=None)
-        elif view is not None and code not in (None, 0):
-            view.status = status
-    mark_stragglers(list(ranks.values()))
-    return [ranks[r] for r in sorted(ranks)]
+        if isinstance(rec, dict) and isinstance(rec.get("rank"), int):
+            out.setdefault(rec["rank"], RankRecords(source=source)).process = _compact(rec)
+    return out
+
+
+def merge_rank_records(head: dict[int, RankRecords], nodes: list[dict[int, RankRecords]]) -> dict[int, RankRecords]:
+    """Every rank once: the head's files win where both have it (after the job's end pushed a node's
+    part home, or on a shared filesystem); between nodes, the one with the newer last record."""
+    def last_t(r: RankRecords) -> float:
+        t = r.last.get("t")
+        return float(t) if isinstance(t, (int, float)) else float("-inf")
+
+    merged: dict[int, RankRecords] = {}
+    for records in nodes:
+        for rank, rec in records.items():
+            if rank not in merged or last_t(rec) > last_t(merged[rank]):
+                merged[rank] = rec
+    merged.update(head)
+    return merged
+
+
+def rank_views(records: dict[int, RankRecords], now: float) -> list[RankNow]:
+    """Every rank of the job: its last step, pace and network wait (metrics), or its exit (process)."""
+    ranks: list[RankNow] = []
+    for rank, rec in sorted(records.items()):
+        steps, last, proc = rec.steps, rec.last, rec.process or {}
+        comm = [s["comm_s"] / s["step_time"] for s in steps[-RECENT_STEPS:]
+                if isinstance(s.get("comm_s"), (int, float)) and s.get("step_time")]
+        code = proc.get("exit_code")
+        exited = "running" if code is None else ("complete" if code == 0 else f"failed (exit {code})")
+        status = str(rec.end.get("status")) if rec.end else "running"
+        if not last:  # no metrics: a program without dscluster.userlog, known by its process record
+            status = exited
+        elif code not in (None, 0):
+            status = exited
+        ranks.append(RankNow(
+            rank=rank, host=last.get("host", proc.get("host")), step=steps[-1].get("step") if steps else None,
+            images_per_s=_recent(steps, "samples_per_s"), comm_share=statistics.fmean(comm) if comm else None,
+            step_time_s=_recent(steps, "step_time"), straggler=False, status=status,
+            age_s=round(now - last["t"], 1) if isinstance(last.get("t"), (int, float)) else None,
+            source=rec.source))
+    mark_stragglers(ranks)
+    return ranks
 
 
 def mark_stragglers(ranks: list[RankNow], factor: float = STRAGGLER_FACTOR) -> None:
@@ -228,14 +297,22 @@ def mark_stragglers(ranks: list[RankNow], factor: float = STRAGGLER_FACTOR) -> N
         r.straggler = bool(r.step_time_s and r.step_time_s > factor * typical)
 
 
-def once_command(python: str = sys.executable, iface: str | None = None) -> str:
-    """What runs on a node to sample it once (same python path on every node, like entry_cn.sh's)."""
-    return f"{shlex.quote(python)} -m dscluster.telemetry.once" + (f" --iface {shlex.quote(iface)}" if iface else "")
+def once_command(python: str = sys.executable, iface: str | None = None, run_dir: Path | None = None) -> str:
+    """What runs on a node to sample it once (same python path on every node, like entry_cn.sh's);
+    `run_dir` (absolute: the same path on every node) also reads the node's own copy of the job's files."""
+    return (f"{shlex.quote(python)} -m dscluster.telemetry.once" + (f" --iface {shlex.quote(iface)}" if iface else "")
+            + (f" --run-dir {shlex.quote(str(run_dir))}" if run_dir is not None else ""))
 
 
-def parse_once(name: str, host: str, stdout: str, now: float) -> NodeNow:
+def parse_once(name: str, host: str, stdout: str, now: float) -> tuple[NodeNow, dict[int, RankRecords]]:
+    """The node and the ranks a node's `once` line reports; a sample its job's sampler wrote counts as
+    "telemetry", one taken now as "ssh"; the ranks' records are marked "ssh"."""
     try:
         sample = json.loads(stdout.strip().splitlines()[-1])
-        return node_from_samples(name, sample.get("host") or host, [sample], "ssh", now)
-    except (ValueError, IndexError, AttributeError, KeyError) as e:
-        return NodeNow(name=name, host=host, source="none", error=f"unreadable sample ({type(e).__name__})")
+        source = "telemetry" if sample.get("job_sampler") else "ssh"
+        node = node_from_samples(name, sample.get("host") or host, [sample], source, now)
+        ranks = {int(r): RankRecords.from_dict(d, "ssh") for r, d in (sample.get("ranks") or {}).items()
+                 if str(r).isdigit() and isinstance(d, dict)}
+        return node, ranks
+    except (ValueError, IndexError, AttributeError, KeyError, TypeError) as e:
+        return NodeNow(name=name, host=host, source="none", error=f"unreadable sample ({type(e).__name__})"), {}

@@ -1,8 +1,14 @@
-"""`python -m dscluster.telemetry.once [--iface IF]`: one sample of this node as a JSON line.
+"""`python -m dscluster.telemetry.once [--iface IF] [--run-dir DIR]`: this node now, as one JSON line.
 
-What `dscluster top` runs over SSH on a node with no running sampler: the sampler's own record
-(telemetry/sampler.py: CPU, RAM, GPUs, the interface's byte counters) plus the CPU and network
-rates over a short window, so one call gives "now" without a previous sample.
+What `dscluster top` runs over SSH on a node with no fresh sample in the head's files: the sampler's
+own record (telemetry/sampler.py: CPU, RAM, GPUs, the interface's byte counters) plus the CPU and
+network rates over a short window, so one call gives "now" without a previous sample.
+
+`--run-dir` (the job's run directory, the same path on every node) also reads this node's own copy of
+it, which is where a node without a shared filesystem writes until the job ends: the job sampler's
+fresh sample, if there is one, is sent instead of a new one (what the job's sampler saw, and no wait),
+and each rank's records there, cut to what top reads (telemetry/live.py RankRecords), at most
+MAX_RANKS of them, so the line stays small (about 1 KB a rank).
 """
 
 from __future__ import annotations
@@ -12,14 +18,19 @@ import json
 import socket
 import sys
 import time
+from pathlib import Path
 
 from dscluster.telemetry.backends import select_backend
+from dscluster.telemetry.live import byte_rate, fresh_samples, read_rank_records
 from dscluster.telemetry.sampler import HostSampler
 
 WINDOW_S = 0.5
+MAX_RANKS = 64
+"""Ranks one node reports (more GPUs than any node has): bounds the line's size."""
 
 
-def sample_once(iface: str | None, window_s: float = WINDOW_S) -> dict:
+def new_sample(iface: str | None, window_s: float = WINDOW_S) -> dict:
+    """One sample taken now, with CPU and bytes/s over `window_s`."""
     host = HostSampler(iface)
     before = host.sample()  # primes the CPU counters and reads the byte counters
     t0 = time.time()
@@ -41,11 +52,37 @@ def sample_once(iface: str | None, window_s: float = WINDOW_S) -> dict:
     return rec
 
 
+def job_sample(run_dir: Path, now: float) -> dict | None:
+    """The job sampler's newest sample in this node's copy of the run directory, if fresh, with its
+    bytes/s from the sample before it; marked `job_sampler`."""
+    samples = fresh_samples(run_dir, socket.gethostname(), now)
+    if not samples:
+        return None
+    rec = dict(samples[-1], job_sampler=True)
+    for key in ("net_rx_bytes", "net_tx_bytes"):
+        rate = byte_rate(samples[-1], samples[-2] if len(samples) > 1 else None, key)
+        if rate is not None:
+            rec[f"{key}_per_s"] = rate
+    return rec
+
+
+def sample_once(iface: str | None, window_s: float = WINDOW_S, run_dir: Path | None = None) -> dict:
+    rec = job_sample(run_dir, time.time()) if run_dir is not None else None
+    if rec is None:
+        rec = new_sample(iface, window_s)
+    if run_dir is not None:
+        ranks = sorted(read_rank_records(run_dir).items())[:MAX_RANKS]
+        rec["ranks"] = {str(rank): records.to_dict() for rank, records in ranks}
+    return rec
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dscluster.telemetry.once", description=__doc__.splitlines()[0])
     p.add_argument("--iface", default=None, help="interface whose bytes/s to report (default: the node env's)")
+    p.add_argument("--run-dir", type=Path, default=None,
+                   help="the job's run directory: also report this node's copy of its telemetry and ranks")
     args = p.parse_args(argv)
-    print(json.dumps(sample_once(args.iface)))
+    print(json.dumps(sample_once(args.iface, run_dir=args.run_dir)))
     return 0
 
 

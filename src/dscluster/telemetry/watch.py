@@ -1,7 +1,9 @@
 """One `dscluster top` refresh: the nodes of a hostfile and the job in a run directory, now.
 
 A `Watcher` keeps its SSH sessions between refreshes (one connection per node, not one a second)
-and samples over SSH only the nodes whose job sampler has no fresh sample (telemetry/live.py).
+and samples over SSH only the nodes whose job sampler has no fresh sample in the head's copy of the run
+directory (telemetry/live.py). That sample also reads the node's own copy of the run directory (a lab
+without a shared filesystem): its ranks join the head's, and the head's files win where both have one.
 Each node's name on disk and the interface to watch come from check.json (`dscluster check`):
 its hostname and NCCL/GLOO_SOCKET_IFNAME; without check.json, the hostfile name and every interface.
 """
@@ -20,11 +22,14 @@ from dscluster.check.probe import default_key
 from dscluster.hosts import Hostfile
 from dscluster.telemetry.live import (
     NodeNow,
+    RankRecords,
     Snapshot,
     find_running_run,
+    merge_rank_records,
     once_command,
     parse_once,
     rank_views,
+    read_rank_records,
     telemetry_nodes,
 )
 from dscluster.telemetry.sampler import job_interface
@@ -72,14 +77,18 @@ class Watcher:
         run_dir = self.run_dir()
         nodes = telemetry_nodes(run_dir, {p.name: p.host for p in self.places}, now)
         missing = [p for p in self.places if p.name not in nodes]
+        node_ranks: list[dict[int, RankRecords]] = []
         if missing and self.ssh:
-            nodes.update(self._sample_over_ssh(missing))
+            for name, (node, ranks) in self._sample_over_ssh(missing, run_dir).items():
+                nodes[name] = node
+                node_ranks.append(ranks)
         for p in missing:
             nodes.setdefault(p.name, NodeNow(name=p.name, host=p.host, source="none",
                                              error="no fresh telemetry from a running job (SSH sampling off)"))
+        records = merge_rank_records(read_rank_records(run_dir), node_ranks)
         return Snapshot(t=now, run_dir=str(run_dir) if run_dir else None,
                         nodes=[nodes[p.name] for p in self.places],
-                        ranks=rank_views(run_dir, now if recorded else time.time()))
+                        ranks=rank_views(records, now if recorded else time.time()))
 
     def _session(self, place: NodePlace):
         client = self._sessions.get(place.name)
@@ -91,19 +100,24 @@ class Watcher:
             self._sessions[place.name] = client
         return client
 
-    def _sample_over_ssh(self, places: list[NodePlace]) -> dict[str, NodeNow]:
-        def sample(target: remote.Target) -> NodeNow:
+    def _sample_over_ssh(self, places: list[NodePlace], run_dir: Path | None
+                         ) -> dict[str, tuple[NodeNow, dict[int, RankRecords]]]:
+        """Each node now, and its ranks' records in its own copy of `run_dir` (the same path there)."""
+        command_dir = run_dir.absolute() if run_dir is not None else None
+
+        def sample(target: remote.Target) -> tuple[NodeNow, dict[int, RankRecords]]:
             place = next(p for p in places if p.name == target.name)
-            res = remote.run(self._session(place), once_command(self.python, place.iface), timeout=SSH_TIMEOUT_S,
-                             check=True)
+            res = remote.run(self._session(place), once_command(self.python, place.iface, command_dir),
+                             timeout=SSH_TIMEOUT_S, check=True)
             return parse_once(place.name, place.host, res.stdout, time.time())
 
         outcomes = remote.fan_out([remote.Target(p.name, p.name) for p in places], sample,
                                   timeout=SSH_TIMEOUT_S + 2, description="sampling nodes", show_progress=False)
-        out = {}
+        out: dict[str, tuple[NodeNow, dict[int, RankRecords]]] = {}
         for p in places:
             o = outcomes[p.name]
-            out[p.name] = o.value if o.ok else NodeNow(name=p.name, host=p.host, source="none", error=str(o.error))
+            out[p.name] = o.value if o.ok else (NodeNow(name=p.name, host=p.host, source="none", error=str(o.error)),
+                                                {})
             if not o.ok:
                 self._sessions.pop(p.name, None)
         return out
