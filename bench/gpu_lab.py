@@ -285,13 +285,16 @@ def main(argv: list[str] | None = None) -> int:
                    "sync after check, collect after each run, both timed")
     p.add_argument("--observe", action="store_true", help="top (json and svg) during each multi-node run, "
                    "plot and diagnose after it, into --keep DIR")
+    p.add_argument("--check-args", default="", help="more arguments of `dscluster check` (e.g. --no-tune where "
+                   "an earlier invocation recorded the NCCL socket grid)")
     p.add_argument("--dry-run", action="store_true", help="--tta: print the runs it would make, build nothing "
                    "(no root needed)")
     p.add_argument("runs", nargs="*", metavar="RUN")
     args = p.parse_args(argv)
     runs = [parse_run(r) for r in args.runs]
-    if bool(args.tta) == bool(runs) or (args.tta and args.target is None):
-        raise SystemExit("give RUNs, or --tta CONFIG --target ACCURACY (and no RUNs)")
+    tta_names: set[str] = set()
+    if not (args.tta or runs) or (args.tta and args.target is None):
+        raise SystemExit("give RUNs, or --tta CONFIG --target ACCURACY (RUNs given with it run first)")
     if args.dry_run:
         return print_tta_runs(args)
     if os.geteuid() != 0:
@@ -331,9 +334,11 @@ def main(argv: list[str] | None = None) -> int:
         ranks["fastest"] = fastest.slots
         if args.tta:
             seeds = [int(x) for x in args.seeds.split(",")]
-            runs = [(name, "fastest" if role == tta.ALONE else len(hosts), o)
+            tta_runs = [(name, "fastest" if role == tta.ALONE else len(hosts), o)
                     for name, role, o in tta.runs_for(args.tta, seeds, args.target, args.set, len(hosts),
                                                       tuple(args.tta_roles.split(",")))]
+            tta_names = {name for name, _, _ in tta_runs}
+            runs = runs + tta_runs
         if max((n for _, n, _ in runs if n != "fastest"), default=0) > len(hosts):
             raise SystemExit(f"a run asks for more nodes than the lab's {len(hosts)} ({st['hostfile']})")
         subprocess.run(["chown", "-R", str(st.get("uid", 2000)), str(hwork)], check=False)
@@ -341,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         pw = shlex.quote(st.get("password", ""))
         lab.node1(cd + f"DSCLUSTER_SSH_PASSWORD={pw} dscluster setup --hostfile {st['hostfile']} "
                   "--trust-new-hosts --fix-path", 600)
-        lab.node1(cd + f"dscluster check --hostfile {st['hostfile']} --json > check-out.json", 600)
+        lab.node1(cd + f"dscluster check --hostfile {st['hostfile']} --json {args.check_args} > check-out.json", 600)
         try:
             check_doc = json.loads((hwork / "check-out.json").read_text())
             doc["check_layout"] = check_doc.get("layout")
@@ -417,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
                     "whole_run": whole_run(plan)},
                 "deviation_percent": (summary.get("plan") or {}).get("deviation_percent"),
                 **({"role": tta.ALONE if nodes == "fastest" else tta.LAB, "host": fastest.name if nodes == "fastest"
-                    else None, **tta.run_record(hwork / "runs" / name)} if args.tta else {})})
+                    else None, **tta.run_record(hwork / "runs" / name)} if args.tta and name in tta_names else {})})
             if args.keep and (hwork / "runs" / name).is_dir():
                 shutil.copytree(hwork / "runs" / name, args.keep / name, dirs_exist_ok=True,
                                 ignore=shutil.ignore_patterns("checkpoints"))
