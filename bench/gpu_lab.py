@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [parse_run(r) for r in args.runs]
     tta_names: set[str] = set()
     if not (args.tta or runs) or (args.tta and args.target is None):
-        raise SystemExit("give RUNs, or --tta CONFIG --target ACCURACY (RUNs given with it run first)")
+        raise SystemExit("give RUNs, or --tta CONFIG --target ACCURACY (RUNs given with it run first, without plan)")
     if args.dry_run:
         return print_tta_runs(args)
     if os.geteuid() != 0:
@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             several = nodes != "fastest" and nodes > 1
             calibrate = "--calibrate " if args.calibrate and several else ""
             plan = None
-            if not args.no_plan:
+            if not args.no_plan and not (args.tta and name not in tta_names):  # RUNs beside --tta: no plan
                 lab.node1(cd + f"dscluster plan --hostfile {hostfile} --json {calibrate}{overrides} > {plan_file.name}",
                           900)
                 try:

@@ -49,8 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "of entry_cn.sh, about a minute) and correct the plan by what they measure")
     p.add_argument("--no-calibration", action="store_true",
                    help="ignore what earlier runs measured against their plans (<state>/plans.json outcomes)")
-    p.add_argument("--max-global-batch", type=int, default=model.MAX_GLOBAL_BATCH, metavar="N",
-                   help=f"largest global batch to recommend (default: {model.MAX_GLOBAL_BATCH})")
+    p.add_argument("--max-global-batch", type=int, default=None, metavar="N",
+                   help=f"largest global batch to recommend (default: {model.MAX_GLOBAL_BATCH}; with target_accuracy "
+                   "set, the config's own global batch)")
     p.add_argument("--probe-here", action="store_true",
                    help="measure compute on this machine only and give every node its figure (default: a probe "
                    "on each node over SSH, one per distinct GPU model, cached)")

@@ -165,7 +165,8 @@ def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
     prediction = model.predict(scenario)
     mixed, balance = node_probe.mixed_notes(scenario, prediction, scenario.balanced)
     rec_scenario = replace(scenario, balanced=True) if balance else scenario
-    rec = model.recommend(rec_scenario, max_global_batch=opts.max_global_batch,
+    limit, kept = opts.batch_limit(cfg, scenario.global_batch)
+    rec = model.recommend(rec_scenario, max_global_batch=limit,
                           compressions=model.ladder(cfg.comm.compression, allowed=inputs.allowed.get))
     whole, run_notes = setting_runs(inputs, scenario, prediction, rec, rec_scenario)
     choice_start = ((whole.get("choice") or {}).get("costs") or {}).get("start_step")
@@ -188,7 +189,7 @@ def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
                                                                    inputs.micro, choice_start),
                            "pending": inputs.refused},
         "saved_to": None,
-        "notes": notes_of(opts, inputs, calibration, rec, prediction) + mixed + run_notes,
+        "notes": notes_of(opts, inputs, calibration, rec, prediction) + mixed + run_notes + ([kept] if kept else []),
     }
     if balance:
         doc["recommendation"]["overrides"].append("batching=balanced")

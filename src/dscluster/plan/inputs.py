@@ -42,10 +42,26 @@ class PlanOptions:
     """Run PowerSGD on the nodes first where it is in play and uncalibrated (`plan.calibrate`)."""
     no_calibration: bool = False
     """Ignore what earlier runs measured against their plans."""
-    max_global_batch: int = model.MAX_GLOBAL_BATCH
-    """Largest global batch to recommend."""
+    max_global_batch: int | None = None
+    """Largest global batch to recommend; None: `batch_limit`'s rule."""
     probe_here: bool = False
     """Measure compute on this machine only and give every node its figure (default: on each node)."""
+
+    def batch_limit(self, cfg, global_batch: int) -> tuple[int, str | None]:
+        """The largest global batch plan may recommend, and why it is the config's own where it is.
+
+        With target_accuracy set the run is judged by time to accuracy: a larger global batch takes
+        fewer optimizer steps per epoch under the same learning-rate schedule (a warm-up of
+        optim.warmup_steps can outlast the run), so the recommendation keeps the config's batch
+        unless --max-global-batch allows more."""
+        if self.max_global_batch is not None:
+            return self.max_global_batch, None
+        if getattr(cfg, "target_accuracy", None) is not None:
+            return global_batch, (f"target_accuracy is set: the recommendation keeps global_batch {global_batch} "
+                                  "(a larger batch takes fewer optimizer steps per epoch under the same schedule "
+                                  "and reached less accuracy in the same epochs); --max-global-batch N lets plan "
+                                  "raise it")
+        return model.MAX_GLOBAL_BATCH, None
 
     def __post_init__(self):
         if self.calibrate and self.no_calibration:
@@ -53,7 +69,7 @@ class PlanOptions:
                              "pass one of them")
         if self.busbw is not None and not (self.busbw > 0 and math.isfinite(self.busbw)):
             raise UsageError(f"--busbw {self.busbw}: expected the all-reduce bus bandwidth in GB/s, > 0")
-        if self.max_global_batch < 1:
+        if self.max_global_batch is not None and self.max_global_batch < 1:
             raise UsageError(f"--max-global-batch {self.max_global_batch}: expected at least 1")
         if self.powersgd_s is not None and not (self.powersgd_s >= 0 and math.isfinite(self.powersgd_s)):
             raise UsageError(f"--powersgd-s {self.powersgd_s}: expected seconds >= 0, e.g. --powersgd-s 0.02")

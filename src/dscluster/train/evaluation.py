@@ -9,6 +9,7 @@ in summary.json.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -70,9 +71,13 @@ def held_out(engine, built, cfg, device, *, primary: bool, log, progress, epoch:
     accuracy = None
     dist.barrier()
     if primary:
+        t0 = time.perf_counter()
         acc, eloss, n = evaluate(engine, built.splits.holdout, built.dtype, device, cfg.channels_last)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         accuracy = acc
-        rec = log.record("eval", epoch=epoch, step=step, accuracy=acc, loss=eloss, samples=n)
+        rec = log.record("eval", epoch=epoch, step=step, accuracy=acc, loss=eloss, samples=n,
+                         seconds=round(time.perf_counter() - t0, 3))
         progress.print(f"epoch {epoch + 1}/{cfg.epochs} step {step}: held-out accuracy {acc:.1%} loss {eloss:.3f}")
         if tta is not None:
             tta.see(rec, log, progress)
