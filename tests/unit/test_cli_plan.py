@@ -447,7 +447,8 @@ def test_with_a_target_accuracy_the_recommendation_keeps_the_configs_global_batc
     """Measured on two H100 nodes at 10 Gbit: plan's pasted global_batch=2048 (4× the preset's) gave 152
     optimizer steps in 8 epochs under a 200-step warm-up and 11% held-out accuracy where one GPU alone
     reached 94%. With target_accuracy set, plan only changes what keeps the optimisation."""
-    assert run_plan(lab, "--compute-s", "0.0427", "--busbw", "0.119", "--json", "data.dataset=fractal", "target_accuracy=0.9") == 0
+    assert run_plan(lab, "--compute-s", "0.0427", "--busbw", "0.119", "--json", "data.dataset=fractal",
+                    "target_accuracy=0.9") == 0
     doc = json.loads(capsys.readouterr().out)
     pasted = doc["recommendation"]["overrides"]
     assert not any(o.startswith("global_batch=") and o != "global_batch=512" for o in pasted), pasted
