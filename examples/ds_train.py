@@ -15,6 +15,7 @@ to imitate on random inputs, so the loss falls without a data set. Walkthrough: 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import torch
@@ -93,6 +94,11 @@ def main() -> int:
         if rank == 0:
             print(f"run directory: {log.path}", flush=True)
     finally:
+        # DeepSpeed's engine sits in reference cycles: free it while the process group exists, then
+        # the group. Left to interpreter exit, a rank could abort in teardown ("terminate called
+        # without an active exception", exit 134) after training had finished.
+        engine = model = opt = None  # noqa: F841
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
