@@ -80,8 +80,15 @@ class ImageSet:
         """uint8 images [B, C, img_size, img_size] and int64 labels on the host, from the cache where the
         split is cached; with a seed, augmented (what a loader worker runs). Cached or not, the same tensors."""
         if self.cached is not None:
-            idx = torch.as_tensor(list(indices), dtype=torch.long)
-            x, y = self.cached[0][idx], self.cached[1][idx]
+            idx = list(indices)
+            lo = idx[0] if idx else 0
+            if idx == list(range(lo, lo + len(idx))):
+                # a run of images (evaluation reads front to back): a view, no copy; gathering 256
+                # images by index copied 38 MB element by element in the evaluating process
+                x, y = self.cached[0][lo:lo + len(idx)], self.cached[1][lo:lo + len(idx)]
+            else:
+                at = torch.as_tensor(idx, dtype=torch.long)
+                x, y = self.cached[0][at], self.cached[1][at]
         else:
             x, y = self.make(indices)
         if seed is not None:
