@@ -157,6 +157,23 @@ def setting_runs(inputs: PlanInputs, scenario: model.Scenario, prediction: model
     return runs, wholerun.run_note(cfg, facts, now_start, choice_start, world) + feed
 
 
+def batch_limit(opts: PlanOptions, cfg, global_batch: int) -> tuple[int, str | None]:
+    """The largest global batch plan may recommend, and why it is the config's own where it is.
+
+    With target_accuracy set the run is judged by time to accuracy: a larger global batch takes
+    fewer optimizer steps per epoch under the same learning-rate schedule (a warm-up of
+    optim.warmup_steps can outlast the run), so the recommendation keeps the config's batch
+    unless --max-global-batch allows more."""
+    if opts.max_global_batch is not None:
+        return opts.max_global_batch, None
+    if getattr(cfg, "target_accuracy", None) is not None:
+        return global_batch, (f"target_accuracy is set: the recommendation keeps global_batch {global_batch} "
+                              "(a larger batch takes fewer optimizer steps per epoch under the same schedule "
+                              "and reached less accuracy in the same epochs); --max-global-batch N lets plan "
+                              "raise it")
+    return model.MAX_GLOBAL_BATCH, None
+
+
 def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
           runs: list[dict] | None = None) -> tuple[dict, model.Recommendation]:
     """The plan document from measured inputs and the calibration, saved for `train` to compare with."""
@@ -165,7 +182,7 @@ def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
     prediction = model.predict(scenario)
     mixed, balance = node_probe.mixed_notes(scenario, prediction, scenario.balanced)
     rec_scenario = replace(scenario, balanced=True) if balance else scenario
-    limit, kept = opts.batch_limit(cfg, scenario.global_batch)
+    limit, kept = batch_limit(opts, cfg, scenario.global_batch)
     rec = model.recommend(rec_scenario, max_global_batch=limit,
                           compressions=model.ladder(cfg.comm.compression, allowed=inputs.allowed.get))
     whole, run_notes = setting_runs(inputs, scenario, prediction, rec, rec_scenario)

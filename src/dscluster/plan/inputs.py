@@ -47,22 +47,6 @@ class PlanOptions:
     probe_here: bool = False
     """Measure compute on this machine only and give every node its figure (default: on each node)."""
 
-    def batch_limit(self, cfg, global_batch: int) -> tuple[int, str | None]:
-        """The largest global batch plan may recommend, and why it is the config's own where it is.
-
-        With target_accuracy set the run is judged by time to accuracy: a larger global batch takes
-        fewer optimizer steps per epoch under the same learning-rate schedule (a warm-up of
-        optim.warmup_steps can outlast the run), so the recommendation keeps the config's batch
-        unless --max-global-batch allows more."""
-        if self.max_global_batch is not None:
-            return self.max_global_batch, None
-        if getattr(cfg, "target_accuracy", None) is not None:
-            return global_batch, (f"target_accuracy is set: the recommendation keeps global_batch {global_batch} "
-                                  "(a larger batch takes fewer optimizer steps per epoch under the same schedule "
-                                  "and reached less accuracy in the same epochs); --max-global-batch N lets plan "
-                                  "raise it")
-        return model.MAX_GLOBAL_BATCH, None
-
     def __post_init__(self):
         if self.calibrate and self.no_calibration:
             raise UsageError("--calibrate measures a run to correct the plan, --no-calibration ignores such runs: "
