@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 
 KEEP_ENV = "DSCLUSTER_KEEP_BINDING"
+THREADS_ENV = "OMP_NUM_THREADS"
+"""The user's own thread count for a CPU rank; set, it wins over `share_cores`."""
 MPIRUN_ENV = "OMPI_COMM_WORLD_SIZE"
 """Set in every process OpenMPI's mpirun starts: the launcher that binds unasked."""
 
@@ -84,3 +86,19 @@ def free_launcher_binding(env=None) -> str | None:
             f"({len(after)} CPUs) so that NCCL's network threads and the loader do not queue on "
             f"{'one core' if len(before) == 1 else 'them'} (mpirun --bind-to none does the same; "
             f"{KEEP_ENV}=1 keeps a binding made on purpose)")
+
+
+def share_cores(local_ranks: int, env=None) -> int | None:
+    """On a CPU rank, PyTorch's thread count: the node's cores split over the ranks that share them
+    (oversubscribed OpenMP threads spin and crawl: a 2-core machine running 3 processes of 2 threads
+    each took 6 s for a digits step that takes 0.04 s alone). None where OMP_NUM_THREADS is set: the
+    user's count stands. Training's ranks (train/loop.py) and plan's per-node probe (plan/nodeprobe.py)
+    both call it, so the probe times a step with the threads training's rank will have."""
+    env = os.environ if env is None else env
+    if env.get(THREADS_ENV):
+        return None
+    import torch
+
+    threads = max(1, (os.cpu_count() or 1) // max(1, local_ranks))
+    torch.set_num_threads(threads)
+    return threads

@@ -20,11 +20,13 @@ def cluster(lab_factory):
 
 def test_plan_measures_every_node_on_itself_and_names_the_slowed_one(cluster):
     # rank 1 is node2's (mpirun fills the hostfile in order); the probe there honours the fault as
-    # training's rank would: on CPU it sleeps 4 s a step, far above this machine's noise (a loaded
-    # 2-core CI machine measured an unslowed node at 1.5 s a step, 12x its neighbour)
+    # training's rank would: on CPU it sleeps 4 s a step, far above this machine's noise. The lab's
+    # nodes share this machine's cores, so the probes run one thread each (OMP_NUM_THREADS travels
+    # with them): with 2 threads each, 3 probes on a 2-core CI machine spun 6 s for a 0.04 s step
     fault = "slow_gpu:rank=1,ms=4000"
-    res = cluster.sh(f"DSCLUSTER_FAULT={shlex.quote(fault)} {DSCLUSTER} plan --hostfile {cluster.hostfile} "
-                     f"--config {REPO}/configs/digits.yaml --busbw 1.0 --no-calibration --json", timeout=600)
+    res = cluster.sh(f"OMP_NUM_THREADS=1 DSCLUSTER_FAULT={shlex.quote(fault)} {DSCLUSTER} plan "
+                     f"--hostfile {cluster.hostfile} --config {REPO}/configs/digits.yaml --busbw 1.0 "
+                     "--no-calibration --json", timeout=600)
     assert res.returncode == 0, explain(res)
     doc = json.loads(res.stdout)
     assert doc["compute"]["source"] == "measured on the nodes", doc["compute"]
@@ -33,6 +35,7 @@ def test_plan_measures_every_node_on_itself_and_names_the_slowed_one(cluster):
     assert set(figures) == {"node1", "node2", "node3"}
     assert {figures[n]["measured_on"] for n in figures} == {"node1", "node2", "node3"}  # each on itself
     assert figures["node2"]["fault_ms"] == 4000 and figures["node1"]["fault_ms"] == 0
+    assert {figures[n]["threads"] for n in figures} == {1}
     assert figures["node2"]["seconds"] >= 4.0  # the sleep is a floor: the probe timed the slowed steps
     assert figures["node2"]["seconds"] > max(figures["node1"]["seconds"], figures["node3"]["seconds"]) + 1.0
     by_node = {n["name"]: n["compute_s"] for n in doc["nodes"]}

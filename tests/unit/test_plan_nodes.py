@@ -1,6 +1,7 @@
 """plan's per-node compute probe (plan/nodes.py): which nodes are probed, the command each runs, its
 output read back, the fault it honours, and what mixed speeds do to the prediction."""
 
+import os
 import shlex
 import subprocess
 import sys
@@ -55,6 +56,23 @@ def test_the_node_side_of_the_probe_prints_the_figure_the_head_reads():
     assert out.returncode == 0, out.stderr
     fig = nodes.parse_node_output(out.stdout, "here")
     assert fig["seconds"] > 0 and "micro_batch=4 precision=fp32" in fig["probe"]
+
+
+def test_a_cpu_nodes_probe_takes_the_threads_its_ranks_will_have():
+    # training's CPU ranks split the node's cores (cpus.share_cores); the probe for 2 ranks times a
+    # step with that many threads, and the head's OMP_NUM_THREADS, where set, travels and wins
+    config = Path(__file__).resolve().parents[2] / "configs" / "digits.yaml"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    shared = shlex.split(nodes.node_command(sys.executable, str(config), [], 4, "fp32", (0, 2), None))
+    out = subprocess.run(shared, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    assert nodes.parse_node_output(out.stdout, "here")["threads"] == max(1, (os.cpu_count() or 1) // 2)
+    cmd = nodes.node_command(sys.executable, str(config), [], 4, "fp32", (0, 2), None, threads="1")
+    assert cmd.startswith("OMP_NUM_THREADS=1 ")
+    out = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    assert nodes.parse_node_output(out.stdout, "here")["threads"] == 1
 
 
 def test_a_nodes_output_is_read_from_its_last_json_line():

@@ -24,11 +24,18 @@ def measure_here(config: str, overrides: list[str], ranks_text: str) -> dict:
     cfg = load_config(config, overrides)
     if cfg.micro_batch == "auto" or cfg.precision == "auto":
         raise UsageError("--measure-node needs micro_batch=N and precision=P (plan passes both)")
+    import torch
+
+    from dscluster import cpus
+
+    if not torch.cuda.is_available():
+        cpus.share_cores(count)  # the threads each of training's `count` ranks here will have
     in_chans, num_classes = data_shape(cfg)
     slow = fault_ms(first, count)
     f = measure_steady_compute(cfg, in_chans, num_classes, int(cfg.micro_batch), slow_ms=slow)
     return {"seconds": f.seconds, "device": f.device, "note": f.note, "spread": round(f.spread, 4),
             "samples": f.samples, "disturbed": f.disturbed, "warmup_extra_s": round(f.warmup_extra_s, 4),
-            "compiled": f.compiled, "host": socket.gethostname(), "fault_ms": slow, "measured_at": time.time(),
+            "compiled": f.compiled, "host": socket.gethostname(), "threads": torch.get_num_threads(),
+            "fault_ms": slow, "measured_at": time.time(),
             "probe": probe_key(cfg, int(cfg.micro_batch), cfg.precision) + (f" fault_ms={slow}" if slow else "")}
 

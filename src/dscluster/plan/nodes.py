@@ -6,7 +6,8 @@ The probe on a node is `<python> -m dscluster plan --config C --measure-node FIR
 (`node_command`): the same interpreter path as the head (shared software, like check's probes), the
 config and overrides as given, the planned micro-batch and precision pinned; it prints one JSON
 line (`parse_node_output`). It honours DSCLUSTER_FAULT's slow_gpu for the node's ranks (plan/probe.py
-`fault_ms`): plan passes the variable on, as mpirun's -x does for training.
+`fault_ms`): plan passes the variable on, as mpirun's -x does for training, and OMP_NUM_THREADS where
+the head has it; without it, a CPU probe takes the threads training's ranks there take (cpus.py).
 """
 
 from __future__ import annotations
@@ -74,11 +75,16 @@ def gpu_models(check_json: Path) -> dict[str, str | None]:
 
 
 def node_command(python: str, config: str, overrides: list[str], micro: int, precision: str,
-                 ranks: tuple[int, int], fault: str | None) -> str:
-    """The shell command that measures compute on a node (module docstring)."""
+                 ranks: tuple[int, int], fault: str | None, threads: str | None = None) -> str:
+    """The shell command that measures compute on a node (module docstring); `threads`, the head's
+    OMP_NUM_THREADS, travels with it as DSCLUSTER_FAULT does."""
+    from dscluster import cpus
+
     argv = [python, "-m", "dscluster", "plan", "--config", config, "--measure-node", f"{ranks[0]}:{ranks[1]}",
             *overrides, f"micro_batch={micro}", f"precision={precision}"]
     env = f"DSCLUSTER_FAULT={shlex.quote(fault)} " if fault else ""
+    if threads:
+        env += f"{cpus.THREADS_ENV}={shlex.quote(threads)} "
     return env + " ".join(shlex.quote(a) for a in argv)
 
 
@@ -109,7 +115,7 @@ def measure_nodes(hostfile, config: str, overrides: list[str], micro: int, preci
                   only: set[str] | None = None) -> tuple[dict[str, dict], dict[str, str]]:
     """({node: figure}, {node: why it could not be measured}) for the hostfile's nodes (those in `only`),
     one probe per group (`probe_groups`), in parallel over SSH."""
-    from dscluster import remote, state
+    from dscluster import cpus, remote, state
     from dscluster.check.probe import ProbeSettings, default_key, open_session
 
     env = os.environ if env is None else env
@@ -125,7 +131,8 @@ def measure_nodes(hostfile, config: str, overrides: list[str], micro: int, preci
     def work(t: remote.Target) -> dict:
         client = open_session(t, settings)
         try:
-            cmd = node_command(sys.executable, config, overrides, micro, precision, ranges[t.name], fault)
+            cmd = node_command(sys.executable, config, overrides, micro, precision, ranges[t.name], fault,
+                               env.get(cpus.THREADS_ENV) or None)
             r = remote.run(client, f"cd {shlex.quote(os.getcwd())} 2>/dev/null; {cmd}", timeout=PROBE_TIMEOUT_S)
             return parse_node_output(r.stdout if r.rc == 0 else r.stderr or r.stdout, t.name)
         finally:
@@ -190,7 +197,8 @@ def node_compute(opts, cfg, hostfile, micro: int, precision: str, *, reuse: bool
            "powersgd_s": None, "warmup_extra_s": max((f.get("warmup_extra_s") or 0 for f in figures.values()),
                                                      default=0.0),
            "compiled": any(f.get("compiled") for f in figures.values()),
-           "nodes": {n: {k: f.get(k) for k in ("seconds", "device", "source", "measured_on", "host", "fault_ms")}
+           "nodes": {n: {k: f.get(k) for k in ("seconds", "device", "source", "measured_on", "host", "fault_ms",
+                                                     "threads")}
                      for n, f in figures.items()}}
     return compute, how, failed
 

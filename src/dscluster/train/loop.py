@@ -117,9 +117,8 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
 def prepare_rank(info, run_id: str, rdir: Path, has_cuda: bool) -> None:
     """This process's settings before the group forms: threads, env, the primary rank, diagnostics."""
     dist.default_extensions_dir()  # before the env snapshot, so it shows where JIT ops are cached
-    if not has_cuda and not os.environ.get("OMP_NUM_THREADS"):
-        # ranks sharing a host share its cores; oversubscribed OpenMP threads spin and crawl
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, info.local_world_size)))
+    if not has_cuda:
+        cpus.share_cores(info.local_world_size)  # ranks sharing a host share its cores
     dist.set_primary(info.rank == 0)
     dist.export_env(info, run_id)
     dist.enable_nccl_diagnostics(rdir / layout.NCCL_TRACE_DIR)
