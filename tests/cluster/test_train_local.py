@@ -91,6 +91,20 @@ def test_two_ranks_reach_90_percent_on_digits(reference):
     assert (run / "checkpoints" / "latest").read_text().strip() == last
 
 
+def test_the_whole_run_figure_is_images_over_the_runs_own_wall_clock(reference):
+    # what a user checks by hand: every image trained ÷ the seconds between rank 0's start and end
+    # records. The steady figure leaves warm-up and the final evaluation out, and the end line says so.
+    run, out, _ = reference
+    summary = json.loads((run / "summary.json").read_text())
+    start, end = records(run, 0, "start")[0], records(run, 0, "end")[-1]
+    by_hand = summary["steps"] * summary["global_batch"] / (end["t"] - start["t"])
+    assert summary["run_images_per_s"] == pytest.approx(by_hand, rel=0.05)
+    assert summary["run_s"] <= end["t"] - start["t"]
+    line = next(ln for ln in out.splitlines() if ln.startswith("train complete:"))
+    assert f"{summary['images_per_s']:,.0f} images/s steady (after 5 warm-up steps)" in line, line
+    assert f"{summary['run_images_per_s']:,.0f} over the whole run (first step to end)" in line, line
+
+
 def test_powersgd_reaches_the_uncompressed_accuracy_at_equal_epochs(reference, tmp_path):
     # PowerSGD (rank 4, plain all-reduces for the 30 warm-up steps) on the same preset, data order and epochs
     rc, out, seconds = mpirun(tmp_path, "psgd", "comm.compression=powersgd", "checkpoint.every_epochs=0")

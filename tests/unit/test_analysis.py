@@ -13,7 +13,7 @@ from _analysis_runs import make_run
 from dscluster.analysis import analyse
 from dscluster.analysis.load import load_run
 from dscluster.analysis.plots import plot_scaling
-from dscluster.analysis.report import summary_table_rows
+from dscluster.analysis.report import STEADY_LABEL, WHOLE_RUN_LABEL, summary_table_rows
 from dscluster.analysis.stats import summary_row
 from dscluster.errors import UsageError
 
@@ -115,8 +115,8 @@ def test_report_is_one_self_contained_page_with_the_summary_table(tmp_path):
     assert "<img" in html and 'src="plots/' not in html and "http" not in html.split("<body>")[1]
     rows = dict(summary_table_rows(res.summary))
     assert rows["precision"] == "fp16" and rows["world size (ranks)"] == "2"
-    assert rows["throughput (images/s)"] == "180.0" and rows["status"] == "complete"
-    for label in ("precision", "world size (ranks)", "throughput (images/s)", "held-out accuracy (%)",
+    assert rows[STEADY_LABEL] == "180.0" and rows["status"] == "complete"
+    for label in ("precision", "world size (ranks)", STEADY_LABEL, WHOLE_RUN_LABEL, "held-out accuracy (%)",
                   "stragglers (ranks)", "overflow steps", "status"):
         assert f"<th>{label}</th>" in html
 

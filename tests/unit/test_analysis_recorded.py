@@ -18,7 +18,7 @@ import pytest
 from dscluster.analysis import analyse
 from dscluster.analysis.diagnose import diagnose
 from dscluster.analysis.load import load_run
-from dscluster.analysis.report import summary_table_rows
+from dscluster.analysis.report import STEADY_LABEL, summary_table_rows
 from dscluster.train.timing import WARMUP_STEPS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,7 +104,7 @@ def test_report_embeds_the_pictures_and_the_summary_table(recorded):
     summary = json.loads((CPU_RUN / "summary.json").read_text())
     rows = dict(summary_table_rows(recorded.summary))
     assert rows["world size (ranks)"] == "2" and rows["precision"] == "fp32" and rows["status"] == "complete"
-    assert rows["throughput (images/s)"] == f"{summary['images_per_s']:.1f}"
+    assert rows[STEADY_LABEL] == f"{summary['images_per_s']:.1f}"
     assert rows["held-out accuracy (%)"] == f"{100 * summary['accuracy']:.1f}"
     for label, value in rows.items():
         assert f"<th>{label}</th>" in html and value.replace("'", "&#x27;") in html

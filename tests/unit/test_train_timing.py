@@ -50,3 +50,16 @@ def test_warm_up_ends_in_a_window_of_its_own_and_short_runs_are_timed_whole():
     assert not is_timed(WARMUP_STEPS, 100) and is_timed(WARMUP_STEPS + 1, 100)
     assert ends_warmup(WARMUP_STEPS, 100) and not ends_warmup(WARMUP_STEPS - 1, 100)
     assert is_timed(1, WARMUP_STEPS) and not ends_warmup(WARMUP_STEPS, WARMUP_STEPS)
+
+
+def test_the_whole_run_figure_counts_warm_up_and_what_follows_the_last_step():
+    clock = Clock()
+    w = StepWindow(clock)
+    clock.now += 30.0  # compilation in the warm-up window
+    w.close(steps(WARMUP_STEPS), timed=False)
+    clock.now += 10.0
+    w.close(steps(10), timed=True)
+    clock.now += 5.0  # the final evaluation, after the last step's window
+    seconds, rate = w.whole_run(images=64 * (WARMUP_STEPS + 10))
+    assert seconds == pytest.approx(45.0) and rate == pytest.approx(64 * 15 / 45.0)
+    assert w.images_per_s(64) == pytest.approx(64.0)  # the steady figure, which leaves all that out

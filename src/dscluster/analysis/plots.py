@@ -436,7 +436,7 @@ def plot_scaling(runs: list[RunData], out: Path) -> Plot:
     plot.series["ideal"] = {"x": ideal_x, "y": ideal}
     plot.series["efficiency_percent"] = {"x": xs, "y": eff}
     ax.set_xlabel("GPUs (ranks)")
-    ax.set_ylabel("throughput (images/s)")
+    ax.set_ylabel("throughput, steady (images/s)")
     ax.set_xticks(ideal_x)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -177,6 +177,7 @@ def summary_row(run: RunData) -> dict[str, Any]:
         "hosts": hosts,
         "steps": max((s.last_step or 0 for s in stats), default=0),
         "images_per_s": throughput(run),
+        "run_images_per_s": (run.summary or {}).get("run_images_per_s"),
         "accuracy": final_accuracy(run),
         "stragglers": find_stragglers(stats),
         "overflow_steps": overflows,

@@ -68,6 +68,18 @@ def preflight(argv: list[str]) -> int:
     return 0
 
 
+def throughput_words(outcome) -> str:
+    """The end line's img/s: the steady figure named so, the whole run's beside it (train/timing.py)."""
+    from dscluster.train.timing import WARMUP_STEPS
+
+    if outcome.images_per_s is None:
+        return "images/s n/a"
+    words = f"{outcome.images_per_s:,.0f} images/s steady (after {WARMUP_STEPS} warm-up steps)"
+    if outcome.run_images_per_s is not None:
+        words += f", {outcome.run_images_per_s:,.0f} over the whole run (first step to end)"
+    return words
+
+
 def train_command(args: argparse.Namespace) -> int:
     from dscluster.train.config import load_config, to_yaml
 
@@ -94,7 +106,8 @@ def train_command(args: argparse.Namespace) -> int:
     if not dist.is_primary():
         return 0
     result = {"status": outcome.status, "run_dir": str(outcome.run_dir), "steps": outcome.steps,
-              "accuracy": outcome.accuracy, "images_per_s": outcome.images_per_s}
+              "accuracy": outcome.accuracy, "images_per_s": outcome.images_per_s,
+              "run_images_per_s": outcome.run_images_per_s}
     if calibrate:
         from dscluster.train.losscale import recommend_initial_scale_power, write_initial_scale_power
 
@@ -114,7 +127,6 @@ def train_command(args: argparse.Namespace) -> int:
                  f" (add --write-config to put it into {args.config})" if args.config else ""))
     else:
         acc = "n/a" if outcome.accuracy is None else f"{outcome.accuracy:.1%}"
-        ips = "n/a" if outcome.images_per_s is None else f"{outcome.images_per_s:.0f}"
-        print(f"train {outcome.status}: {outcome.steps} steps, held-out accuracy {acc}, {ips} images/s; "
-              f"run directory {outcome.run_dir}")
+        print(f"train {outcome.status}: {outcome.steps} steps, held-out accuracy {acc}, "
+              f"{throughput_words(outcome)}; run directory {outcome.run_dir}")
     return 0

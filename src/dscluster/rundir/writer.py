@@ -119,6 +119,10 @@ class RunRecord:
     peak_mem_mb: float | None = None
     timed_steps: int | None = None
     timed_s: float | None = None
+    run_images_per_s: float | None = None
+    """Images ÷ seconds from the first step's start to the end (train/timing.py `StepWindow.whole_run`);
+    images_per_s is the steady figure, after the warm-up steps."""
+    run_s: float | None = None
     time_to_accuracy: dict = field(default_factory=dict)
     """evaluation.TimeToAccuracy.summary(): target_accuracy and time_to_accuracy where a target is set."""
     plan: dict | None = None

@@ -53,6 +53,9 @@ class Outcome:
     accuracy: float | None = None
     steps: int = 0
     images_per_s: float | None = None
+    """Steady: after the warm-up steps, to the last step (train/timing.py)."""
+    run_images_per_s: float | None = None
+    """The whole run: images ÷ wall-clock from the first step's start to the end, final evaluation in."""
     run_dir: Path | None = None
     scale_history: list[tuple[float, bool]] = field(default_factory=list)  # calibration runs only
 
@@ -374,6 +377,8 @@ class Trainer:
                       images_per_s=self.window.images_per_s(gb), run_dir=self.rdir, scale_history=self.scale_history)
         record.steps, record.images_per_s, record.accuracy = self.global_step, out.images_per_s, self.accuracy
         record.timed_steps, record.timed_s = self.window.window.timed_steps, round(self.window.window.timed_s, 4)
+        run_s, out.run_images_per_s = self.window.window.whole_run(gb * self.steps_this_run)
+        record.run_s, record.run_images_per_s = round(run_s, 3), out.run_images_per_s
         record.time_to_accuracy = self.tta.summary()
         if self.primary and not self.calibrate:
             plan_vs_measured(self.cfg, self.b, gb, self.rank.precision, self.rank.info, out, record, self.timed())

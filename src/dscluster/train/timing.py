@@ -12,6 +12,12 @@ NCCL bring-up) form windows of their own and are left out; after them the window
 other without a gap, so evaluation and checkpoints count too, and the run's images/s is exactly
 images ÷ wall-clock from the end of warm-up to the end of the last step (a 4-rank 10gbit run
 that left its checkpoint saves out reported 12% more than its own records' time stamps gave).
+
+That steady figure leaves out the warm-up (torch.compile's first steps among them) and the final
+evaluation, so beside it the run keeps its whole-run figure (`StepWindow.whole_run`): the images it
+trained ÷ the wall-clock from the first step's start to the end of training, everything included.
+On a 152-step fractal run on one H100 the steady figure read 3,441 img/s and the whole run 3,189;
+every place that shows the steady one names it so and shows the whole-run one beside it.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ class StepWindow:
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter):
         self.clock = clock
-        self.t0 = clock()
+        self.t0 = self.started = clock()
         self.timed_s = 0.0
         self.timed_steps = 0
 
@@ -56,8 +62,15 @@ class StepWindow:
         self.t0 = self.clock()
         return elapsed
 
+    def whole_run(self, images: int) -> tuple[float, float | None]:
+        """(seconds from the first step's start to now, `images` ÷ those seconds): the run's figure with
+        warm-up, compilation, evaluations and saves all in (module docstring)."""
+        seconds = self.clock() - self.started
+        return seconds, (images / seconds if seconds > 0 and images else None)
+
     def images_per_s(self, global_batch: int) -> float | None:
-        """The job's images/s: every rank's step takes the same wall-clock time in synchronous data parallelism."""
+        """The job's steady images/s: every rank's step takes the same wall-clock time in synchronous data
+        parallelism."""
         if self.timed_s <= 0 or self.timed_steps == 0:
             return None
         return global_batch * self.timed_steps / self.timed_s
