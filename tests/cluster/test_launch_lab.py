@@ -64,9 +64,9 @@ def explain(res: subprocess.CompletedProcess, tail: int = 4000) -> str:
     return f"exit {res.returncode}\n--- stdout\n{res.stdout[-tail:]}\n--- stderr\n{res.stderr[-tail:]}"
 
 
-def set_up(lab_factory, name: str) -> Cluster:
-    """A 3-node lab with a shared working directory, keys installed and host keys pinned (`setup`)."""
-    lab = lab_factory(name, nodes=3, slots=1)
+def set_up(lab_factory, name: str, nodes: int = 3) -> Cluster:
+    """A lab of `nodes` nodes with a shared working directory, keys installed and host keys pinned (`setup`)."""
+    lab = lab_factory(name, nodes=nodes, slots=1)
     work = lab.shared / "work"
     work.mkdir(parents=True, exist_ok=True)
     os.chown(work, lab.uid, lab.gid)

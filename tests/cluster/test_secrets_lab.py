@@ -9,12 +9,11 @@ run directory and the commands' own output is searched for every planted value.
 
 from __future__ import annotations
 
-import os
 import shlex
 from pathlib import Path
 
 import pytest
-from test_launch_lab import Cluster, explain
+from test_launch_lab import Cluster, explain, set_up
 
 pytestmark = pytest.mark.cluster
 
@@ -32,14 +31,7 @@ PLANTED = {
 
 @pytest.fixture(scope="module")
 def cluster(lab_factory) -> Cluster:
-    lab = lab_factory("secretlab", nodes=2, slots=1)
-    work = lab.shared / "work"
-    work.mkdir(parents=True, exist_ok=True)
-    os.chown(work, lab.uid, lab.gid)
-    c = Cluster(lab=lab, work=work, hostfile=str(lab.hostfile))
-    setup = c.sh(f"DSCLUSTER_SSH_PASSWORD={shlex.quote(lab.password)} {VENV_BIN}/dscluster setup "
-                 f"--hostfile {c.hostfile} --trust-new-hosts --fix-path", timeout=300)
-    assert setup.returncode == 0, explain(setup)
+    c = set_up(lab_factory, "secretlab", nodes=2)
     check = c.sh(f"{VENV_BIN}/dscluster check --hostfile {c.hostfile} --skip-active", timeout=300)
     assert check.returncode == 0, explain(check)
     return c
