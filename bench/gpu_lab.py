@@ -73,15 +73,23 @@ import json
 import os
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from dscluster import paths
 from dscluster.bench import tta
+from dscluster.bench.labruns import (
+    accuracy_by_compression,
+    config_of,
+    parse_run,
+    run_entry,
+    whole_run,
+    with_recommendation,
+)
 from dscluster.fsutil import atomic_write_json, read_jsonl
 from dscluster.hosts import format_hostfile, parse_hostfile
 from dscluster.sim import lab as sim_lab
@@ -89,33 +97,6 @@ from dscluster.train.timing import WARMUP_STEPS
 
 ROOT = Path(__file__).resolve().parents[1]
 LAB = "benchlab"
-SPLIT_KEYS = ("compute_s", "comm_s", "data_s", "other_s")
-
-
-def parse_run(text: str) -> tuple[str, int, str]:
-    name, nodes, overrides = (text.split(":", 2) + ["", ""])[:3]
-    if not name.isidentifier() or not nodes.isdigit() or int(nodes) < 1 or "--config" not in overrides.split():
-        raise SystemExit(f"run {text!r}: expected NAME:NODES:--config FILE [KEY=VALUE ...], e.g. "
-                         "'b2:2:--config configs/vit_base.yaml max_steps=12'")
-    return name, int(nodes), overrides
-
-
-def config_of(overrides: str) -> str:
-    words = overrides.split()
-    return words[words.index("--config") + 1]
-
-
-def with_recommendation(overrides: str, recommended: list[str]) -> list[str]:
-    """The KEY=VALUE words of a run's overrides with plan's recommendation over them: plan states
-    what to change from the overrides it was given, so the run keeps the others (a compression the
-    run already had is not repeated in the recommendation)."""
-    words = overrides.split()
-    if "--config" in words:
-        i = words.index("--config")
-        del words[i:i + 2]
-    merged = {w.split("=", 1)[0]: w for w in words if "=" in w}
-    merged.update({w.split("=", 1)[0]: w for w in recommended})
-    return list(merged.values())
 
 
 class Lab:
@@ -152,44 +133,6 @@ class Lab:
     def node1(self, cmd: str, timeout: float) -> subprocess.CompletedProcess:
         return self.dsc("sim", "exec", "--lab", self.lab, "--timeout", str(int(timeout)), "node1", "--",
                         "bash", "-c", cmd, timeout=timeout + 30)
-
-
-def median_split(run_dir: Path) -> dict | None:
-    try:
-        steps = [r for r in read_jsonl(run_dir / "metrics" / "rank-0.jsonl") if r.get("kind") == "step"]
-    except OSError:
-        return None
-    steps = steps[WARMUP_STEPS:]
-    out = {}
-    for k in SPLIT_KEYS:
-        vals = [r[k] for r in steps if isinstance(r.get(k), (int, float))]
-        out[k] = round(statistics.median(vals), 4) if vals else None
-    return out
-
-
-def whole_run(plan: dict, which: str = "now") -> dict | None:
-    """plan's whole-run prediction: `now` for the settings the plan was given, `choice` for them with
-    its recommendation pasted (the lab's run in --tta)."""
-    runs = plan.get("runs") if isinstance(plan.get("runs"), dict) else {}
-    got = runs.get(which) or (runs.get("now") if which == "choice" else None)
-    if not got:
-        return None
-    return {k: got.get(k) for k in ("seconds", "images_per_s", "steady_images_per_s", "total_steps", "phases")}
-
-
-def accuracy_by_compression(runs: list[dict]) -> dict:
-    """Held-out accuracy per comm.compression (the run's override; "none" without one): each run's,
-    their mean, and the mean's difference from none's in points."""
-    groups: dict[str, list[float]] = {}
-    for r in runs:
-        if isinstance(r.get("accuracy"), (int, float)):
-            words = dict(w.split("=", 1) for w in r["overrides"].split() if "=" in w)
-            groups.setdefault(words.get("comm.compression", "none"), []).append(r["accuracy"])
-    out = {k: {"accuracies": v, "accuracy": round(statistics.mean(v), 4)} for k, v in groups.items()}
-    for v in out.values():
-        if "none" in out:
-            v["points_vs_none"] = round(100 * (v["accuracy"] - out["none"]["accuracy"]), 2)
-    return out
 
 
 def print_tta_runs(args) -> int:
@@ -253,7 +196,7 @@ def after_run(lab: Lab, cd: str, hwork: Path, name: str, output: str, args, seve
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="RUN: NAME:NODES:OVERRIDES (see the module docstring)")
@@ -290,9 +233,140 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="--tta: print the runs it would make, build nothing "
                    "(no root needed)")
     p.add_argument("runs", nargs="*", metavar="RUN")
-    args = p.parse_args(argv)
+    return p
+
+
+@dataclass
+class Bench:
+    """The lab as the runs see it, once `bring_up` has set it up and checked it."""
+
+    lab: Lab
+    args: argparse.Namespace
+    doc: dict
+    hostfile: str
+    """The lab's whole hostfile, as node1 sees it."""
+    hwork: Path
+    """The working directory (node1's `work`) where it lies on this host."""
+    hosts: list
+    ranks: dict
+    """{hostfile's node count or "fastest": mpirun's -np}; hosts<k>.txt and hosts-fastest.txt lie in hwork."""
+    fastest: object
+    cd: str
+    """The shell prefix of every node1 command: into `work`, the venv's bin on PATH."""
+
+
+def bring_up(lab: Lab, args, doc: dict, log_path: Path) -> Bench:
+    """`sim up`, the hostfiles of the first k nodes and of the fastest, `dscluster setup` and `check` (and
+    `sync` without a shared filesystem), as the lab user on node1; check's figures go into `doc`."""
+    up = ["sim", "up", "--lab", LAB, "--link", args.link]
+    up += ["--gpus", args.gpus] if args.gpus else ["--nodes", str(args.nodes)]
+    for e in args.env:
+        up += ["--env", e]
+    if args.no_shared_fs:
+        up.append("--no-shared-fs")
+    if lab.dsc(*up).returncode:
+        raise SystemExit(f"sim up failed: see {log_path}")
+    st = json.loads(lab.dsc("sim", "status", "--lab", LAB, "--json", "--show-password").stdout)
+    st = st if "shared" in st else st.get(LAB, st)
+    work = Path(st["shared"]) / "work"  # as node1 sees it; hwork: where it lies on this host
+    simlab = sim_lab.load(LAB)
+    hwork = simlab.path_on("node1", work) if args.no_shared_fs and simlab else work
+    hwork.mkdir(parents=True, exist_ok=True)
+    hosts = parse_hostfile(st["hostfile"]).hosts
+    ranks: dict = {}
+    for k in range(1, len(hosts) + 1):
+        (hwork / f"hosts{k}.txt").write_text(format_hostfile([(h.name, h.slots) for h in hosts[:k]]))
+        ranks[k] = sum(h.slots for h in hosts[:k])
+    fastest = hosts[tta.fastest_node([h.slots for h in hosts])]
+    (hwork / "hosts-fastest.txt").write_text(format_hostfile([(fastest.name, fastest.slots)]))
+    ranks["fastest"] = fastest.slots
+    subprocess.run(["chown", "-R", str(st.get("uid", 2000)), str(hwork)], check=False)
+    cd = f"cd {shlex.quote(str(work))} && export PATH={shlex.quote(str(paths.venv_bin()))}:$PATH && "
+    pw = shlex.quote(st.get("password", ""))
+    lab.node1(cd + f"DSCLUSTER_SSH_PASSWORD={pw} dscluster setup --hostfile {st['hostfile']} "
+              "--trust-new-hosts --fix-path", 600)
+    lab.node1(cd + f"dscluster check --hostfile {st['hostfile']} --json {args.check_args} > check-out.json", 600)
+    try:
+        check_doc = json.loads((hwork / "check-out.json").read_text())
+        doc["check_layout"] = check_doc.get("layout")
+        doc["check_nccl_socket"] = (check_doc.get("active") or {}).get("nccl_socket")
+        result = check_doc["active"]["allreduce"]["result"]
+        doc["check_allreduce"] = {"device": result.get("device"), "world_size": result.get("world_size"),
+                                  "rows": result.get("results")}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    if args.no_shared_fs:
+        t_sync = time.time()
+        r = lab.node1(cd + f"dscluster sync --hostfile {st['hostfile']} --json", 600)
+        doc["sync"] = {"rc": r.returncode, "seconds": round(time.time() - t_sync, 2)}
+    doc["card"] = (doc["check_allreduce"] or {}).get("device") or ("cpu" if args.nodes else "gpu")
+    return Bench(lab=lab, args=args, doc=doc, hostfile=st["hostfile"], hwork=hwork, hosts=hosts, ranks=ranks,
+                 fastest=fastest, cd=cd)
+
+
+def tta_recommendation(b: Bench) -> dict[str, str]:
+    """--tta: plan's recommendation for the whole lab, from the preset as the lab runs it ({config: the
+    overrides, pasted as printed after the run's own; nothing recommended: the preset as is})."""
+    args = b.args
+    base = " ".join(["--config", args.tta, f"target_accuracy={args.target}", *args.set])
+    b.lab.node1(b.cd + f"dscluster plan --hostfile hosts{len(b.hosts)}.txt --json {base} > plan-tta.json", 900)
+    try:
+        b.doc["tta_plan"] = json.loads((b.hwork / "plan-tta.json").read_text())
+        return {args.tta: " ".join(b.doc["tta_plan"]["recommendation"].get("overrides") or [])}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        b.doc["tta_plan"] = None
+        return {}
+
+
+def run_one(b: Bench, name: str, nodes, overrides: str, rec: dict[str, str], planned: bool) -> dict | None:
+    """One RUN: `dscluster plan` (where `planned`), then the README command as typed; its record into
+    the results (`labruns.run_entry`, returned; None for a run skipped), its run directory into --keep."""
+    args, hwork = b.args, b.hwork
+    cfg = config_of(overrides)
+    if "@rec" in overrides:
+        if cfg not in rec:
+            b.doc["runs"].append({"name": name, "nodes": nodes, "skipped": f"no recommendation for {cfg} yet"})
+            return None
+        overrides = overrides.replace("@rec", rec[cfg])
+    plan_file = hwork / f"plan-{name}.json"
+    hostfile = "hosts-fastest.txt" if nodes == "fastest" else f"hosts{nodes}.txt"
+    several = nodes != "fastest" and nodes > 1
+    calibrate = "--calibrate " if args.calibrate and several else ""
+    plan = None
+    if planned:
+        b.lab.node1(b.cd + f"dscluster plan --hostfile {hostfile} --json {calibrate}{overrides} > {plan_file.name}",
+                    900)
+        try:
+            plan = json.loads(plan_file.read_text())
+        except (OSError, ValueError):
+            plan = None
+    if plan and several and plan["recommendation"].get("overrides") and not args.tta:
+        rec[cfg] = " ".join(with_recommendation(overrides, plan["recommendation"]["overrides"]))
+    t0 = time.time()
+    watch = observe_during(b.lab, b.cd, hwork, name, hostfile) if args.observe and several else None
+    r = b.lab.node1(b.cd + f"DSCLUSTER_RUN_ID={name} mpirun -np {b.ranks[nodes]} --hostfile {hostfile} "
+                    f"-x DSCLUSTER_RUN_ID {shlex.quote(str(paths.entry_script()))} {overrides} progress=false",
+                    args.run_timeout)
+    if watch is not None:
+        watch.join(timeout=150)
+    extra = after_run(b.lab, b.cd, hwork, name, r.stdout, args, several)
+    run_dir = hwork / "runs" / name
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    entry = {**run_entry(name, nodes, b.ranks[nodes], overrides, r.returncode, time.time() - t0, run_dir, summary,
+                         plan), **extra}
+    b.doc["runs"].append(entry)
+    if args.keep and run_dir.is_dir():
+        shutil.copytree(run_dir, args.keep / name, dirs_exist_ok=True, ignore=shutil.ignore_patterns("checkpoints"))
+    pred = (plan or {}).get("prediction") or {}
+    print(f"{name}: {nodes} node(s), {b.ranks[nodes]} rank(s), rc {r.returncode}, "
+          f"{summary.get('images_per_s') or 0:,.1f} img/s steady, {summary.get('run_images_per_s') or 0:,.1f} "
+          f"whole run, plan {pred.get('images_per_s') or 0:,.1f}", flush=True)
+    return entry
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     runs = [parse_run(r) for r in args.runs]
-    tta_names: set[str] = set()
     if not (args.tta or runs) or (args.tta and args.target is None):
         raise SystemExit("give RUNs, or --tta CONFIG --target ACCURACY (RUNs given with it run first, without plan)")
     if args.dry_run:
@@ -305,130 +379,34 @@ def main(argv: list[str] | None = None) -> int:
     lab = Lab(log, LAB)
     doc = {"bench": "gpu_lab", "date": date, "link": args.link, "gpus": args.gpus, "nodes": args.nodes,
            "command": "mpirun -np N --hostfile hostsN.txt entry_cn.sh OVERRIDES (as typed, no --bind-to)",
-           "images_per_s": "summary.json images_per_s: images / wall-clock of the timed steps",
+           "images_per_s": "summary.json images_per_s: images / wall-clock of the timed steps (steady, after the "
+                           "warm-up); run_images_per_s: images / wall-clock from the first step to the end",
            "baseline": "the one-node and plain runs of this same invocation",
            "note": args.note, "check_allreduce": None, "runs": []}
     out = args.out
     try:
-        up = ["sim", "up", "--lab", LAB, "--link", args.link]
-        up += ["--gpus", args.gpus] if args.gpus else ["--nodes", str(args.nodes)]
-        for e in args.env:
-            up += ["--env", e]
-        if args.no_shared_fs:
-            up.append("--no-shared-fs")
-        if lab.dsc(*up).returncode:
-            raise SystemExit(f"sim up failed: see {log_path}")
-        st = json.loads(lab.dsc("sim", "status", "--lab", LAB, "--json", "--show-password").stdout)
-        st = st if "shared" in st else st.get(LAB, st)
-        work = Path(st["shared"]) / "work"  # as node1 sees it; hwork: where it lies on this host
-        simlab = sim_lab.load(LAB)
-        hwork = simlab.path_on("node1", work) if args.no_shared_fs and simlab else work
-        hwork.mkdir(parents=True, exist_ok=True)
-        hosts = parse_hostfile(st["hostfile"]).hosts
-        ranks = {}
-        for k in range(1, len(hosts) + 1):
-            (hwork / f"hosts{k}.txt").write_text(format_hostfile([(h.name, h.slots) for h in hosts[:k]]))
-            ranks[k] = sum(h.slots for h in hosts[:k])
-        fastest = hosts[tta.fastest_node([h.slots for h in hosts])]
-        (hwork / "hosts-fastest.txt").write_text(format_hostfile([(fastest.name, fastest.slots)]))
-        ranks["fastest"] = fastest.slots
+        b = bring_up(lab, args, doc, log_path)
+        tta_names: set[str] = set()
         if args.tta:
-            seeds = [int(x) for x in args.seeds.split(",")]
-            tta_runs = [(name, "fastest" if role == tta.ALONE else len(hosts), o)
-                    for name, role, o in tta.runs_for(args.tta, seeds, args.target, args.set, len(hosts),
-                                                      tuple(args.tta_roles.split(",")))]
+            tta_runs = [(name, "fastest" if role == tta.ALONE else len(b.hosts), o)
+                        for name, role, o in tta.runs_for(args.tta, [int(x) for x in args.seeds.split(",")],
+                                                          args.target, args.set, len(b.hosts),
+                                                          tuple(args.tta_roles.split(",")))]
             tta_names = {name for name, _, _ in tta_runs}
             runs = runs + tta_runs
-        if max((n for _, n, _ in runs if n != "fastest"), default=0) > len(hosts):
-            raise SystemExit(f"a run asks for more nodes than the lab's {len(hosts)} ({st['hostfile']})")
-        subprocess.run(["chown", "-R", str(st.get("uid", 2000)), str(hwork)], check=False)
-        cd = f"cd {shlex.quote(str(work))} && export PATH={shlex.quote(str(paths.venv_bin()))}:$PATH && "
-        pw = shlex.quote(st.get("password", ""))
-        lab.node1(cd + f"DSCLUSTER_SSH_PASSWORD={pw} dscluster setup --hostfile {st['hostfile']} "
-                  "--trust-new-hosts --fix-path", 600)
-        lab.node1(cd + f"dscluster check --hostfile {st['hostfile']} --json {args.check_args} > check-out.json", 600)
-        try:
-            check_doc = json.loads((hwork / "check-out.json").read_text())
-            doc["check_layout"] = check_doc.get("layout")
-            doc["check_nccl_socket"] = (check_doc.get("active") or {}).get("nccl_socket")
-            result = check_doc["active"]["allreduce"]["result"]
-            doc["check_allreduce"] = {"device": result.get("device"), "world_size": result.get("world_size"),
-                                      "rows": result.get("results")}
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-        if args.no_shared_fs:
-            t_sync = time.time()
-            r = lab.node1(cd + f"dscluster sync --hostfile {st['hostfile']} --json", 600)
-            doc["sync"] = {"rc": r.returncode, "seconds": round(time.time() - t_sync, 2)}
-        card = ((doc["check_allreduce"] or {}).get("device") or ("cpu" if args.nodes else "gpu"))
-        doc["card"] = card
+        if max((n for _, n, _ in runs if n != "fastest"), default=0) > len(b.hosts):
+            raise SystemExit(f"a run asks for more nodes than the lab's {len(b.hosts)} ({b.hostfile})")
         kind = "tta" if args.tta else "lab"
-        out = out or ROOT / "bench" / "results" / f"{date}-{card.lower().replace(' ', '-')}-{kind}-{args.link}.json"
-        rec: dict[str, str] = {}
-        if args.tta:  # plan's recommendation for the whole lab, from the preset as the lab runs it
-            base = " ".join(["--config", args.tta, f"target_accuracy={args.target}", *args.set])
-            lab.node1(cd + f"dscluster plan --hostfile hosts{len(hosts)}.txt --json {base} > plan-tta.json", 900)
-            try:
-                doc["tta_plan"] = json.loads((hwork / "plan-tta.json").read_text())
-                # pasted as printed, after the run's own overrides (nothing recommended: the preset as is)
-                rec[args.tta] = " ".join(doc["tta_plan"]["recommendation"].get("overrides") or [])
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                doc["tta_plan"] = None
+        card = doc["card"].lower().replace(" ", "-")
+        out = out or ROOT / "bench" / "results" / f"{date}-{card}-{kind}-{args.link}.json"
+        rec = tta_recommendation(b) if args.tta else {}
         for name, nodes, overrides in runs:
-            cfg = config_of(overrides)
-            if "@rec" in overrides:
-                if cfg not in rec:
-                    doc["runs"].append({"name": name, "nodes": nodes, "skipped": f"no recommendation for {cfg} yet"})
-                    continue
-                overrides = overrides.replace("@rec", rec[cfg])
-            plan_file = hwork / f"plan-{name}.json"
-            hostfile = "hosts-fastest.txt" if nodes == "fastest" else f"hosts{nodes}.txt"
-            several = nodes != "fastest" and nodes > 1
-            calibrate = "--calibrate " if args.calibrate and several else ""
-            plan = None
-            if not args.no_plan and not (args.tta and name not in tta_names):  # RUNs beside --tta: no plan
-                lab.node1(cd + f"dscluster plan --hostfile {hostfile} --json {calibrate}{overrides} > {plan_file.name}",
-                          900)
-                try:
-                    plan = json.loads(plan_file.read_text())
-                except (OSError, ValueError):
-                    plan = None
-            if plan and several and plan["recommendation"].get("overrides") and not args.tta:
-                rec[cfg] = " ".join(with_recommendation(overrides, plan["recommendation"]["overrides"]))
-            t0 = time.time()
-            watch = observe_during(lab, cd, hwork, name, hostfile) if args.observe and several else None
-            r = lab.node1(cd + f"DSCLUSTER_RUN_ID={name} mpirun -np {ranks[nodes]} --hostfile {hostfile} "
-                          f"-x DSCLUSTER_RUN_ID {shlex.quote(str(paths.entry_script()))} {overrides} progress=false",
-                          args.run_timeout)
-            if watch is not None:
-                watch.join(timeout=150)
-            extra = after_run(lab, cd, hwork, name, r.stdout, args, several)
-            summary_path = hwork / "runs" / name / "summary.json"
-            summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-            pred = (plan or {}).get("prediction") or {}
-            doc["runs"].append({
-                "name": name, "nodes": nodes, "ranks": ranks[nodes], "overrides": overrides, "rc": r.returncode,
-                "wall_s": round(time.time() - t0, 1), "images_per_s": summary.get("images_per_s"),
-                "global_batch": summary.get("global_batch"), "timed_steps": summary.get("timed_steps"),
-                "accuracy": summary.get("accuracy"),
-                "median_split_rank0": median_split(hwork / "runs" / name), **extra,
-                "plan": None if not pred else {
-                    "predicted_images_per_s": pred.get("images_per_s"), "predicted_step_s": pred.get("step_s"),
-                    "split": {k: pred.get(k) for k in ("compute_s", "hook_s", "comm_s", "hidden_s")},
-                    "compute_s_per_micro": plan["compute"]["seconds"], "powersgd_s": plan.get("powersgd_s"),
-                    "latency_s": plan.get("latency_s"), "busbw_GBps": plan.get("busbw_GBps"),
-                    "calibration": plan.get("calibration"), "calibration_runs": plan.get("calibration_runs"),
-                    "recommended": plan["recommendation"].get("overrides"),
-                    "whole_run": whole_run(plan)},
-                "deviation_percent": (summary.get("plan") or {}).get("deviation_percent"),
-                **({"role": tta.ALONE if nodes == "fastest" else tta.LAB, "host": fastest.name if nodes == "fastest"
-                    else None, **tta.run_record(hwork / "runs" / name)} if args.tta and name in tta_names else {})})
-            if args.keep and (hwork / "runs" / name).is_dir():
-                shutil.copytree(hwork / "runs" / name, args.keep / name, dirs_exist_ok=True,
-                                ignore=shutil.ignore_patterns("checkpoints"))
-            print(f"{name}: {nodes} node(s), {ranks[nodes]} rank(s), rc {r.returncode}, "
-                  f"{summary.get('images_per_s') or 0:,.1f} img/s, plan "
-                  f"{pred.get('images_per_s') or 0:,.1f}", flush=True)
+            counted = name in tta_names  # RUNs given beside --tta run first, without plan, and are not counted
+            entry = run_one(b, name, nodes, overrides, rec, planned=not args.no_plan and (counted or not args.tta))
+            if entry is not None and counted:
+                entry.update(role=tta.ALONE if nodes == "fastest" else tta.LAB,
+                             host=b.fastest.name if nodes == "fastest" else None,
+                             **tta.run_record(b.hwork / "runs" / name))
             doc["accuracy_by_compression"] = accuracy_by_compression(doc["runs"])
             if args.tta:
                 doc["time_to_accuracy"] = {"config": args.tta, "target": args.target, "seeds": args.seeds,
