@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -71,3 +72,16 @@ def test_dry_run_prints_the_runs_without_a_lab():
                         "target_accuracy=0.8")
     assert lines[2].startswith("lab_s1: all 3 nodes (4 ranks): ") and lines[2].endswith(" @rec")
     assert len(lines) == 5
+
+
+def test_the_measured_whole_run_holds_the_data_cache_fill_as_plans_prediction_does(tmp_path):
+    # plan's whole run starts with the cache's fill, which train makes before its first step
+    recs = [{"kind": "start", "t": 10.0},
+            {"kind": "data_cache", "split": "training", "seconds": 8.5},
+            {"kind": "data_cache", "split": "held-out", "seconds": 2.0},
+            {"kind": "step", "step": 1, "t": 25.0, "step_time": 4.0},  # the first step started at 21.0
+            {"kind": "step", "step": 2, "t": 26.0, "step_time": 1.0},
+            {"kind": "end", "t": 71.0}]
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "rank-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert tta.training_seconds(tmp_path) == 8.5 + 2.0 + (71.0 - 21.0)

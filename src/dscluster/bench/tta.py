@@ -39,9 +39,11 @@ def runs_for(config: str, seeds: list[int], target: float, extra: list[str], nod
 
 
 def training_seconds(run_dir: Path) -> float | None:
-    """Rank 0's seconds from the start of its first step to its end record: the span plan's whole-run
-    prediction covers (steps, warm-up and compilation, evaluations, saves), without the process
-    start-up before the first step (imports, DeepSpeed and NCCL bring-up, the data set)."""
+    """The span plan's whole-run prediction covers, on rank 0: the data cache's fill before the first
+    step (its `data_cache` records' seconds), then from the start of its first step to its end record
+    (steps, warm-up and compilation, evaluations, saves); without the rest of the process start-up
+    (imports, DeepSpeed and NCCL bring-up, loading the data set). A 152-step comparison that left the
+    fill out read −8 % where like for like it was −22 %."""
     try:
         recs = read_jsonl(Path(run_dir) / layout.METRICS_DIR / "rank-0.jsonl")
     except OSError:
@@ -50,7 +52,9 @@ def training_seconds(run_dir: Path) -> float | None:
     ends = [r for r in recs if r.get("kind") == "end"]
     if not steps or not ends:
         return None
-    return round(ends[-1]["t"] - (steps[0]["t"] - steps[0]["step_time"]), 2)
+    fill = sum(r["seconds"] for r in recs
+               if r.get("kind") == "data_cache" and isinstance(r.get("seconds"), (int, float)))
+    return round(fill + ends[-1]["t"] - (steps[0]["t"] - steps[0]["step_time"]), 2)
 
 
 def run_record(run_dir: Path) -> dict:
