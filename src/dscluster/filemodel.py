@@ -52,3 +52,21 @@ def _check(types: Mapping[str, tuple[type, ...]], spec: str, where: str, value: 
         return
     if not isinstance(value, want) or (isinstance(value, bool) and bool not in want):
         raise ValueError(f"field {where} is {json.dumps(value)[:60]}, expected {type_name(want)}")
+
+
+def load_state_file(path, types: Mapping[str, tuple[type, ...]], fix: str, error: type[Exception]) -> dict | None:
+    """A state file read back like user input: its JSON object validated against `types`, None when
+    there is none; `error("<path>: unreadable|damaged: <why>; <fix>")` when it is torn or damaged."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{path}: unreadable ({type(e).__name__}: {e}); {fix}") from None
+    try:
+        if not isinstance(doc, dict):
+            raise ValueError(f"a JSON {type(doc).__name__}, not an object")
+        validate(doc, types)
+    except ValueError as e:
+        raise error(f"{path}: damaged: {e}; {fix}") from None
+    return doc

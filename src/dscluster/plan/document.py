@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from dscluster.plan import accuracy, datafeed, model, predicted, wholerun
 from dscluster.plan import calibrate as calibration_run
-from dscluster.plan import datafeed, model, predicted, wholerun
 from dscluster.plan import nodes as node_probe
 from dscluster.plan.inputs import COMPRESSION_KEY, PlanInputs, PlanOptions, figure_of
 
@@ -210,8 +210,27 @@ def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
     }
     if balance:
         doc["recommendation"]["overrides"].append("batching=balanced")
+    if cfg.target_accuracy is not None:
+        doc["time_to_accuracy"] = time_to_accuracy(cfg, scenario.global_batch, whole, rec, prediction)
+        doc["notes"] += doc["time_to_accuracy"]["notes"]
     save(doc, saved_entries(doc, cfg, rec, opts))
     return doc, rec
+
+
+def time_to_accuracy(cfg, global_batch: int, whole: dict, rec: model.Recommendation, p: model.Prediction) -> dict:
+    """plan/accuracy.py's prediction for the config as given, the recommendation (where it keeps the
+    global batch the recorded curves were made at) and the fastest node alone."""
+    runs, compressions = {"now": whole.get("now")}, {"now": cfg.comm.compression}
+    choice = rec.choice
+    if choice is not None and choice.prediction.global_batch == global_batch:
+        runs["choice"], compressions["choice"] = whole.get("choice"), choice.compression
+    fastest = p.fastest_node
+    alone = (fastest, p.node_images_per_s[fastest]) if len(p.node_images_per_s) > 1 else None
+    out = accuracy.predict(cfg, cfg.target_accuracy, global_batch, runs, alone, compressions)
+    if choice is not None and "choice" not in runs:
+        out["notes"].append(f"no time to accuracy for the recommendation: it changes the global batch to "
+                            f"{choice.prediction.global_batch}, and the recorded curves are at {global_batch}")
+    return out
 
 
 def save(doc: dict, entries: dict[str, dict]) -> None:

@@ -56,7 +56,7 @@ from typing import Any
 
 from dscluster import state
 from dscluster.errors import UsageError
-from dscluster.filemodel import NUMBER, validate
+from dscluster.filemodel import NUMBER, load_state_file
 from dscluster.fsutil import atomic_write_json
 
 PLANS_FILE = "plans.json"
@@ -93,18 +93,7 @@ def _read_doc(p: Path) -> tuple[dict, list]:
     """(plans, outcomes) of plans.json, validated like user input: none yet is ({}, []), a damaged
     file raises PlansFileError (never replaced silently: it holds the lab's calibration)."""
     fix = f"delete {p} (it only caches predictions and their outcomes) and re-run `dscluster plan`"
-    try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}, []
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PlansFileError(f"{p}: unreadable ({type(e).__name__}: {e}); {fix}") from None
-    try:
-        if not isinstance(doc, dict):
-            raise ValueError(f"a JSON {type(doc).__name__}, not an object")
-        validate(doc, FIELD_TYPES)
-    except ValueError as e:
-        raise PlansFileError(f"{p}: damaged: {e}; {fix}") from None
+    doc = load_state_file(p, FIELD_TYPES, fix, PlansFileError) or {}
     return doc.get("plans") or {}, list(doc.get("outcomes") or [])
 
 

@@ -25,6 +25,24 @@ def whole_run_line(label: str, r: dict) -> str:
             f"mean {r['images_per_s']:,.0f} img/s (steady {r['steady_images_per_s']:,.0f}); {parts}")
 
 
+def time_to_accuracy_line(t: dict) -> str:
+    """`time to 90.0% held-out (recorded: …): with the recommendation 26.1 s (step 546), …; the lab gets there
+    1.42× sooner (…)`."""
+    labels = {"choice": "with the recommendation", "now": "as configured"}
+    parts = []
+    for key, r in sorted(t["runs"].items(), key=lambda kv: ("choice", "now", "alone").index(kv[0])):
+        if r["seconds"] is not None:
+            label = f"{r['node']} alone" if key == "alone" else labels[key]
+            parts.append(f"{label} {clock(r['seconds'])} (step {r['step']:,})")
+    verdict = ""
+    if t["speedup"]:
+        verdict = (f"; the lab gets there {t['speedup']:.2f}× sooner" if t["speedup"] >= 1 else
+                   f"; the lab gets there later than its fastest node alone ({t['speedup']:.2f}×)")
+    return (f"time to {t['target']:.1%} held-out, where the recorded runs first reached it ({t['source']}): "
+            + ", ".join(parts) + verdict + " (from the data cache and the first step; start-up before them "
+            "not counted)")
+
+
 def clock(seconds: float) -> str:
     """3 h 05 min, 12 min 40 s, 41 s."""
     s = round(seconds)
@@ -70,6 +88,8 @@ def render(doc: dict) -> None:
         r = (doc.get("runs") or {}).get(key)
         if r and (key == "now" or rec["overrides"]):
             out.print(escape(whole_run_line(label, r)))
+    if doc.get("time_to_accuracy") and any(r["seconds"] for r in doc["time_to_accuracy"]["runs"].values()):
+        out.print(escape(time_to_accuracy_line(doc["time_to_accuracy"])))
     if rec["overrides"]:
         prefix = "if you keep every node, " if rec["train_alone"] else ""
         out.print(f"{prefix}paste after ./entry_cn.sh (or dscluster train):")

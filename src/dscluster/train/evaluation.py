@@ -10,7 +10,7 @@ in summary.json.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -56,9 +56,13 @@ class TimeToAccuracy:
     started: float
     global_batch: int
     reached: dict | None = None
+    points: list[tuple[int, float]] = field(default_factory=list)
+    """(step, accuracy) of every evaluation: the run's held-out curve (`keep`)."""
 
     def see(self, rec: dict, log, progress) -> None:
-        """An `eval` record: the first one at or above the target becomes the `target` record."""
+        """An `eval` record: a point of the curve; the first one at or above the target becomes the
+        `target` record."""
+        self.points.append((rec["step"], rec["accuracy"]))
         if self.target is None or self.reached is not None or rec["accuracy"] < self.target:
             return
         self.reached = {"target": self.target, "accuracy": rec["accuracy"],
@@ -68,6 +72,20 @@ class TimeToAccuracy:
         log.record("target", **self.reached)
         progress.print(f"reached target accuracy {self.target:.1%} after {self.reached['seconds']:.1f} s "
                        f"(step {rec['step']}, epoch {rec['epoch'] + 1}, {self.reached['images']:,} images)")
+
+    def keep(self, cfg, *, compression: str, ranks: int, run_id: str) -> None:
+        """Rank 0, at the end of a run that started at step 0: its held-out curve into plan's curves
+        (plan/accuracy.py), from which the next plan predicts the time to an accuracy. A damaged
+        curves file costs only that, with a warning that names it."""
+        from dscluster import console
+        from dscluster.errors import UsageError
+        from dscluster.plan import accuracy
+
+        try:
+            accuracy.record_curve(cfg, self.global_batch, self.points, compression=compression, ranks=ranks,
+                                  run_id=run_id)
+        except (UsageError, OSError) as e:
+            console.err.print(f"[yellow]warning:[/yellow] held-out curve not kept for plan ({e})")
 
     def summary(self) -> dict:
         """summary.json's fields: none without a target; with one, time_to_accuracy (null: not reached)."""

@@ -380,6 +380,9 @@ class Trainer:
         run_s, out.run_images_per_s = self.window.window.whole_run(gb * self.steps_this_run)
         record.run_s, record.run_images_per_s = round(run_s, 3), out.run_images_per_s
         record.time_to_accuracy = self.tta.summary()
+        if self.primary and not self.calibrate and self.start.global_step == 0:
+            self.tta.keep(self.cfg, compression=self.cfg.comm.compression, ranks=self.rank.info.world_size,
+                          run_id=record.run_id)
         if self.primary and not self.calibrate:
             plan_vs_measured(self.cfg, self.b, gb, self.rank.precision, self.rank.info, out, record, self.timed())
         return out

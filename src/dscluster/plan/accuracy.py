@@ -1,0 +1,198 @@
+"""Time to accuracy in plan: when a run with `target_accuracy` set first reaches it, for the config as
+given, for the recommendation, and for the fastest node alone.
+
+A step model cannot say how many steps a model needs to learn; runs can. Every run that evaluates
+(train/loop.py) leaves its held-out curve here, (step, accuracy) after each evaluation, keyed by what
+decides that curve (`trajectory_key`: the model, the data, the optimizer and its schedule, the epochs
+and the global batch; not the seed, not the nodes). plan reads the step where the recorded curves
+first reach the target (the median over the runs that did) and prices the run up to the end of that
+evaluation with the whole-run model (plan/phases.py): the data cache, the warm-up, the steps, the
+evaluations before it. Start-up before the cache and the first step (imports, the process group) is
+not in it, as it is not in the whole run.
+
+Curves of this lab come first; without them, the curves shipped with the presets (`SHIPPED`, each
+from a results file). A curve recorded without compression stands in for a compressed run only with
+a note saying so: PowerSGD can learn more slowly per step (`POWERSGD_EVIDENCE`).
+
+<state>/curves.json, written atomically by train's rank 0, validated like user input when read:
+
+    {"schema": 1, "curves": [{"key": KEY, "points": [[step, accuracy], ...], "compression": str,
+                              "ranks": int, "run_id": str, "at": unix time}]}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from dscluster import state
+from dscluster.errors import UsageError
+from dscluster.filemodel import NUMBER, load_state_file
+from dscluster.fsutil import atomic_write_json
+from dscluster.plan import phases
+
+CURVES_FILE = "curves.json"
+SCHEMA = 1
+MAX_CURVES = 200
+"""Curves kept (the newest)."""
+FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "schema": (int,), "curves": (list,), "curves[]": (dict,), "curves[].key": (str,), "curves[].points": (list,),
+    "curves[].points[]": (list,), "curves[].compression": (str,), "curves[].ranks": (int,),
+    "curves[].run_id": (str,), "curves[].at": NUMBER,
+}
+_DATA_RUN_ONLY = ("workers", "prefetch", "cache")
+"""data keys that change how fast images come, not which ones: left out of the key."""
+
+
+@dataclass(frozen=True)
+class Shipped:
+    """A curve measured on a GPU and shipped with its preset: `config` with `overrides` resolves to its key."""
+
+    config: str
+    overrides: tuple[str, ...]
+    points: tuple[tuple[int, float], ...]
+    what: str
+    source: str
+
+
+SHIPPED = (
+    Shipped("configs/vit_small_fractal.yaml", ("epochs=8",),
+            ((78, 0.091), (156, 0.122), (234, 0.268), (312, 0.487), (390, 0.730), (468, 0.876), (546, 0.90),
+             (624, 0.9397)),
+            "one H100 alone, fp16, compiled, seed 1 (epoch 7's accuracy is the target record's floor, 90 %)",
+            "bench/results/2026-11-27-2xh100-tta-10gbit-b.json and -lab-1gbit-observe-tta.json (epochs 1-6)"),
+)
+POWERSGD_EVIDENCE = ("PowerSGD rank 4 from step 30 on two 1-GPU nodes at 1 Gbit reached 8.6, 22.6, 21.2, 35.7, "
+                     "55.2 and 65.3 % after epochs 1-6 of fractal ViT-S, where one GPU alone reached 9.1, 12.2, 26.8, "
+                     "48.7, 73.0 and 87.6 % (1 seed; bench/results/2026-11-27-2xh100-lab-1gbit-observe-tta.json)")
+
+
+def path(env=None) -> Path:
+    return state.state_dir(env) / CURVES_FILE
+
+
+def trajectory_key(cfg, global_batch: int) -> str:
+    """What decides a run's held-out curve: model, data (not how fast it comes), optimizer and schedule,
+    epochs, max_steps and the global batch; the seed and the nodes are not in it."""
+    data = {k: v for k, v in asdict(cfg.data).items() if k not in _DATA_RUN_ONLY}
+    optim = {k: v for k, v in asdict(cfg.optim).items() if k != "fused"}
+    facts = {"model": asdict(cfg.model), "data": data, "optim": optim, "epochs": cfg.epochs,
+             "max_steps": cfg.max_steps, "global_batch": global_batch}
+    digest = hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return (f"model={cfg.model.name} dataset={cfg.data.dataset} img_size={cfg.data.img_size} "
+            f"global_batch={global_batch} epochs={cfg.epochs} digest={digest}")
+
+
+def _read(p: Path) -> list[dict]:
+    fix = f"delete {p} (it only keeps the held-out curves of earlier runs) and train again"
+    curves = (load_state_file(p, FIELD_TYPES, fix, UsageError) or {}).get("curves") or []
+    for i, c in enumerate(curves):
+        for j, point in enumerate(c.get("points") or []):
+            if len(point) != 2 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in point):
+                raise UsageError(f"{p}: damaged: field curves[{i}].points[{j}] is {json.dumps(point)[:60]}, "
+                                 f"expected [step, accuracy]; {fix}")
+    return curves
+
+
+def record_curve(cfg, global_batch: int, points: list[tuple[int, float]], *, compression: str, ranks: int,
+                 run_id: str, env=None) -> None:
+    """Keep a run's held-out curve (train's rank 0, at the end of a run that evaluated), atomically."""
+    if not points:
+        return
+    p = path(env)
+    curves = _read(p)
+    curves.append({"key": trajectory_key(cfg, global_batch), "points": [[int(s), float(a)] for s, a in points],
+                   "compression": compression, "ranks": ranks, "run_id": run_id, "at": time.time()})
+    atomic_write_json(p, {"schema": SCHEMA, "curves": curves[-MAX_CURVES:]})
+
+
+def first_reach(points, target: float) -> int | None:
+    """The step of the first evaluation at or above `target`, None where the curve never got there."""
+    return next((int(s) for s, a in points if a >= target), None)
+
+
+def curves_for(cfg, global_batch: int, env=None) -> tuple[list[dict], str]:
+    """The curves of this trajectory and where they come from: this lab's runs, else the shipped ones
+    whose preset and overrides resolve to the same key."""
+    from dscluster.train.config import load_config
+
+    k = trajectory_key(cfg, global_batch)
+    own = [c for c in _read(path(env)) if c.get("key") == k and c.get("points")]
+    if own:
+        return own, f"{len(own)} run(s) of this lab ({path(env)})"
+    shipped = []
+    for s in SHIPPED:
+        try:
+            ref = load_config(s.config, list(s.overrides))
+        except (UsageError, OSError):
+            continue
+        if trajectory_key(ref, ref.global_batch or global_batch) == k:
+            shipped.append((s, {"points": [list(p) for p in s.points], "compression": "none", "ranks": 1}))
+    if not shipped:
+        return [], "no recorded run of this model, data, schedule, epochs and global batch"
+    return [c for _, c in shipped], "; ".join(f"{s.what} ({s.source})" for s, _ in shipped)
+
+
+def seconds_to(c: phases.RunCosts, step: int, *, epochs: int, max_steps: int) -> float:
+    """plan's whole-run seconds from the data cache to the end of the evaluation after `step`."""
+    total = phases.total_steps(c.steps_per_epoch, epochs, max_steps)
+    warm = min(phases.WARMUP_STEPS, step)
+    head = phases.span(c, 1, warm, total=total, epochs=epochs, events_to=0)
+    rest = phases.span(c, warm + 1, step, total=total, epochs=epochs, events_from=1, events_to=step)
+    return (c.cache_fill_s + c.warmup_extra_s + head["plain_s"] + head["steady_s"] + rest["plain_s"]
+            + rest["steady_s"] + rest["evaluation_s"] + rest["checkpoints_s"])
+
+
+def reach(curves: list[dict], target: float, compression: str) -> dict:
+    """Where the curves of runs with this compression (all of them where none has it) first reach
+    `target`: {"step": median over those that did (None: none did), "curves", "reached", "same": whether
+    the curves had this compression}."""
+    same = [c for c in curves if c.get("compression", "none") == compression]
+    use = same or curves
+    steps = [s for s in (first_reach(c["points"], target) for c in use) if s is not None]
+    return {"step": int(statistics.median(steps)) if steps else None, "curves": len(use), "reached": len(steps),
+            "same": bool(same)}
+
+
+def predict(cfg, target: float, global_batch: int, runs: dict, alone: tuple[str, float] | None,
+            compressions: dict[str, str], env=None) -> dict:
+    """The document's `time_to_accuracy`: for each whole run in `runs` ({"now"|"choice": phases.whole_run's
+    dict}, `compressions` theirs) and for the node alone (`alone`: its name and img/s at this global
+    batch, uncompressed), the step its recorded curves reach `target` at and plan's seconds to the end
+    of that evaluation; `speedup`: the node alone's seconds over the lab's best."""
+    curves, source = curves_for(cfg, global_batch, env)
+    out: dict = {"target": target, "source": source, "curves": len(curves), "runs": {}, "speedup": None,
+                 "notes": []}
+    if not curves:
+        out["notes"].append(f"no time to {target:.1%}: {source}; train once with target_accuracy={target} (any "
+                            "run that evaluates records its curve) and the next plan predicts it")
+        return out
+    priced = {name: (phases.RunCosts(**run["costs"]), compressions.get(name, "none"))
+              for name, run in runs.items() if run is not None}
+    if alone is not None and "now" in priced:
+        step_s = global_batch / alone[1]
+        priced["alone"] = (replace(priced["now"][0], plain_step_s=step_s, step_s=step_s, start_step=None), "none")
+    for name, (c, compression) in priced.items():
+        r = reach(curves, target, compression)
+        seconds = None if r["step"] is None else round(seconds_to(c, r["step"], epochs=cfg.epochs,
+                                                                  max_steps=cfg.max_steps), 1)
+        out["runs"][name] = {**r, "seconds": seconds, "images": r["step"] and r["step"] * global_batch,
+                             "compression": compression, **({"node": alone[0]} if name == "alone" and alone else {})}
+        if r["step"] is None:
+            out["notes"].append(f"no time to {target:.1%} for {LABELS[name]}: none of its {r['curves']} recorded "
+                                "curve(s) reached it")
+        elif compression != "none" and not r["same"]:
+            out["notes"].append(f"time to accuracy with {compression}: the recorded curves did not compress, and "
+                                f"{LABELS[name]} is priced as if it reached {target:.1%} at the same step; not "
+                                f"measured, and one measurement points the other way: {POWERSGD_EVIDENCE}")
+    lab = [v["seconds"] for k, v in out["runs"].items() if k != "alone" and v["seconds"]]
+    if lab and (out["runs"].get("alone") or {}).get("seconds"):
+        out["speedup"] = round(out["runs"]["alone"]["seconds"] / min(lab), 2)
+    return out
+
+
+LABELS = {"now": "the config as given", "choice": "the recommendation", "alone": "the fastest node alone"}

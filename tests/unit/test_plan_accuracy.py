@@ -1,0 +1,118 @@
+"""plan's time to accuracy (plan/accuracy.py): runs leave their held-out curves, plan prices the steps
+to the target with the whole-run model, for the lab and for its fastest node alone."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dscluster.errors import UsageError
+from dscluster.fsutil import read_jsonl
+from dscluster.plan import accuracy, phases
+from dscluster.train.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+FRACTAL = str(REPO / "configs" / "vit_small_fractal.yaml")
+
+
+def costs(**kw) -> phases.RunCosts:
+    base = dict(plain_step_s=0.1, step_s=0.04, start_step=30, warmup_extra_s=20.0, eval_s=2.0, save_s=1.0,
+                steps_per_epoch=78, checkpoint_every_epochs=2, cache_fill_s=6.0)
+    return phases.RunCosts(**{**base, **kw})
+
+
+def test_the_seconds_to_the_last_evaluation_are_the_whole_run():
+    c = costs()
+    whole = phases.whole_run(c, epochs=8, max_steps=0, global_batch=512)
+    assert accuracy.seconds_to(c, 624, epochs=8, max_steps=0) == pytest.approx(whole["seconds"])
+    # to epoch 3's evaluation: cache, warm-up, 30 plain and 204 compressed steps, 3 evaluations, 1 save
+    expected = 6.0 + 20.0 + 30 * 0.1 + 204 * 0.04 + 3 * 2.0 + 1 * 1.0
+    assert accuracy.seconds_to(c, 234, epochs=8, max_steps=0) == pytest.approx(expected)
+
+
+def test_a_curve_reaches_a_target_at_its_first_evaluation_at_or_above_it():
+    points = [[78, 0.3], [156, 0.62], [234, 0.58], [312, 0.7]]
+    assert accuracy.first_reach(points, 0.6) == 156 and accuracy.first_reach(points, 0.7) == 312
+    assert accuracy.first_reach(points, 0.71) is None
+
+
+def test_a_compressed_run_is_priced_from_curves_of_its_own_compression_first():
+    curves = [{"points": [[10, 0.9]], "compression": "none"}, {"points": [[30, 0.9]], "compression": "powersgd"},
+              {"points": [[20, 0.9]], "compression": "none"}]
+    assert accuracy.reach(curves, 0.9, "powersgd") == {"step": 30, "curves": 1, "reached": 1, "same": True}
+    assert accuracy.reach(curves, 0.9, "none") == {"step": 15, "curves": 2, "reached": 2, "same": True}
+    assert accuracy.reach(curves, 0.9, "fp16")["same"] is False  # none of its own: every curve stands in
+
+
+def test_the_fractal_preset_ships_the_curve_its_gpu_run_measured(tmp_path):
+    env = {"DSCLUSTER_STATE": str(tmp_path)}
+    cfg = load_config(FRACTAL, ["epochs=8"])
+    curves, source = accuracy.curves_for(cfg, 512, env)
+    assert len(curves) == 1 and "2026-11-27-2xh100-tta-10gbit-b.json" in source
+    assert accuracy.reach(curves, 0.9, "none")["step"] == 546  # epoch 7 of 78 steps, as train recorded it
+    # the preset's own 15 epochs make another schedule: no curve, and the note says how to get one
+    out = accuracy.predict(load_config(FRACTAL, []), 0.9, 512, {}, None, {}, env)
+    assert out["runs"] == {} and "train once with target_accuracy=0.9" in out["notes"][0]
+
+
+def test_a_damaged_curves_file_names_itself_and_the_fix(tmp_path):
+    env = {"DSCLUSTER_STATE": str(tmp_path)}
+    (tmp_path / "curves.json").write_text('{"schema": 1, "curves": [{"key": "k", "points": "x"}]}')
+    with pytest.raises(UsageError, match=r"curves\.json: damaged: field curves\[0\]\.points is \"x\".* delete"):
+        accuracy.curves_for(load_config(FRACTAL, []), 512, env)
+    (tmp_path / "curves.json").write_text('{"schema": 1, "curves": [{"key": "k", "points": [[78, "high"]]}]}')
+    with pytest.raises(UsageError, match=r"field curves\[0\]\.points\[0\] is \[78, \"high\"\], expected \[step"):
+        accuracy.curves_for(load_config(FRACTAL, []), 512, env)
+
+
+def test_a_finished_run_leaves_its_curve_and_the_next_plan_prices_the_time_to_reach_it(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "RANK", "DSCLUSTER_"))}
+    env.update(DSCLUSTER_RUNS=str(tmp_path / "runs"), DSCLUSTER_STATE=str(tmp_path / "state"), DSCLUSTER_RUN_ID="r1",
+               OMP_NUM_THREADS="1")
+    words = ["epochs=3", "checkpoint.every_epochs=0"]
+    train = subprocess.run([sys.executable, "-m", "dscluster", "train", "--config", "configs/digits.yaml", *words,
+                            "progress=false"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert train.returncode == 0, train.stderr[-3000:]
+    evals = [(r["step"], r["accuracy"]) for r in read_jsonl(tmp_path / "runs" / "r1" / "metrics" / "rank-0.jsonl")
+             if r["kind"] == "eval"]
+    assert len(evals) == 3
+    [curve] = json.loads((tmp_path / "state" / "curves.json").read_text())["curves"]
+    assert [tuple(p) for p in curve["points"]] == evals and curve["run_id"] == "r1"
+    assert "global_batch=64" in curve["key"] and curve["compression"] == "none"
+
+    target = round(evals[1][1] - 0.005, 3)  # reached at the second evaluation or before
+    step = next(s for s, a in evals if a >= target)
+    (tmp_path / "hosts.txt").write_text("node1 slots=1\nnode2 slots=1\n")
+    plan = subprocess.run([sys.executable, "-m", "dscluster", "plan", "--config", "configs/digits.yaml", *words,
+                           f"target_accuracy={target}", "--hostfile", str(tmp_path / "hosts.txt"), "--busbw", "0.119",
+                           "--compute-s", "0.01", "--json"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    doc = json.loads(plan.stdout)
+    tta = doc["time_to_accuracy"]
+    assert tta["source"].startswith("1 run(s) of this lab") and tta["target"] == target
+    now, alone = tta["runs"]["now"], tta["runs"]["alone"]
+    assert now["step"] == alone["step"] == step and now["images"] == step * 64 and alone["node"] == "node1"
+    assert 0 < now["seconds"] <= doc["runs"]["now"]["seconds"]
+    # the node alone at the same global batch: no all-reduce, so on this 0.119 GB/s link it gets there first
+    assert alone["seconds"] < now["seconds"] and tta["speedup"] < 1
+
+
+def test_plan_with_a_damaged_curves_file_exits_2_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    from dscluster.cli import main
+
+    monkeypatch.setenv("DSCLUSTER_STATE", str(tmp_path / "state"))
+    (tmp_path / "state").mkdir()
+    bad = '{"schema": 1, "curves": [{"key": "k", "points": [[78]]}]}'
+    (tmp_path / "state" / "curves.json").write_text(bad)
+    (tmp_path / "hosts.txt").write_text("node1 slots=1\nnode2 slots=1\n")
+    rc = main(["plan", "--config", FRACTAL, "--hostfile", str(tmp_path / "hosts.txt"), "--busbw", "1.19",
+               "--compute-s", "0.03", "micro_batch=256", "precision=fp16"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "curves.json: damaged: field curves[0].points[0] is [78]" in err and "delete" in err
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["curves.json"]  # no plans.json written
+    assert (tmp_path / "state" / "curves.json").read_text() == bad
