@@ -411,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.tta:
                 doc["time_to_accuracy"] = {"config": args.tta, "target": args.target, "seeds": args.seeds,
                                            **tta.summarise(doc["runs"]),
-                                           "plan_lab_whole_run": whole_run(doc.get("tta_plan") or {}, "choice")}
+                                           "plan_lab_whole_run": whole_run(doc.get("tta_plan") or {}, "choice"),
+                                           "plan_time_to_accuracy": (doc.get("tta_plan") or {}).get("time_to_accuracy")}
             atomic_write_json(out, doc)
     finally:
         lab.dsc("sim", "down", "--lab", LAB)

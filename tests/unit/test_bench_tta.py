@@ -48,7 +48,8 @@ def test_results_compare_the_means_over_seeds_and_count_a_run_that_never_got_the
     assert runs[0]["time_to_accuracy_s"] == 100.0 and runs[0]["reached_at_images"] == 300 * 512
     out = tta.summarise(runs)
     assert out["alone"] == {"runs": 2, "reached": 2, "time_to_accuracy_s": 110.0,
-                            "time_to_accuracy_each_s": [100.0, 120.0], "accuracy": 0.86, "images_per_s": 3050.0}
+                            "time_to_accuracy_each_s": [100.0, 120.0], "accuracy": 0.86, "images_per_s": 3050.0,
+                            "training_tta_s": None}  # no metrics in these run directories
     assert (out["lab"]["reached"], out["lab"]["time_to_accuracy_s"]) == (1, 50.0)
     assert out["speedup"] == 2.2
     assert out["accuracy_points_vs_alone"] == -5.0
@@ -85,3 +86,7 @@ def test_the_measured_whole_run_holds_the_data_cache_fill_as_plans_prediction_do
     (tmp_path / "metrics").mkdir()
     (tmp_path / "metrics" / "rank-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     assert tta.training_seconds(tmp_path) == 8.5 + 2.0 + (71.0 - 21.0)
+    assert tta.training_seconds(tmp_path, "target") is None  # never reached its target
+    recs.insert(-1, {"kind": "target", "t": 60.0, "step": 2})  # the end of the evaluation that reached it
+    (tmp_path / "metrics" / "rank-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert tta.training_seconds(tmp_path, "target") == 8.5 + 2.0 + (60.0 - 21.0)  # what plan's prediction spans
