@@ -94,5 +94,6 @@ def run_entry(name: str, nodes, ranks: int, overrides: str, rc: int, wall_s: flo
             "compute_s_per_micro": plan["compute"]["seconds"], "powersgd_s": plan.get("powersgd_s"),
             "latency_s": plan.get("latency_s"), "busbw_GBps": plan.get("busbw_GBps"),
             "calibration": plan.get("calibration"), "calibration_runs": plan.get("calibration_runs"),
-            "recommended": plan["recommendation"].get("overrides"), "whole_run": whole_run(plan)},
+            "recommended": plan["recommendation"].get("overrides"), "whole_run": whole_run(plan),
+            "time_to_accuracy": plan.get("time_to_accuracy")},
         "deviation_percent": (summary.get("plan") or {}).get("deviation_percent")}
