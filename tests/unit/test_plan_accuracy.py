@@ -116,3 +116,35 @@ def test_plan_with_a_damaged_curves_file_exits_2_and_writes_nothing(tmp_path, mo
     assert "curves.json: damaged: field curves[0].points[0] is [78]" in err and "delete" in err
     assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["curves.json"]  # no plans.json written
     assert (tmp_path / "state" / "curves.json").read_text() == bad
+
+
+def test_train_holds_its_time_to_accuracy_against_plans_prediction(tmp_path):
+    # one process, as plan for `localhost slots=1` predicts it: a first run records the curve, plan
+    # prices the target with it, and the second run's end line and summary.json compare the two
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "RANK", "DSCLUSTER_"))}
+    env.update(DSCLUSTER_RUNS=str(tmp_path / "runs"), DSCLUSTER_STATE=str(tmp_path / "state"), OMP_NUM_THREADS="1")
+    words = ["--config", "configs/digits.yaml", "epochs=2", "checkpoint.every_epochs=0", "progress=false"]
+
+    def train(run_id: str, *extra: str) -> subprocess.CompletedProcess:
+        res = subprocess.run([sys.executable, "-m", "dscluster", "train", *words, *extra], cwd=REPO,
+                             env={**env, "DSCLUSTER_RUN_ID": run_id}, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return res
+
+    train("first")
+    evals = [r["accuracy"] for r in read_jsonl(tmp_path / "runs" / "first" / "metrics" / "rank-0.jsonl")
+             if r["kind"] == "eval"]
+    target = round(evals[0] - 0.005, 3)  # the first evaluation got there
+    (tmp_path / "hosts.txt").write_text("localhost slots=1\n")
+    plan = subprocess.run([sys.executable, "-m", "dscluster", "plan", *words[:-1], f"target_accuracy={target}",
+                           "--hostfile", str(tmp_path / "hosts.txt"), "--busbw", "1.0", "--json"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    predicted = json.loads(plan.stdout)["time_to_accuracy"]["runs"]["now"]["seconds"]
+    second = train("second", f"target_accuracy={target}")
+    summary = json.loads((tmp_path / "runs" / "second" / "summary.json").read_text())
+    reached = summary["time_to_accuracy"]
+    assert reached is not None and 0 < reached["training_seconds"] < reached["seconds"]  # start-up left out
+    cmp = summary["plan"]["time_to_accuracy"]
+    assert cmp["predicted_s"] == predicted and cmp["measured_s"] == reached["training_seconds"]
+    assert f"time to {target:.1%} held-out from the first step: predicted {predicted:,.1f} s, measured" in second.stderr

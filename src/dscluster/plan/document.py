@@ -45,9 +45,13 @@ def saved_entries(doc: dict, cfg, rec: model.Recommendation, opts: PlanOptions) 
             settings.append((name, o.compression, o.to_dict()["prediction"],
                              overrides(cfg, doc["global_batch"], o, doc["micro_batch"], start)))
     out = {}
+    tta = doc.get("time_to_accuracy") or {}
     for name, comp, p, ovr in settings:
         k = run_key(doc, cfg, p["global_batch"] if any(o.startswith("global_batch=") for o in ovr) else None, comp)
-        out.setdefault(k, saved_entry(doc, opts, name, p, ovr, doc["runs"].get(name)))
+        entry = saved_entry(doc, opts, name, p, ovr, doc["runs"].get(name))
+        if (tta.get("runs") or {}).get(name, {}).get("seconds"):  # plan/accuracy.py's, for train to compare with
+            entry.update(time_to_accuracy_s=tta["runs"][name]["seconds"], target_accuracy=tta["target"])
+        out.setdefault(k, entry)
     return out
 
 

@@ -82,6 +82,7 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "outcomes[].key": (str,), "outcomes[].model": (str,), "outcomes[].precision": (str,),
     "outcomes[].compression": (str,), "outcomes[].ranks": (int,), "outcomes[].model_step_s": NUMBER,
     "outcomes[].measured_step_s": NUMBER, "outcomes[].run_id": (str,), "outcomes[].at": NUMBER,
+    "plans{}.time_to_accuracy_s": NUMBER, "plans{}.target_accuracy": NUMBER,
 }
 
 
@@ -201,9 +202,22 @@ def compare(plan_key: str, measured_images_per_s: float | None, env=None, *, run
     if phased is not None:
         out.update(phased)
         predicted = out.pop("images_per_s")
+    tta = time_to_accuracy(entry, run or {})
     return {"key": plan_key, "predicted_images_per_s": predicted, "measured_images_per_s": measured_images_per_s,
             "deviation_percent": round(100.0 * (measured_images_per_s - predicted) / predicted, 1),
-            "planned_at": entry.get("created"), **out, "setting": entry.get("setting"), "file": str(path(env))}
+            "planned_at": entry.get("created"), **out, "setting": entry.get("setting"), "file": str(path(env)),
+            **({"time_to_accuracy": tta} if tta else {})}
+
+
+def time_to_accuracy(entry: dict, run: dict) -> dict | None:
+    """plan's time to the run's target_accuracy against the run's own (both from the data cache and the
+    first step), where the saved setting predicted one for the same target."""
+    predicted, target = entry.get("time_to_accuracy_s"), run.get("target_accuracy")
+    if not isinstance(predicted, (int, float)) or predicted <= 0 or target != entry.get("target_accuracy"):
+        return None
+    measured = run.get("time_to_accuracy_s")
+    return {"target": target, "predicted_s": predicted, "measured_s": measured,
+            "deviation_percent": None if measured is None else round(100.0 * (measured - predicted) / predicted, 1)}
 
 
 def timed(entry: dict, run: dict) -> dict | None:
@@ -235,5 +249,12 @@ def timed(entry: dict, run: dict) -> dict | None:
 
 
 def line(cmp: dict) -> str:
-    return (f"plan predicted {cmp['predicted_images_per_s']:,.0f} img/s, measured {cmp['measured_images_per_s']:,.0f} "
-            f"img/s ({cmp['deviation_percent']:+.0f}%)")
+    out = (f"plan predicted {cmp['predicted_images_per_s']:,.0f} img/s, measured {cmp['measured_images_per_s']:,.0f} "
+           f"img/s ({cmp['deviation_percent']:+.0f}%)")
+    t = cmp.get("time_to_accuracy")
+    if t:
+        got = ("not reached" if t["measured_s"] is None else
+               f"measured {t['measured_s']:,.1f} s ({t['deviation_percent']:+.0f}%)")
+        out += (f"; time to {t['target']:.1%} held-out from the first step: predicted {t['predicted_s']:,.1f} s, "
+                + got)
+    return out

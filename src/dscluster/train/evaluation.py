@@ -50,7 +50,9 @@ def eager():
 @dataclass
 class TimeToAccuracy:
     """When the held-out accuracy first reached `target`: seconds since the run started (`started`,
-    time.time()), measured at the end of that evaluation, with its step, epoch and images trained on."""
+    time.time()), measured at the end of that evaluation, with its step, epoch and images trained on;
+    `training_seconds`: from the data cache's fill and the first step instead, the span of plan's
+    prediction (plan/accuracy.py), start-up left out."""
 
     target: float | None
     started: float
@@ -58,6 +60,10 @@ class TimeToAccuracy:
     reached: dict | None = None
     points: list[tuple[int, float]] = field(default_factory=list)
     """(step, accuracy) of every evaluation: the run's held-out curve (`keep`)."""
+    first_step_t: float | None = None
+    """time.time() where the first step began (the trainer sets it)."""
+    fill_s: float = 0.0
+    """The data cache's fill before the first step: with the steps, the span plan's prediction covers."""
 
     def see(self, rec: dict, log, progress) -> None:
         """An `eval` record: a point of the curve; the first one at or above the target becomes the
@@ -65,8 +71,9 @@ class TimeToAccuracy:
         self.points.append((rec["step"], rec["accuracy"]))
         if self.target is None or self.reached is not None or rec["accuracy"] < self.target:
             return
+        training = None if self.first_step_t is None else round(self.fill_s + rec["t"] - self.first_step_t, 3)
         self.reached = {"target": self.target, "accuracy": rec["accuracy"],
-                        "seconds": round(rec["t"] - self.started, 3),
+                        "seconds": round(rec["t"] - self.started, 3), "training_seconds": training,
                         "step": rec["step"], "epoch": rec["epoch"], "images": rec["step"] * self.global_batch,
                         "t": rec["t"]}
         log.record("target", **self.reached)

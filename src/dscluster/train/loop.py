@@ -310,6 +310,7 @@ class Trainer:
         self.progress = ProgressBar(self.primary and cfg.progress and not calibrate, self.total, self.global_step)
         self.ckpt.say = self.progress.print
         self.steps_this_run, self.accuracy, self.watched = 0, None, 0
+        self.tta.first_step_t, self.tta.fill_s = time.time(), sum(r["seconds"] or 0 for r in b.data_cache)
         self.run_length = self.total - self.global_step
         self.scale_history: list[tuple[float, bool]] = []
         self.window = LogWindow(self.log, b.split, self.boundary, guard, self.record, self.run_length,
@@ -392,9 +393,11 @@ class Trainer:
         from dscluster.train.comm import powersgd_start
 
         powersgd = self.b.comm is not None and self.cfg.comm.compression == "powersgd"
+        reached = self.tta.reached or {}
         return {"resumed_at": self.start.global_step, "last": self.global_step, "total": self.total,
                 "epochs": self.cfg.epochs, "steps_per_epoch": self.spe,
-                "start_step": powersgd_start(self.cfg) if powersgd else None}
+                "start_step": powersgd_start(self.cfg) if powersgd else None,
+                "target_accuracy": self.tta.target, "time_to_accuracy_s": reached.get("training_seconds")}
 
 
 def plan_vs_measured(cfg: TrainConfig, b, gb: int, precision: str, info, out: Outcome, record: RunRecord,
