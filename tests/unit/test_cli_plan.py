@@ -159,6 +159,30 @@ def test_measures_compute_on_this_machine():
         assert "steps of 8:" in f.note or "steps of 4 scaled to 8:" in f.note
 
 
+def test_the_whole_run_prices_evaluation_with_trains_own_evaluation_as_measured(tmp_path, monkeypatch, capsys):
+    # the probe runs train/evaluation.py's `evaluate`; the whole run's evaluation is the held-out
+    # images × that figure, not a third of the training step's compute
+    calls = []
+    from dscluster.train import evaluation
+
+    real = evaluation.evaluate
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("batch"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "evaluate", counted)
+    monkeypatch.setenv("DSCLUSTER_STATE", str(tmp_path / "state"))
+    (tmp_path / "hosts.txt").write_text("localhost slots=1\n")
+    assert main(["plan", "--config", str(REPO / "configs/digits.yaml"), "--hostfile", str(tmp_path / "hosts.txt"),
+                 "--busbw", "1.0", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    per_image = doc["compute"]["eval_s_per_image"]
+    # a warm pass and a timed one per measurement (a disturbed probe is taken again), at the probe's batch
+    assert len(calls) in (2, 4) and set(calls) == {doc["micro_batch"]} and per_image > 0
+    assert doc["runs"]["now"]["costs"]["eval_s"] == pytest.approx(359 * per_image)  # digits' held-out images
+
+
 def test_out_of_memory_while_measuring_names_the_fix(monkeypatch):
     """On an H100, micro_batch=100000 ran out of memory allocating the batch: exit 2, not a traceback."""
     import torch

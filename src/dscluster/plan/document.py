@@ -143,9 +143,10 @@ def setting_runs(inputs: PlanInputs, scenario: model.Scenario, prediction: model
     cfg, world = inputs.cfg, inputs.world
     facts = datafeed.data_facts(cfg, max(h.slots for h in inputs.hostfile.hosts))
     extra = float(inputs.how.get("warmup_extra_s") or 0.0)
+    evaluation = inputs.how.get("eval_s_per_image")  # measured with train's own evaluation, where the probe ran
     now_start = wholerun.start_for(cfg, scenario.compression, world, recommended=False)
     runs = {"now": wholerun.setting_run(cfg, scenario, prediction, facts, start=now_start, warmup_extra_s=extra,
-                                        params=inputs.params)}
+                                        params=inputs.params, eval_s_per_image=evaluation)}
     choice_start = None
     for name in ("choice", "without_compression"):
         o = getattr(rec, name)
@@ -156,7 +157,7 @@ def setting_runs(inputs: PlanInputs, scenario: model.Scenario, prediction: model
             choice_start = start  # the rule moved it: say why
         s = replace(rec_scenario, grad_accum=o.grad_accum, compression=o.compression, samples_per_step=None)
         runs[name] = wholerun.setting_run(cfg, s, o.prediction, facts, start=start, warmup_extra_s=extra,
-                                          params=inputs.params)
+                                          params=inputs.params, eval_s_per_image=evaluation)
     feed = datafeed.notes(facts, scenario.micro_batch * scenario.grad_accum, prediction.step_s)
     return runs, wholerun.run_note(cfg, facts, now_start, choice_start, world) + feed
 

@@ -394,7 +394,7 @@ def compute_figure(cfg, in_chans: int, num_classes: int, micro: int, precision: 
         how = {"seconds": f.seconds, "source": "measured", "device": f.device, "note": f.note, "probe": key,
                "measured_at": time.time(), "spread": round(f.spread, 4), "samples": f.samples,
                "disturbed": f.disturbed, "powersgd_s": None, "warmup_extra_s": round(f.warmup_extra_s, 4),
-               "compiled": f.compiled}
+               "compiled": f.compiled, "eval_s_per_image": f.eval_s_per_image}
         if f.disturbed:
             notes.append(f"the compute probe was disturbed: its {f.samples} samples spread {f.spread:.0%} around "
                          f"their median{' twice' if f.tries > 1 else ''} ({host_load()}); its figure "
@@ -406,7 +406,7 @@ def compute_figure(cfg, in_chans: int, num_classes: int, micro: int, precision: 
 
 
 FIGURE_KEYS = ("seconds", "device", "probe", "measured_at", "spread", "samples", "disturbed", "powersgd_s",
-               "warmup_extra_s", "compiled")
+               "warmup_extra_s", "compiled", "eval_s_per_image")
 """A compute figure as plans.json keeps it with each saved setting (`figure_of`)."""
 
 

@@ -36,6 +36,6 @@ def measure_here(config: str, overrides: list[str], ranks_text: str) -> dict:
     return {"seconds": f.seconds, "device": f.device, "note": f.note, "spread": round(f.spread, 4),
             "samples": f.samples, "disturbed": f.disturbed, "warmup_extra_s": round(f.warmup_extra_s, 4),
             "compiled": f.compiled, "host": socket.gethostname(), "threads": torch.get_num_threads(),
-            "fault_ms": slow, "measured_at": time.time(),
+            "fault_ms": slow, "measured_at": time.time(), "eval_s_per_image": f.eval_s_per_image,
             "probe": probe_key(cfg, int(cfg.micro_batch), cfg.precision) + (f" fault_ms={slow}" if slow else "")}
 

@@ -166,6 +166,8 @@ class ComputeFigure:
     """The first step's time less a steady step's: compilation, allocator, kernel choice (plan/phases.py)."""
     compiled: bool = False
     """Timed through torch.compile, as training runs where it compiles (`compiles_here`)."""
+    eval_s_per_image: float | None = None
+    """Seconds per held-out image of train's own evaluation here (`measure_evaluation`); None: not measured."""
 
     @property
     def disturbed(self) -> bool:
@@ -261,7 +263,8 @@ def measure_compute(cfg, in_chans: int, num_classes: int, micro: int, slow_ms: i
                "eager, as training runs it here (compile: " + cfg.compile + ")")
         return ComputeFigure(seconds=per_batch, device=f"cuda ({name})", spread=spread(times), samples=len(times),
                              note=f"measured here on {name}, {probe.precision}, {how}",
-                             warmup_extra_s=max(0.0, first - per_batch), compiled=compiled)
+                             warmup_extra_s=max(0.0, first - per_batch), compiled=compiled,
+                             eval_s_per_image=measure_evaluation(probe, net))
     batch = probe.batch
     how = f"{batch}" if batch == micro else f"{batch} scaled to {micro}"
     fault_s = slow_ms / 1000  # a fault's delay is per step, not per sample: not scaled
@@ -269,7 +272,46 @@ def measure_compute(cfg, in_chans: int, num_classes: int, micro: int, slow_ms: i
                          samples=len(times),
                          note=f"measured on CPU (no GPU here), median of {steps} steps of {how}: the plan is for "
                          "CPU ranks; pass --compute-s from your GPU nodes",
-                         warmup_extra_s=max(0.0, first - per_batch * first_batch / batch))
+                         warmup_extra_s=max(0.0, first - per_batch * first_batch / batch),
+                         eval_s_per_image=measure_evaluation(probe, net))
+
+
+def measure_evaluation(probe: Probe, net) -> float | None:
+    """Seconds per image of a held-out pass as train runs it: train/evaluation.py's own `evaluate` (rank 0,
+    the bare model, eager, its batch of 256, the inputs in training's input dtype, its host reads of loss
+    and accuracy) over the probe's random images, after one warm pass; on CPU over the probe's few
+    images. None where it does not fit."""
+    import torch
+
+    from dscluster.train.evaluation import evaluate
+    from dscluster.train.precision import amp_dtype, torch_dtype
+
+    cfg = probe.cfg
+    dtype = torch.float32 if not probe.cuda or amp_dtype(cfg, probe.precision) else torch_dtype(probe.precision)
+    batch = 256 if probe.cuda else probe.batch
+    n = 2 * batch if probe.cuda else batch
+
+    class Held:  # the held-out split's interface that `evaluate` reads: its length and its batches
+        def __len__(self) -> int:
+            return n
+
+        def get_batch(self, indices, device, dtype, channels_last=False):
+            x = torch.randn(len(indices), probe.in_chans, cfg.data.img_size, cfg.data.img_size, device=device)
+            x = x.contiguous(memory_format=torch.channels_last) if channels_last else x
+            return x.to(dtype), torch.randint(0, probe.num_classes, (len(indices),), device=device)
+
+    class Engine:
+        module = net if dtype == torch.float32 else net.to(dtype)
+
+    try:
+        evaluate(Engine, Held(), dtype, probe.device, cfg.channels_last, batch=batch)  # allocator, kernel choice
+        probe.sync()
+        t0 = time.perf_counter()
+        evaluate(Engine, Held(), dtype, probe.device, cfg.channels_last, batch=batch)
+        probe.sync()
+    except torch.OutOfMemoryError:
+        return None
+    return (time.perf_counter() - t0) / n
 
 
 def measure_powersgd(cfg, in_chans: int, num_classes: int, micro: int) -> float | None:

@@ -2,7 +2,7 @@
 facts (plan/datafeed.py: its size as training splits it, the render probe, data.cache), the step
 times of the setting with and without its compression (at least what the loader workers need to make
 an uncached step's images), PowerSGD's start step, the probe's first-step cost, an evaluation pass
-(and the making of an uncached held-out set), the cache's fill and a checkpoint save.
+(train's own evaluation as the probe measured it, and the making of an uncached held-out set), the cache's fill and a checkpoint save.
 """
 
 from __future__ import annotations
@@ -28,17 +28,19 @@ def start_for(cfg, compression: str, world: int, *, recommended: bool) -> int | 
 
 
 def costs(cfg, s: model.Scenario, p: model.Prediction, *, start: int | None, facts: datafeed.DataFacts,
-          warmup_extra_s: float, params: int, uncalibrated: bool = False) -> phases.RunCosts:
+          warmup_extra_s: float, params: int, uncalibrated: bool = False,
+          eval_s_per_image: float | None = None) -> phases.RunCosts:
     """The run costs of scenario `s` (predicted as `p`), whose steps after `start` are compressed;
-    `uncalibrated`: the model's steps before calibration (what train's outcomes are measured against)."""
+    `uncalibrated`: the model's steps before calibration (what train's outcomes are measured against);
+    `eval_s_per_image`: train's evaluation measured by the probe, else a third of rank 0's compute."""
     plain = model.predict(replace(s, compression="none")) if s.compression == "powersgd" else p
     pick = (lambda q: q.model_step_s) if uncalibrated else (lambda q: q.step_s)
-    rank0 = s.nodes[0].compute_s / s.micro_batch  # rank 0 evaluates alone
+    rank0 = eval_s_per_image or s.nodes[0].compute_s / s.micro_batch * phases.FORWARD_SHARE  # rank 0 evaluates
     feed = facts.feed_step_s(s.micro_batch * s.grad_accum)
     every = cfg.checkpoint
     return phases.RunCosts(
         plain_step_s=max(pick(plain), feed), step_s=max(pick(p), feed), start_step=start,
-        warmup_extra_s=warmup_extra_s, eval_s=facts.eval_s(facts.holdout_n * rank0 * phases.FORWARD_SHARE),
+        warmup_extra_s=warmup_extra_s, eval_s=facts.eval_s(facts.holdout_n * rank0),
         save_s=params * phases.CHECKPOINT_BYTES_PER_PARAM / (phases.CHECKPOINT_WRITE_GBps * 1e9),
         steps_per_epoch=max(1, facts.train_n // s.global_batch), eval_every_epochs=cfg.eval_every_epochs,
         checkpoint_every_epochs=every.every_epochs, checkpoint_every_steps=every.every_steps,
@@ -46,14 +48,14 @@ def costs(cfg, s: model.Scenario, p: model.Prediction, *, start: int | None, fac
 
 
 def setting_run(cfg, s: model.Scenario, p: model.Prediction, facts: datafeed.DataFacts | str, *, start: int | None,
-                warmup_extra_s: float, params: int) -> dict | None:
+                warmup_extra_s: float, params: int, eval_s_per_image: float | None = None) -> dict | None:
     """The whole-run prediction of one setting (phases.whole_run) with the model's uncalibrated steps
     beside it (`model_costs`), or None when the data set's size is unknown or smaller than a step."""
     if isinstance(facts, str) or facts.train_n < s.global_batch:
         return None
     def of(uncalibrated: bool) -> phases.RunCosts:
         return costs(cfg, s, p, start=start, facts=facts, warmup_extra_s=warmup_extra_s, params=params,
-                     uncalibrated=uncalibrated)
+                     uncalibrated=uncalibrated, eval_s_per_image=eval_s_per_image)
 
     out = phases.whole_run(of(False), epochs=cfg.epochs, max_steps=cfg.max_steps, global_batch=s.global_batch)
     out["model_costs"] = of(True).to_dict()
