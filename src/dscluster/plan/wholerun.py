@@ -2,7 +2,8 @@
 facts (plan/datafeed.py: its size as training splits it, the render probe, data.cache), the step
 times of the setting with and without its compression (at least what the loader workers need to make
 an uncached step's images), PowerSGD's start step, the probe's first-step cost, an evaluation pass
-(train's own evaluation as the probe measured it, and the making of an uncached held-out set), the cache's fill and a checkpoint save.
+(train's own evaluation as the probe measured it, and the making of an uncached held-out set), the
+cache's fill and a checkpoint save.
 """
 
 from __future__ import annotations
