@@ -64,6 +64,15 @@ def test_no_busbw_and_no_check_json_names_the_fix(lab, capsys):
     assert "check.json" in err and "run `dscluster check`" in err and "--busbw" in err
 
 
+def test_one_rank_needs_no_bandwidth_and_says_so(lab, capsys):
+    (lab / "one.txt").write_text("localhost slots=1\n")
+    assert main(["plan", "--config", str(REPO / "configs/digits.yaml"), "--hostfile", str(lab / "one.txt"),
+                 "--compute-s", "0.05", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["busbw_source"] == "one rank: no all-reduce, this figure is not used"
+    assert doc["prediction"]["comm_s"] == 0 and doc["prediction"]["step_s"] == pytest.approx(0.05)
+
+
 def test_check_without_allreduce_names_the_fix(lab, capsys):
     write_check(lab / "state", None)
     assert run_plan(lab, "--compute-s", "0.05") == 2

@@ -137,7 +137,7 @@ def test_train_holds_its_time_to_accuracy_against_plans_prediction(tmp_path):
     target = round(evals[0] - 0.005, 3)  # the first evaluation got there
     (tmp_path / "hosts.txt").write_text("localhost slots=1\n")
     plan = subprocess.run([sys.executable, "-m", "dscluster", "plan", *words[:-1], f"target_accuracy={target}",
-                           "--hostfile", str(tmp_path / "hosts.txt"), "--busbw", "1.0", "--json"], cwd=REPO, env=env,
+                           "--hostfile", str(tmp_path / "hosts.txt"), "--json"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert plan.returncode == 0, plan.stderr[-3000:]
     predicted = json.loads(plan.stdout)["time_to_accuracy"]["runs"]["now"]["seconds"]

@@ -317,11 +317,12 @@ def measure(opts: PlanOptions) -> PlanInputs:
     names = hostfile.names
     compute = parse_compute(opts.compute_s, names) if opts.compute_s is not None else None
     # cheap inputs first: a missing bandwidth says so before any model is built or measured
-    checked = (CheckBandwidth(busbw=opts.busbw, world=None, latency=0.0) if opts.busbw is not None
+    alone = opts.busbw is None and hostfile.total_slots == 1  # one rank sends no gradients: no bandwidth needed
+    checked = (CheckBandwidth(busbw=opts.busbw or 1.0, world=None, latency=0.0) if opts.busbw is not None or alone
                else busbw_from_check(state.check_json_path(), names))
     busbw, check_world, latency = checked.busbw, checked.world, checked.latency
-    source = ("--busbw" if opts.busbw is not None else str(state.check_json_path())
-              + (f" (slowest link {checked.link})" if checked.link else ""))
+    source = ("--busbw" if opts.busbw is not None else "one rank: no all-reduce, this figure is not used" if alone
+              else str(state.check_json_path()) + (f" (slowest link {checked.link})" if checked.link else ""))
     world = hostfile.total_slots
     precision, precision_note = planned_precision(cfg)
     shape, batch_note = batch_shape(cfg, world, precision)
