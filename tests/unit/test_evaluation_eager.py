@@ -43,3 +43,15 @@ def test_a_compiled_model_is_evaluated_eagerly_and_alike():
     got = evaluate(Engine(model), Held(70), torch.float32, torch.device("cpu"), False, batch=32)  # 32, 32, 6
     assert counters["stats"]["unique_graphs"] == graphs, "evaluation compiled graphs of its own"
     assert got == reference and model.training  # eval mode (no dropout) while evaluating, training after
+
+
+def test_evaluation_runs_under_trainings_autocast_where_training_autocasts():
+    # an amp run's forward autocasts to half; its evaluation does too (Built.autocast), where it ran in fp32
+    seen = []
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 3))
+    model[0].register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+    plain = evaluate(Engine(model), Held(70), torch.float32, torch.device("cpu"), False, batch=32)
+    half = evaluate(Engine(model), Held(70), torch.float32, torch.device("cpu"), False, batch=32,
+                    autocast=torch.bfloat16)  # the half dtype CPU autocast has
+    assert seen == [torch.float32] * 3 + [torch.bfloat16] * 3
+    assert half[2] == plain[2] == 70 and abs(half[0] - plain[0]) <= 0.05  # the same samples, nearly the same answer

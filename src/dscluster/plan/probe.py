@@ -278,7 +278,7 @@ def measure_compute(cfg, in_chans: int, num_classes: int, micro: int, slow_ms: i
 
 def measure_evaluation(probe: Probe, net) -> float | None:
     """Seconds per image of a held-out pass as train runs it: train/evaluation.py's own `evaluate` (rank 0,
-    the bare model, eager, its batch of 256, the inputs in training's input dtype, its host reads of loss
+    the bare model, eager, its batch of 256, training's input dtype and autocast, its host reads of loss
     and accuracy) over the probe's random images, after one warm pass; on CPU over the probe's few
     images. None where it does not fit."""
     import torch
@@ -287,7 +287,9 @@ def measure_evaluation(probe: Probe, net) -> float | None:
     from dscluster.train.precision import amp_dtype, torch_dtype
 
     cfg = probe.cfg
-    dtype = torch.float32 if not probe.cuda or amp_dtype(cfg, probe.precision) else torch_dtype(probe.precision)
+    amp = probe.cuda and amp_dtype(cfg, probe.precision) is not None
+    dtype = torch.float32 if not probe.cuda or amp else torch_dtype(probe.precision)
+    autocast = torch_dtype(probe.precision) if amp else None  # setup_engine's Built.autocast
     batch = 256 if probe.cuda else probe.batch
     n = 2 * batch if probe.cuda else batch
 
@@ -304,10 +306,10 @@ def measure_evaluation(probe: Probe, net) -> float | None:
         module = net if dtype == torch.float32 else net.to(dtype)
 
     try:
-        evaluate(Engine, Held(), dtype, probe.device, cfg.channels_last, batch=batch)  # allocator, kernel choice
+        evaluate(Engine, Held(), dtype, probe.device, cfg.channels_last, batch=batch, autocast=autocast)  # warm
         probe.sync()
         t0 = time.perf_counter()
-        evaluate(Engine, Held(), dtype, probe.device, cfg.channels_last, batch=batch)
+        evaluate(Engine, Held(), dtype, probe.device, cfg.channels_last, batch=batch, autocast=autocast)
         probe.sync()
     except torch.OutOfMemoryError:
         return None

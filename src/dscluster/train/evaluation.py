@@ -19,15 +19,18 @@ from dscluster.train import dist
 
 
 @torch.no_grad()
-def evaluate(engine, dataset, dtype, device, channels_last: bool, batch: int = 256) -> tuple[float, float, int]:
-    """(accuracy, mean loss, samples) of the model on `dataset`."""
+def evaluate(engine, dataset, dtype, device, channels_last: bool, batch: int = 256,
+             autocast: torch.dtype | None = None) -> tuple[float, float, int]:
+    """(accuracy, mean loss, samples) of the model on `dataset`; under `autocast` (training's autocast dtype
+    on a GPU, `Built.autocast`) as training's forward runs, else in the inputs' dtype. Without it an fp16 or
+    bf16 amp run evaluated in fp32, bypassing the GPU's half-precision units."""
     from dscluster.train.setup_engine import bare_module
 
     module = bare_module(engine)
     was_training = module.training
     module.eval()
     correct, loss_sum, n = 0, 0.0, len(dataset)
-    with eager():
+    with eager(), torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
         for lo in range(0, n, batch):
             x, y = dataset.get_batch(list(range(lo, min(n, lo + batch))), device, dtype, channels_last=channels_last)
             out = module(x).float()
@@ -108,7 +111,8 @@ def held_out(engine, built, cfg, device, *, primary: bool, log, progress, epoch:
     dist.barrier()
     if primary:
         t0 = time.perf_counter()
-        acc, eloss, n = evaluate(engine, built.splits.holdout, built.dtype, device, cfg.channels_last)
+        acc, eloss, n = evaluate(engine, built.splits.holdout, built.dtype, device, cfg.channels_last,
+                                 autocast=built.autocast)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         accuracy = acc

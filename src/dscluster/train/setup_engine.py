@@ -85,6 +85,8 @@ class Built:
     """The step's time split (split.StepSplit), marked by the step and by the hook."""
     data_cache: list[dict] = field(default_factory=list)
     """What data.cache made once into memory, or why not: the run's `data_cache` records (train/datacache.py)."""
+    autocast: torch.dtype | None = None
+    """The half dtype training's forward autocasts to on a GPU (amp), for the evaluation; None: none."""
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -222,6 +224,7 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
         engine.compile()
     return Built(engine=engine, sampler=sampler, splits=splits, plan=plan, shares=shares, loss_weight=weight,
                  ds_config=ds_cfg, dtype=dtype, params=count_params(model), total_steps=total,
+                 autocast=compute if device.type == "cuda" and amp_dtype(cfg, precision) else None,
                  share_plan=share_plan, notes=notes, ddp=ddp, comm=hook, split=split, data_cache=cached)
 
 
