@@ -28,9 +28,9 @@ Writes bench/results/<date>-<card>-lab-<link>.json (or --out):
 - card (check's device), link, date and check's all-reduce;
 - accuracy_by_compression: where runs evaluated, the held-out accuracy per comm.compression
   (each run's, the mean, points against none);
-- per run: images/s (summary.json: images ÷ wall-clock of the timed steps), held-out accuracy
-  where the run evaluated, plan's prediction, the deviation, and the median step split of rank 0
-  after warm-up.
+- per run: images/s (summary.json: images ÷ wall-clock of the timed steps; run_images_per_s: of the
+  whole run), held-out accuracy where the run evaluated, plan's prediction (its whole run and time to
+  accuracy among it), the deviation, and the median step split of rank 0 after warm-up.
 
 --calibrate plans each multi-node run with `dscluster plan --calibrate`: where PowerSGD is in play
 and no run on those ranks has measured it, plan first runs 12 PowerSGD steps there; the results
