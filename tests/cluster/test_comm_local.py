@@ -117,8 +117,9 @@ def test_a_plain_runs_split_explains_its_steps_and_train_compares_the_plans_pred
         for r in recs:
             if r["step"] in (1, 6):  # the first step, and the one after the evaluation and checkpoint save
                 continue
-            # what happens between two steps (writing the record) is small: the measured split is the step
-            assert r["data_s"] + r["compute_s"] + r["comm_s"] == pytest.approx(r["step_time"], rel=0.1), r
+            # what happens between two steps (writing the record) is small: the measured split is the step,
+            # within 10 % or 10 ms (a loaded 2-core CI machine spent 3.7 ms of a 37 ms step between steps)
+            assert r["data_s"] + r["compute_s"] + r["comm_s"] == pytest.approx(r["step_time"], rel=0.1, abs=0.01), r
             assert r["data_s"] > 0 and r["compute_s"] > 0 and r["comm_s"] >= 0
         after_eval = [r for r in recs if r["step"] == 6][0]
         assert after_eval["other_s"] > 0.2 * after_eval["step_time"]
