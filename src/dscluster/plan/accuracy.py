@@ -5,10 +5,10 @@ A step model cannot say how many steps a model needs to learn; runs can. Every r
 (train/loop.py) leaves its held-out curve here, (step, accuracy) after each evaluation, keyed by what
 decides that curve (`trajectory_key`: the model, the data, the optimizer and its schedule, the epochs
 and the global batch; not the seed, not the nodes). plan reads the step where the recorded curves
-first reach the target (the median over the runs that did) and prices the run up to the end of that
-evaluation with the whole-run model (plan/phases.py): the data cache, the warm-up, the steps, the
-evaluations before it. Start-up before the cache and the first step (imports, the process group) is
-not in it, as it is not in the whole run.
+first reach the target (the median over the runs that did, a step they evaluated at) and prices the
+run up to the end of that evaluation with the whole-run model (plan/phases.py): the data cache, the
+warm-up, the steps, the evaluations before it. Start-up before the cache and the first step (imports,
+the process group) is not in it, as it is not in the whole run.
 
 Curves of this lab come first; without them, the curves shipped with the presets (`SHIPPED`, each
 from a results file). A curve recorded without compression stands in for a compressed run only with
@@ -149,12 +149,12 @@ def seconds_to(c: phases.RunCosts, step: int, *, epochs: int, max_steps: int) ->
 
 def reach(curves: list[dict], target: float, compression: str) -> dict:
     """Where the curves of runs with this compression (all of them where none has it) first reach
-    `target`: {"step": median over those that did (None: none did), "curves", "reached", "same": whether
-    the curves had this compression}."""
+    `target`: {"step": the median over those that did, the higher of the middle two (a step a run
+    evaluated at; None: none did), "curves", "reached", "same": whether the curves had this compression}."""
     same = [c for c in curves if c.get("compression", "none") == compression]
     use = same or curves
     steps = [s for s in (first_reach(c["points"], target) for c in use) if s is not None]
-    return {"step": int(statistics.median(steps)) if steps else None, "curves": len(use), "reached": len(steps),
+    return {"step": int(statistics.median_high(steps)) if steps else None, "curves": len(use), "reached": len(steps),
             "same": bool(same)}
 
 
