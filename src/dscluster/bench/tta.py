@@ -38,19 +38,18 @@ def runs_for(config: str, seeds: list[int], target: float, extra: list[str], nod
     return out
 
 
-def training_seconds(run_dir: Path, until: str = "end") -> float | None:
+def training_seconds(run_dir: Path) -> float | None:
     """The span plan's whole-run prediction covers, on rank 0: the data cache's fill before the first
-    step (its `data_cache` records' seconds), then from the start of its first step to its `until`
-    record (`end`; `target`: the end of the evaluation that reached target_accuracy, the span of plan's
-    time to accuracy); without the rest of the process start-up (imports, DeepSpeed and NCCL bring-up,
-    loading the data set). A 152-step comparison that left the fill out read −8 % where like for like
-    it was −22 %."""
+    step (its `data_cache` records' seconds), then from the start of its first step to its end record;
+    without the rest of the process start-up (imports, DeepSpeed and NCCL bring-up, loading the data
+    set). A 152-step comparison that left the fill out read −8 % where like for like it was −22 %. (The
+    same span to the target's evaluation is train's own `time_to_accuracy.training_seconds`.)"""
     try:
         recs = read_jsonl(Path(run_dir) / layout.METRICS_DIR / "rank-0.jsonl")
     except OSError:
         return None
     steps = [r for r in recs if r.get("kind") == "step" and isinstance(r.get("step_time"), (int, float))]
-    ends = [r for r in recs if r.get("kind") == until and isinstance(r.get("t"), (int, float))]
+    ends = [r for r in recs if r.get("kind") == "end" and isinstance(r.get("t"), (int, float))]
     if not steps or not ends:
         return None
     fill = sum(r["seconds"] for r in recs
@@ -71,7 +70,7 @@ def run_record(run_dir: Path) -> dict:
             "reached_at_images": tta and tta.get("images"), "accuracy": s.get("accuracy"),
             "images_per_s": s.get("images_per_s"), "wall_s": s.get("wall_s"), "steps": s.get("steps"),
             "global_batch": s.get("global_batch"), "world_size": s.get("world_size"),
-            "training_s": training_seconds(run_dir), "training_tta_s": training_seconds(run_dir, "target")}
+            "training_s": training_seconds(run_dir), "training_tta_s": tta and tta.get("training_seconds")}
 
 
 def _mean(values: list) -> float | None:

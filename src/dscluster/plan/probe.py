@@ -284,23 +284,22 @@ def measure_evaluation(probe: Probe, net) -> float | None:
     import torch
 
     from dscluster.train.evaluation import evaluate
-    from dscluster.train.precision import amp_dtype, torch_dtype
+    from dscluster.train.precision import input_and_autocast
 
     cfg = probe.cfg
-    amp = probe.cuda and amp_dtype(cfg, probe.precision) is not None
-    dtype = torch.float32 if not probe.cuda or amp else torch_dtype(probe.precision)
-    autocast = torch_dtype(probe.precision) if amp else None  # setup_engine's Built.autocast
+    dtype, autocast = input_and_autocast(cfg, probe.precision, probe.cuda)  # as training's Built has them
     batch = 256 if probe.cuda else probe.batch
     n = 2 * batch if probe.cuda else batch
+    x = torch.randn(batch, probe.in_chans, cfg.data.img_size, cfg.data.img_size, device=probe.device)
+    x = (x.contiguous(memory_format=torch.channels_last) if cfg.channels_last else x).to(dtype)
+    y = torch.randint(0, probe.num_classes, (batch,), device=probe.device)
 
     class Held:  # the held-out split's interface that `evaluate` reads: its length and its batches
         def __len__(self) -> int:
             return n
 
         def get_batch(self, indices, device, dtype, channels_last=False):
-            x = torch.randn(len(indices), probe.in_chans, cfg.data.img_size, cfg.data.img_size, device=device)
-            x = x.contiguous(memory_format=torch.channels_last) if channels_last else x
-            return x.to(dtype), torch.randint(0, probe.num_classes, (len(indices),), device=device)
+            return x[:len(indices)], y[:len(indices)]  # made once: the timed passes are the model's
 
     class Engine:
         module = net if dtype == torch.float32 else net.to(dtype)

@@ -70,6 +70,17 @@ def torch_dtype(precision: str):
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
 
 
+def input_and_autocast(cfg, precision: str, on_gpu: bool):
+    """(the dtype a batch enters the model in, the dtype its forward autocasts to or None): under amp the
+    inputs stay fp32 and autocast casts (on a GPU); with DeepSpeed's half weights, and in fp32, the inputs
+    are in the precision itself. Training (setup_engine.build) and plan's evaluation probe both use it."""
+    import torch
+
+    compute = torch_dtype(precision)
+    amp = amp_dtype(cfg, precision) is not None
+    return (torch.float32 if amp else compute), (compute if amp and on_gpu else None)
+
+
 def amp_dtype(cfg, precision: str) -> str | None:
     """DeepSpeed torch_autocast dtype for this run, or None when DeepSpeed holds half weights."""
     if not cfg.amp:

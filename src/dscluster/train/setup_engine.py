@@ -20,7 +20,7 @@ from dscluster.train import data as data_mod
 from dscluster.train.config import TrainConfig
 from dscluster.train.ds_config import build_ds_config
 from dscluster.train.model import build_model, count_params
-from dscluster.train.precision import amp_dtype, torch_dtype
+from dscluster.train.precision import input_and_autocast, torch_dtype
 from dscluster.train.sampler import BalancedStepSampler, StepSampler
 from dscluster.train.shape import BatchPlan, DeviceFacts, resolve
 from dscluster.train.split import StepSplit
@@ -164,7 +164,7 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
     # channels_last applies to the input batches only: DeepSpeed broadcasts parameters as byte
     # views at initialize, which fails for a channels_last (non-contiguous) patch-embedding weight.
     compute = torch_dtype(precision)  # what matmuls run in: the memory probe and speed calibration use it
-    dtype = torch.float32 if amp_dtype(cfg, precision) else compute  # amp: inputs stay fp32, autocast casts
+    dtype, autocast = input_and_autocast(cfg, precision, device.type == "cuda")  # amp: inputs stay fp32
     autofit.set_memory_cap(cfg.memory_cap_gb, device)
 
     fit: int | None = None
@@ -224,7 +224,7 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
         engine.compile()
     return Built(engine=engine, sampler=sampler, splits=splits, plan=plan, shares=shares, loss_weight=weight,
                  ds_config=ds_cfg, dtype=dtype, params=count_params(model), total_steps=total,
-                 autocast=compute if device.type == "cuda" and amp_dtype(cfg, precision) else None,
+                 autocast=autocast,
                  share_plan=share_plan, notes=notes, ddp=ddp, comm=hook, split=split, data_cache=cached)
 
 
