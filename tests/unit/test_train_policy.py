@@ -62,6 +62,32 @@ def test_export_env_warns_on_override_and_sets_master():
     assert multi["MASTER_PORT"] == "30000"
 
 
+FOREIGN = "192.0.2.1"  # TEST-NET-1: never an address of this host
+
+
+def test_a_job_on_one_host_meets_over_loopback_when_checks_head_is_elsewhere():
+    # check ran on node1..node3 (MASTER_ADDR = node1); this job is node3 alone, both ranks there
+    for rank in ("0", "1"):
+        env = {"OMPI_COMM_WORLD_RANK": rank, "OMPI_COMM_WORLD_LOCAL_RANK": rank, "OMPI_COMM_WORLD_SIZE": "2",
+               "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": FOREIGN, "MASTER_PORT": "29500"}
+        export_env(detect_ranks(env), "x", env, warn=lambda m: None)
+        assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == "29500"
+
+
+def test_rank_0_away_from_the_rendezvous_says_so_instead_of_waiting():
+    base = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            "MASTER_ADDR": FOREIGN}
+    multi = dict(base)
+    with pytest.raises(UsageError, match=rf"MASTER_ADDR {FOREIGN} is not an address of this host.*first in"):
+        export_env(detect_ranks(multi), "x", multi, warn=lambda m: None)
+    other = {**base, "OMPI_COMM_WORLD_RANK": "2"}  # rank 0 is elsewhere: it may well be there
+    export_env(detect_ranks(other), "x", other, warn=lambda m: None)
+    assert other["MASTER_ADDR"] == FOREIGN
+    here = {**base, "MASTER_ADDR": "127.0.0.1"}
+    export_env(detect_ranks(here), "x", here, warn=lambda m: None)
+    assert here["MASTER_ADDR"] == "127.0.0.1"
+
+
 @pytest.mark.parametrize("limit", [1, 2, 3, 37, 64, 100, 1000])
 def test_largest_fit_finds_the_boundary_with_few_probes(limit):
     probes = []

@@ -303,6 +303,13 @@ def allowed_compressions(cfg, precision: str) -> tuple[dict[str, bool], list[str
     return ok, list(why.values())
 
 
+INSIDE_NODE_BUSBW_GBps = 1e4
+"""One node's ranks all-reduce inside it (NVLink, PCIe or shared memory), never over the network that
+check measured: priced as free, as every plan prices `each node alone`. Not measured."""
+INSIDE_NODE_SOURCE = ("one node: its ranks all-reduce inside it, not over the network; priced as free, as "
+                      "'each node alone' is (not measured)")
+
+
 def measure(opts: PlanOptions) -> PlanInputs:
     """Everything the prediction is made from that costs a measurement or a model build, once: a
     calibration run rebuilds the plan from the same inputs."""
@@ -318,10 +325,13 @@ def measure(opts: PlanOptions) -> PlanInputs:
     compute = parse_compute(opts.compute_s, names) if opts.compute_s is not None else None
     # cheap inputs first: a missing bandwidth says so before any model is built or measured
     alone = opts.busbw is None and hostfile.total_slots == 1  # one rank sends no gradients: no bandwidth needed
+    one_node = opts.busbw is None and len(hostfile.hosts) == 1 and not alone
     checked = (CheckBandwidth(busbw=opts.busbw or 1.0, world=None, latency=0.0) if opts.busbw is not None or alone
+               else CheckBandwidth(busbw=INSIDE_NODE_BUSBW_GBps, world=None, latency=0.0) if one_node
                else busbw_from_check(state.check_json_path(), names))
     busbw, check_world, latency = checked.busbw, checked.world, checked.latency
     source = ("--busbw" if opts.busbw is not None else "one rank: no all-reduce, this figure is not used" if alone
+              else INSIDE_NODE_SOURCE if one_node
               else str(state.check_json_path()) + (f" (slowest link {checked.link})" if checked.link else ""))
     world = hostfile.total_slots
     precision, precision_note = planned_precision(cfg)

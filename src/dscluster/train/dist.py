@@ -8,6 +8,7 @@ in the environment.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import os
@@ -34,6 +35,18 @@ def export_env(info: RankInfo, run_id: str, env: dict | None = None, warn=None) 
         if old is not None and old != str(value):
             warnings.append(f"{key}={old} in the environment overridden by {key}={value} (from {info.source})")
         env[key] = str(value)
+    addr = env.get("MASTER_ADDR")
+    if addr and not is_local_address(addr):
+        if info.local_world_size == info.world_size:
+            # check's head is not in this job: every rank is on this host, and so is the store
+            env["MASTER_ADDR"] = "127.0.0.1"
+        elif info.rank == 0:
+            raise UsageError(
+                f"MASTER_ADDR {addr} is not an address of this host ({socket.gethostname()}), where rank 0 "
+                "runs: rank 0 holds the rendezvous, so the other ranks would wait for it there until "
+                "dist.timeout_s. MASTER_ADDR comes from `dscluster check` (its hostfile's first host). Fix: "
+                "put that host first in this mpirun's hostfile, or run `dscluster check --hostfile "
+                "<this hostfile>` so its first host becomes the rendezvous")
     if not env.get("MASTER_ADDR"):
         if info.local_world_size == info.world_size:
             env["MASTER_ADDR"] = "127.0.0.1"  # every rank on this host
@@ -47,6 +60,19 @@ def export_env(info: RankInfo, run_id: str, env: dict | None = None, warn=None) 
     for w in warnings:
         (warn or _warn)(w)
     return warnings
+
+
+def is_local_address(addr: str) -> bool:
+    """Whether `addr` (an IP or a host name) is an address of this host: a socket can bind to it."""
+    try:
+        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return False  # unresolvable here: not this host's (the rendezvous says so in its own words)
+    for family, _, _, _, sockaddr in infos:
+        with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.bind((sockaddr[0], 0))
+            return True
+    return False
 
 
 def _warn(msg: str) -> None:
