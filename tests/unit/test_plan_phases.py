@@ -175,3 +175,18 @@ def test_a_resumed_run_is_not_charged_the_evaluation_its_predecessor_ran():
     assert phases.timed_mean_step(c, 101, 103, total=1000, epochs=10, resumed_at=100) == pytest.approx(0.2)
     # a fresh run's steps 96..110 hold the evaluation and save after step 100
     assert phases.timed_mean_step(c, 96, 110, total=1000, epochs=10) == pytest.approx((15 * 0.2 + 5.0) / 15)
+
+
+def test_a_probe_taken_again_keeps_the_first_steps_cost_that_only_the_first_try_saw():
+    # the second try reuses the process's compiled graphs: its first step costs nothing extra
+    from dscluster.plan import probe
+
+    tries = iter([(0.9, 29.0), (0.1, 0.007)])  # (spread, warm-up extra): disturbed, then steady
+
+    def measure(cfg, in_chans, num_classes, micro):
+        spread, extra = next(tries)
+        return probe.ComputeFigure(seconds=0.02, device="cuda (test GPU)", note="compiled", spread=spread,
+                                   samples=5, warmup_extra_s=extra, compiled=True)
+
+    f = probe.measure_steady_compute(None, 3, 10, 128, measure=measure)
+    assert f.tries == 2 and f.spread == 0.1 and f.warmup_extra_s == 29.0
