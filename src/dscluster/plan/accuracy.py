@@ -57,18 +57,39 @@ class Shipped:
     points: tuple[tuple[int, float], ...]
     what: str
     source: str
+    compression: str = "none"
 
 
+_FRACTAL8 = ("configs/vit_small_fractal.yaml", ("epochs=8",))
 SHIPPED = (
-    Shipped("configs/vit_small_fractal.yaml", ("epochs=8",),
+    Shipped(*_FRACTAL8,
             ((78, 0.091), (156, 0.122), (234, 0.268), (312, 0.487), (390, 0.730), (468, 0.876), (546, 0.90),
              (624, 0.9397)),
             "one H100 alone, fp16, compiled, seed 1 (epoch 7's accuracy is the target record's floor, 90 %)",
             "bench/results/2026-11-27-2xh100-tta-10gbit-b.json and -lab-1gbit-observe-tta.json (epochs 1-6)"),
+    Shipped(*_FRACTAL8,
+            ((78, 0.082), (156, 0.191), (234, 0.247), (312, 0.548), (390, 0.701), (468, 0.857), (546, 0.914),
+             (624, 0.933)),
+            "one node of two H100s alone, fp16, compiled, seed 1",
+            "bench/results/2026-11-27-4xh100-tta-10gbit-1-1-2.json"),
+    Shipped(*_FRACTAL8,
+            ((78, 0.089), (156, 0.165), (234, 0.239), (312, 0.405), (390, 0.564), (468, 0.671)),
+            "PowerSGD rank 4 from step 30, 1+1+2 H100s at 10 Gbit, seed 1, epochs 1-6 (the run was cut there)",
+            "bench/results/2026-11-27-4xh100-tta-10gbit-1-1-2.json", "powersgd"),
+    Shipped(*_FRACTAL8,
+            ((78, 0.086), (156, 0.226), (234, 0.212), (312, 0.357), (390, 0.552), (468, 0.653)),
+            "PowerSGD rank 4 from step 30, two 1-GPU H100 nodes at 1 Gbit, seed 1, epochs 1-6 (cut there)",
+            "bench/results/2026-11-27-2xh100-lab-1gbit-observe-tta.json", "powersgd"),
 )
-POWERSGD_EVIDENCE = ("PowerSGD rank 4 from step 30 on two 1-GPU nodes at 1 Gbit reached 8.6, 22.6, 21.2, 35.7, "
-                     "55.2 and 65.3 % after epochs 1-6 of fractal ViT-S, where one GPU alone reached 9.1, 12.2, 26.8, "
-                     "48.7, 73.0 and 87.6 % (1 seed; bench/results/2026-11-27-2xh100-lab-1gbit-observe-tta.json)")
+POWERSGD_EVIDENCE = ("PowerSGD rank 4 from step 30 reached 65.3 and 67.1 % after 6 epochs of fractal ViT-S (two 1-GPU "
+                     "nodes at 1 Gbit; 1+1+2 H100s at 10 Gbit), where uncompressed runs reached 87.6 and 85.7 % "
+                     "(bench/results/2026-11-27-2xh100-lab-1gbit-observe-tta.json, "
+                     "2026-11-27-4xh100-tta-10gbit-1-1-2.json)")
+FP16_EVIDENCE = ("fp16 and bf16 gradients ended within 1 point of uncompressed ones on digits, 4-rank GPU lab, 4 "
+                 "seeds (bench/results/2026-11-27-nvidia-h100-lab-1gbit-digits-accuracy.json)")
+TRAIL_POINTS = 0.01
+"""A compression whose recorded curves end more than this below uncompressed ones at the same step
+(1 point) is left out of a recommendation made for time to accuracy."""
 
 
 def path(env=None) -> Path:
@@ -116,25 +137,51 @@ def first_reach(points, target: float) -> int | None:
 
 
 def curves_for(cfg, global_batch: int, env=None) -> tuple[list[dict], str]:
-    """The curves of this trajectory and where they come from: this lab's runs, else the shipped ones
-    whose preset and overrides resolve to the same key."""
+    """The curves of this trajectory and where they come from: this lab's runs, and for a compression
+    none of them had, the shipped ones whose preset and overrides resolve to the same key."""
     from dscluster.train.config import load_config
 
     k = trajectory_key(cfg, global_batch)
     own = [c for c in _read(path(env)) if c.get("key") == k and c.get("points")]
-    if own:
-        return own, f"{len(own)} run(s) of this lab ({path(env)})"
+    mine = {c.get("compression", "none") for c in own}
     shipped = []
     for s in SHIPPED:
+        if s.compression in mine:
+            continue
         try:
             ref = load_config(s.config, list(s.overrides))
         except (UsageError, OSError):
             continue
         if trajectory_key(ref, ref.global_batch or global_batch) == k:
-            shipped.append((s, {"points": [list(p) for p in s.points], "compression": "none", "ranks": 1}))
-    if not shipped:
+            shipped.append((s, {"points": [list(p) for p in s.points], "compression": s.compression, "ranks": 1}))
+    if not (own or shipped):
         return [], "no recorded run of this model, data, schedule, epochs and global batch"
-    return [c for _, c in shipped], "; ".join(f"{s.what} ({s.source})" for s, _ in shipped)
+    where = [f"{len(own)} run(s) of this lab ({path(env)})"] if own else []
+    if shipped:
+        files = ", ".join(dict.fromkeys(s.source for s, _ in shipped))
+        where.append(f"{len(shipped)} run(s) shipped with the preset: " + "; ".join(s.what for s, _ in shipped)
+                     + f" ({files})")
+    return own + [c for _, c in shipped], "; ".join(where)
+
+
+def trailing(curves: list[dict], compression: str) -> str | None:
+    """Why `compression` learns too slowly to recommend for time to accuracy, or None: its recorded
+    curves, at the last step each evaluated that uncompressed ones did too, more than TRAIL_POINTS below
+    the uncompressed median there (the median over its curves)."""
+    plain = [dict((int(s), a) for s, a in c["points"]) for c in curves if c.get("compression", "none") == "none"]
+    gaps = []
+    for c in (c for c in curves if c.get("compression") == compression):
+        common = [(int(s), a) for s, a in c["points"] if all(int(s) in q for q in plain)]
+        if plain and common:
+            step, acc = common[-1]
+            gaps.append((acc - statistics.median(q[step] for q in plain), step, acc,
+                         statistics.median(q[step] for q in plain)))
+    if not gaps or statistics.median(g[0] for g in gaps) >= -TRAIL_POINTS:
+        return None
+    said = ", ".join(f"{a:.1%} at step {s} against {b:.1%}" for _, s, a, b in gaps)
+    return (f"comm.compression={compression} is left out of the recommendation: target_accuracy is set, and its "
+            f"{len(gaps)} recorded run(s) of this model, data, schedule and global batch learned more slowly than "
+            f"uncompressed ones ({said}), more than {TRAIL_POINTS * 100:g} point below")
 
 
 def seconds_to(c: phases.RunCosts, step: int, *, epochs: int, max_steps: int) -> float:
@@ -186,9 +233,11 @@ def predict(cfg, target: float, global_batch: int, runs: dict, alone: tuple[str,
             out["notes"].append(f"no time to {target:.1%} for {LABELS[name]}: none of its {r['curves']} recorded "
                                 "curve(s) reached it")
         elif compression != "none" and not r["same"]:
+            evidence = (f"not measured, and two measurements point the other way: {POWERSGD_EVIDENCE}"
+                        if compression == "powersgd" else FP16_EVIDENCE)
             out["notes"].append(f"time to accuracy with {compression}: the recorded curves did not compress, and "
-                                f"{LABELS[name]} is priced as if it reached {target:.1%} at the same step; not "
-                                f"measured, and one measurement points the other way: {POWERSGD_EVIDENCE}")
+                                f"{LABELS[name]} is priced as if it reached {target:.1%} at the same step; "
+                                + evidence)
     lab = [v["seconds"] for k, v in out["runs"].items() if k != "alone" and v["seconds"]]
     if lab and (out["runs"].get("alone") or {}).get("seconds"):
         out["speedup"] = round(out["runs"]["alone"]["seconds"] / min(lab), 2)

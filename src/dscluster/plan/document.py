@@ -188,8 +188,10 @@ def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
     mixed, balance = node_probe.mixed_notes(scenario, prediction, scenario.balanced)
     rec_scenario = replace(scenario, balanced=True) if balance else scenario
     limit, kept = batch_limit(opts, cfg, scenario.global_batch)
+    slow_learners = learning_too_slowly(cfg, scenario.global_batch)
     rec = model.recommend(rec_scenario, max_global_batch=limit,
-                          compressions=model.ladder(cfg.comm.compression, allowed=inputs.allowed.get))
+                          compressions=model.ladder(cfg.comm.compression,
+                                                    allowed=lambda c: inputs.allowed.get(c) and c not in slow_learners))
     whole, run_notes = setting_runs(inputs, scenario, prediction, rec, rec_scenario)
     choice_start = ((whole.get("choice") or {}).get("costs") or {}).get("start_step")
     doc = {
@@ -211,15 +213,44 @@ def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
                                                                    inputs.micro, choice_start),
                            "pending": inputs.refused},
         "saved_to": None,
-        "notes": notes_of(opts, inputs, calibration, rec, prediction) + mixed + run_notes + ([kept] if kept else []),
+        "notes": (notes_of(opts, inputs, calibration, rec, prediction) + mixed + run_notes + ([kept] if kept else [])
+                  + list(slow_learners.values())),
     }
     if balance:
         doc["recommendation"]["overrides"].append("batching=balanced")
+    if rec.train_alone:
+        doc["recommendation"]["alone_command"] = alone_command(opts, scenario, prediction.fastest_node)
     if cfg.target_accuracy is not None:
         doc["time_to_accuracy"] = time_to_accuracy(cfg, scenario.global_batch, whole, rec, prediction)
         doc["notes"] += doc["time_to_accuracy"]["notes"]
     save(doc, saved_entries(doc, cfg, rec, opts))
     return doc, rec
+
+
+def alone_command(opts: PlanOptions, s: model.Scenario, node: str) -> str:
+    """The README command for `node` alone, as a user pastes it: its one-line hostfile, then mpirun."""
+    import shlex
+
+    from dscluster.hosts import format_hostfile
+    from dscluster.launch.builders import display
+    from dscluster.launch.mpirun import App, mpirun_argv
+
+    ranks = next(n.ranks for n in s.nodes if n.name == node)
+    hosts = f"hosts-{node}.txt"
+    argv = mpirun_argv("mpirun", [App(ranks, ["./entry_cn.sh", "--config", opts.config, *opts.overrides])],
+                       hostfile=hosts)
+    return (f"printf '%s\\n' {shlex.quote(format_hostfile([(node, ranks)]).strip())} > {shlex.quote(hosts)} && "
+            + display(argv))
+
+
+def learning_too_slowly(cfg, global_batch: int) -> dict[str, str]:
+    """{compression: why it is not recommended}: with target_accuracy set, the compressions whose
+    recorded held-out curves trail uncompressed ones (plan/accuracy.py's rule); none without it."""
+    if cfg.target_accuracy is None:
+        return {}
+    curves, _ = accuracy.curves_for(cfg, global_batch)
+    why = {c: accuracy.trailing(curves, c) for c in model.LADDER if c != "none"}
+    return {c: w for c, w in why.items() if w}
 
 
 def time_to_accuracy(cfg, global_batch: int, whole: dict, rec: model.Recommendation, p: model.Prediction) -> dict:

@@ -90,6 +90,9 @@ def render(doc: dict) -> None:
             out.print(escape(whole_run_line(label, r)))
     if doc.get("time_to_accuracy") and any(r["seconds"] for r in doc["time_to_accuracy"]["runs"].values()):
         out.print(escape(time_to_accuracy_line(doc["time_to_accuracy"])))
+    if rec.get("alone_command"):
+        out.print(f"train on {escape(p['fastest_node'])} alone, its README command:")
+        out.print("    " + rec["alone_command"], markup=False)
     if rec["overrides"]:
         prefix = "if you keep every node, " if rec["train_alone"] else ""
         out.print(f"{prefix}paste after ./entry_cn.sh (or dscluster train):")
