@@ -187,8 +187,10 @@ def test_the_whole_run_prices_evaluation_with_trains_own_evaluation_as_measured(
                  "--busbw", "1.0", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     per_image = doc["compute"]["eval_s_per_image"]
-    # a warm pass and a timed one per measurement (a disturbed probe is taken again), at the probe's batch
-    assert len(calls) in (2, 4) and set(calls) == {doc["micro_batch"]} and per_image > 0
+    # a warm pass and a timed one per measurement (a disturbed probe is taken again), at the probe's batch:
+    # the micro-batch, or on a busy CPU a smaller one the probe scales from
+    assert len(calls) in (2, 4) and calls[0::2] == calls[1::2] and per_image > 0
+    assert all(0 < b <= doc["micro_batch"] for b in calls)
     assert doc["runs"]["now"]["costs"]["eval_s"] == pytest.approx(359 * per_image)  # digits' held-out images
 
 

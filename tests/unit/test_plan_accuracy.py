@@ -152,6 +152,16 @@ def test_train_holds_its_time_to_accuracy_against_plans_prediction(tmp_path):
     cmp = summary["plan"]["time_to_accuracy"]
     assert cmp["predicted_s"] == predicted and cmp["measured_s"] == reached["training_seconds"]
     assert f"time to {target:.1%} held-out from the first step: predicted {predicted:,.1f} s, measured" in second.stderr
+    # the run's warm-up (first step to the end of the fifth) is kept, and the next plan's whole run starts from it
+    warm = summary["plan"]["measured_warmup_s"]
+    [outcome] = json.loads((tmp_path / "state" / "plans.json").read_text())["outcomes"]
+    steady = 64 / summary["images_per_s"]
+    assert outcome["warmup_extra_s"] == pytest.approx(max(0.0, warm - 5 * steady), abs=2e-3)
+    again = subprocess.run([sys.executable, "-m", "dscluster", "plan", *words[:-1], "--hostfile",
+                            str(tmp_path / "hosts.txt"), "--json"], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=300)
+    costs = json.loads(again.stdout)["runs"]["now"]["costs"]
+    assert costs["warmup_extra_s"] >= outcome["warmup_extra_s"]
 
 
 def test_a_compression_whose_curves_trail_by_more_than_a_point_is_named_with_its_figures():
@@ -224,3 +234,22 @@ def test_the_printed_command_for_the_node_alone_trains_there(tmp_path):
     assert (work / "hosts-localhost.txt").read_text() == "localhost slots=2\n"
     summary = json.loads((tmp_path / "runs" / "alone" / "summary.json").read_text())
     assert summary["status"] == "complete" and summary["world_size"] == 2 and summary["steps"] == 4
+
+
+def test_a_runs_first_costs_are_kept_even_where_its_steps_mixed_plain_and_powersgd(tmp_path):
+    from dscluster.plan import predicted
+
+    env = {"DSCLUSTER_STATE": str(tmp_path)}
+    cmp = {"key": "k", "model_step_s": 0.04, "measured_images_per_s": 10000.0, "timed_steps": 619,
+           "timed_plain_steps": 25, "measured_warmup_s": 42.9, "measured_cache_fill_s": 11.3}
+    predicted.record(cmp, model="vit_small_patch16_224", precision="fp16", compression="powersgd", ranks=4,
+                     global_batch=512, run_id="lab", env=env)
+    got = predicted.startup(model="vit_small_patch16_224", precision="fp16", ranks=4, env=env)
+    # 42.9 s to the end of step 5, five steady steps of 0.0512 s in it
+    assert got == {"warmup_extra_s": pytest.approx(42.9 - 5 * 0.0512), "run_id": "lab", "ranks": 4,
+                   "cache_fill_s": 11.3}
+    # no step calibration from a mixed run; another rank count takes the warm-up, not the cache's fill
+    assert predicted.calibration(model="vit_small_patch16_224", precision="fp16", ranks=4, env=env) == {}
+    other = predicted.startup(model="vit_small_patch16_224", precision="fp16", ranks=2, env=env)
+    assert other["cache_fill_s"] is None and other["ranks"] == 4
+    assert predicted.startup(model="vit_small_patch16_224", precision="bf16", ranks=4, env=env) is None

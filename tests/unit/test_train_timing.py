@@ -63,3 +63,14 @@ def test_the_whole_run_figure_counts_warm_up_and_what_follows_the_last_step():
     seconds, rate = w.whole_run(images=64 * (WARMUP_STEPS + 10))
     assert seconds == pytest.approx(45.0) and rate == pytest.approx(64 * 15 / 45.0)
     assert w.images_per_s(64) == pytest.approx(64.0)  # the steady figure, which leaves all that out
+
+
+def test_the_warm_up_is_measured_from_the_first_step_to_the_end_of_its_window():
+    clock = Clock()
+    w = StepWindow(clock)
+    assert w.warmup_s is None
+    clock.now += 30.0  # compilation
+    w.close(steps(WARMUP_STEPS), timed=False)
+    clock.now += 2.0
+    w.close(steps(10), timed=True)
+    assert w.warmup_s == pytest.approx(30.0)  # timed windows leave it alone

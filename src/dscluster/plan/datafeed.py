@@ -31,12 +31,16 @@ class DataFacts:
     cached_train: bool = False
     cached_holdout: bool = False
     cache_reason: str = ""
+    measured_fill_s: float | None = None
+    """The cache's fill as an earlier run of these ranks measured it (plan/predicted.py `startup`)."""
 
     @property
     def cached_images(self) -> int:
         return self.train_n * self.cached_train + self.holdout_n * self.cached_holdout
 
     def fill_s(self) -> float:
+        if self.measured_fill_s is not None and self.cached_images:
+            return self.measured_fill_s
         return phases.fill_seconds(self.cached_images, self.s_per_image or 0.0, self.workers,
                                    passes=self.cached_train + self.cached_holdout)
 

@@ -143,6 +143,18 @@ def setting_runs(inputs: PlanInputs, scenario: model.Scenario, prediction: model
     cfg, world = inputs.cfg, inputs.world
     facts = datafeed.data_facts(cfg, max(h.slots for h in inputs.hostfile.hosts))
     extra = float(inputs.how.get("warmup_extra_s") or 0.0)
+    measured = predicted.startup(model=cfg.model.name, precision=inputs.precision, ranks=world)
+    startup_notes = []
+    if measured:
+        if measured["warmup_extra_s"] > extra:
+            startup_notes.append(f"whole run: warm-up as run {measured['run_id']} on {measured['ranks']} rank(s) "
+                                 f"measured it, {measured['warmup_extra_s']:.1f} s beyond its first five steps "
+                                 f"(the probe's first step cost {extra:.1f} s more than its next)")
+            extra = measured["warmup_extra_s"]
+        if measured["cache_fill_s"] is not None and not isinstance(facts, str) and facts.cached_images:
+            facts = replace(facts, measured_fill_s=measured["cache_fill_s"])
+            startup_notes.append(f"whole run: data cache fill as run {measured['run_id']} measured it, "
+                                 f"{measured['cache_fill_s']:.1f} s")
     evaluation = inputs.how.get("eval_s_per_image")  # measured with train's own evaluation, where the probe ran
     now_start = wholerun.start_for(cfg, scenario.compression, world, recommended=False)
     runs = {"now": wholerun.setting_run(cfg, scenario, prediction, facts, start=now_start, warmup_extra_s=extra,
@@ -159,7 +171,7 @@ def setting_runs(inputs: PlanInputs, scenario: model.Scenario, prediction: model
         runs[name] = wholerun.setting_run(cfg, s, o.prediction, facts, start=start, warmup_extra_s=extra,
                                           params=inputs.params, eval_s_per_image=evaluation)
     feed = datafeed.notes(facts, scenario.micro_batch * scenario.grad_accum, prediction.step_s)
-    return runs, wholerun.run_note(cfg, facts, now_start, choice_start, world) + feed
+    return runs, wholerun.run_note(cfg, facts, now_start, choice_start, world) + feed + startup_notes
 
 
 def batch_limit(opts: PlanOptions, cfg, global_batch: int) -> tuple[int, str | None]:

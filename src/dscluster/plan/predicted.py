@@ -10,7 +10,7 @@
                      "compute": FIGURE, "costs": RUNCOSTS, "model_costs": RUNCOSTS}},
      "outcomes": [{"key": KEY, "model": str, "precision": str, "compression": str, "ranks": int,
                    "model_step_s": float, "measured_step_s": float, "run_id": str, "at": unix time,
-                   "compute": FIGURE | null}],
+                   "warmup_extra_s": float, "cache_fill_s": float, "compute": FIGURE | null}],
      "figures": {PROBE_KEY: FIGURE}}
 
 FIGURE is the compute figure the setting's model step was made with (plan/inputs.py `figure_of`):
@@ -30,6 +30,11 @@ setting it recommends, so a run with the pasted overrides finds its own; `plan -
 saves the PowerSGD setting it is about to run ("calibration"). At the end of a run rank 0
 looks its config up and prints "plan predicted X img/s, measured Y img/s (±Z%)"; summary.json
 keeps both (`plan`). A later `plan` for the same key replaces the entry.
+
+An outcome also keeps what the run's first costs were (`startup_of`): its warm-up beyond five steady
+steps (compilation, mostly) and its data cache's fill; the next plan of the same model and precision
+prices its whole run's warm-up with the larger of that and its probe's, and the fill with that of the
+same ranks (`startup`). A run whose timed steps mixed plain and PowerSGD ones keeps only these.
 
 Each such comparison is also kept as an outcome (the last MAX_OUTCOMES): the step time the run
 measured against plan's uncorrected model step (`model_step_s`). `calibration` turns the
@@ -118,20 +123,52 @@ def record(cmp: dict, *, model: str, precision: str, compression: str, ranks: in
     if not isinstance(model_step, (int, float)) or model_step <= 0:
         return
     plain, steps = cmp.get("timed_plain_steps", 0), cmp.get("timed_steps", 0)
-    if 0 < plain < steps:
-        return  # plain and compressed steps mixed: the difference belongs to neither alone
+    mixed = 0 < plain < steps  # plain and compressed steps: the step difference belongs to neither alone
     if plain and plain == steps:
         compression = "none"  # PowerSGD had not started: these were plain all-reduces
     p = path(env)
     plans, outcomes = _read_doc(p)
     entry = plans.get(cmp["key"])
     figure = entry.get("compute") if isinstance(entry, dict) else None
+    measured_step = global_batch / float(cmp["measured_images_per_s"])
+    startup = startup_of(cmp, measured_step)
+    if mixed and not startup:
+        return
     outcomes.append({"key": cmp["key"], "model": model, "precision": precision, "compression": compression,
-                     "ranks": ranks, "model_step_s": float(model_step),
-                     "measured_step_s": global_batch / float(cmp["measured_images_per_s"]), "run_id": run_id,
-                     "at": time.time(), "compute": figure if isinstance(figure, dict) else None})
+                     "ranks": ranks, **({} if mixed else {"model_step_s": float(model_step),
+                                                          "measured_step_s": measured_step}),
+                     **startup, "run_id": run_id, "at": time.time(),
+                     "compute": figure if isinstance(figure, dict) else None})
     atomic_write_json(p, {"schema": SCHEMA, "plans": plans, "outcomes": outcomes[-MAX_OUTCOMES:],
                           "figures": _figures(p)})
+
+
+def startup_of(cmp: dict, measured_step_s: float) -> dict:
+    """What a run measured of its whole run's first costs (compare's `measured_warmup_s` and
+    `measured_cache_fill_s`): its warm-up beyond WARMUP_STEPS steady steps, its data cache's fill."""
+    from dscluster.plan.phases import WARMUP_STEPS
+
+    out = {}
+    warm = cmp.get("measured_warmup_s")
+    if isinstance(warm, (int, float)) and warm > 0:
+        out["warmup_extra_s"] = round(max(0.0, warm - WARMUP_STEPS * measured_step_s), 3)
+    fill = cmp.get("measured_cache_fill_s")
+    if isinstance(fill, (int, float)) and fill > 0:
+        out["cache_fill_s"] = round(float(fill), 3)
+    return out
+
+
+def startup(*, model: str, precision: str, ranks: int, env=None) -> dict | None:
+    """The newest run's measured first costs for this model and precision (`startup_of`), those of
+    these ranks first, with its run id and ranks; the data cache's fill only from these ranks."""
+    found = [o for o in _read_doc(path(env))[1] if (o.get("model"), o.get("precision")) == (model, precision)
+             and isinstance(o.get("warmup_extra_s"), (int, float))]
+    if not found:
+        return None
+    same = [o for o in found if o.get("ranks") == ranks]
+    o = (same or found)[-1]
+    return {"warmup_extra_s": float(o["warmup_extra_s"]), "run_id": o.get("run_id"), "ranks": o.get("ranks"),
+            "cache_fill_s": o.get("cache_fill_s") if same and isinstance(o.get("cache_fill_s"), (int, float)) else None}
 
 
 def calibration(*, model: str, precision: str, ranks: int, env=None) -> dict[str, dict]:
@@ -202,6 +239,10 @@ def compare(plan_key: str, measured_images_per_s: float | None, env=None, *, run
     if phased is not None:
         out.update(phased)
         predicted = out.pop("images_per_s")
+    facts = run or {}
+    for k in ("warmup_s", "cache_fill_s"):
+        if isinstance(facts.get(k), (int, float)):
+            out[f"measured_{k}"] = round(float(facts[k]), 3)
     tta = time_to_accuracy(entry, run or {})
     return {"key": plan_key, "predicted_images_per_s": predicted, "measured_images_per_s": measured_images_per_s,
             "deviation_percent": round(100.0 * (measured_images_per_s - predicted) / predicted, 1),

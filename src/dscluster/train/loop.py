@@ -397,7 +397,8 @@ class Trainer:
         return {"resumed_at": self.start.global_step, "last": self.global_step, "total": self.total,
                 "epochs": self.cfg.epochs, "steps_per_epoch": self.spe,
                 "start_step": powersgd_start(self.cfg) if powersgd else None,
-                "target_accuracy": self.tta.target, "time_to_accuracy_s": reached.get("training_seconds")}
+                "target_accuracy": self.tta.target, "time_to_accuracy_s": reached.get("training_seconds"),
+                "warmup_s": self.window.window.warmup_s, "cache_fill_s": self.tta.fill_s}
 
 
 def plan_vs_measured(cfg: TrainConfig, b, gb: int, precision: str, info, out: Outcome, record: RunRecord,

@@ -47,6 +47,8 @@ class StepWindow:
         self.t0 = self.started = clock()
         self.timed_s = 0.0
         self.timed_steps = 0
+        self.warmup_s: float | None = None
+        """First step's start to the end of the warm-up steps (compilation included), once they are over."""
 
     def close(self, records: list[dict], timed: bool) -> float:
         """Give each step record its share of the window's wall-clock time; returns the window's seconds."""
@@ -59,6 +61,8 @@ class StepWindow:
             if timed:
                 self.timed_s += elapsed
                 self.timed_steps += len(records)
+            elif self.timed_steps == 0:
+                self.warmup_s = self.clock() - self.started
         self.t0 = self.clock()
         return elapsed
 
