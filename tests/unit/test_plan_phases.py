@@ -98,6 +98,22 @@ def test_outcomes_of_plain_and_mixed_runs_calibrate_the_right_compression(tmp_pa
     assert set(cal) == {"none"} and cal["none"]["extra_s"] == pytest.approx(2048 / 450.0 - 4.4)
 
 
+def test_a_long_run_with_a_few_plain_steps_first_calibrates_its_compression(tmp_path):
+    # PowerSGD from step 10 of 300: 5 of the 295 timed steps were plain, the compressed ones own the difference
+    env = {"DSCLUSTER_STATE": str(tmp_path)}
+    key = predicted.key(model="m", micro_batch=128, global_batch=2048, precision="fp16", compression="powersgd",
+                        ranks=4)
+    predicted.save({key: entry(start_step=10)}, env)
+    run = {"resumed_at": 0, "total": 300, "epochs": 10, "steps_per_epoch": 100, "start_step": 10, "last": 300}
+    cmp = predicted.compare(key, 8000.0, env, run=run)
+    assert cmp["timed_plain_steps"] == 5
+    predicted.record(cmp, model="m", precision="fp16", compression="powersgd", ranks=4, global_batch=2048,
+                     run_id="long", env=env)
+    cal = predicted.calibration(model="m", precision="fp16", ranks=4, env=env)
+    extra = (2048 / 8000.0 - cmp["model_step_s"]) * 295 / 290
+    assert set(cal) == {"powersgd"} and cal["powersgd"]["extra_s"] == pytest.approx(extra)
+
+
 def test_entries_without_run_costs_compare_as_before(tmp_path):
     env = {"DSCLUSTER_STATE": str(tmp_path)}
     predicted.save({"k": {"images_per_s": 100.0, "step_s": 1.0}}, env)

@@ -67,6 +67,9 @@ from dscluster.fsutil import atomic_write_json
 PLANS_FILE = "plans.json"
 SCHEMA = 1
 MAX_OUTCOMES = 50
+FEW_PLAIN = 0.1
+"""A run whose timed steps were at most this share plain (PowerSGD not yet started) calibrates its
+compression with the whole difference, spread over its compressed steps."""
 
 
 def key(*, model: str, micro_batch: int, global_batch: int, precision: str, compression: str, ranks: int) -> str:
@@ -123,7 +126,9 @@ def record(cmp: dict, *, model: str, precision: str, compression: str, ranks: in
     if not isinstance(model_step, (int, float)) or model_step <= 0:
         return
     plain, steps = cmp.get("timed_plain_steps", 0), cmp.get("timed_steps", 0)
-    mixed = 0 < plain < steps  # plain and compressed steps: the step difference belongs to neither alone
+    # plain and compressed steps mixed: the step difference belongs to neither alone, unless the plain
+    # ones are few (PowerSGD from step 30 of hundreds): then the compressed steps own it
+    mixed = 0 < plain < steps and plain > FEW_PLAIN * steps
     if plain and plain == steps:
         compression = "none"  # PowerSGD had not started: these were plain all-reduces
     p = path(env)
@@ -131,6 +136,8 @@ def record(cmp: dict, *, model: str, precision: str, compression: str, ranks: in
     entry = plans.get(cmp["key"])
     figure = entry.get("compute") if isinstance(entry, dict) else None
     measured_step = global_batch / float(cmp["measured_images_per_s"])
+    if 0 < plain < steps and not mixed:
+        measured_step = model_step + (measured_step - model_step) * steps / (steps - plain)
     startup = startup_of(cmp, measured_step)
     if mixed and not startup:
         return
