@@ -161,13 +161,18 @@ def measure_nodes(hostfile, config: str, overrides: list[str], micro: int, preci
     for name, o in outcomes.items():
         for member in groups[name]:
             if o.ok:
-                at = {e["micro"]: e["seconds"] for e in o.value["alone"]}
-                figures[member] = {**{k: v for k, v in o.value.items() if k != "alone"}, "measured_on": name,
-                                   **({"alone_micro": alone[member], "alone_seconds": at[alone[member]]}
-                                      if alone.get(member) in at else {})}
+                figures[member] = member_figure(o.value, name, alone.get(member))
             else:
                 failed[member] = f"{type(o.error).__name__}: {o.error}"
     return figures, failed
+
+
+def member_figure(probed: dict, probed_on: str, alone: int | None) -> dict:
+    """A node's figure from its group's probe (`parse_node_output`'s dict, taken on `probed_on`), with
+    `alone_micro` and `alone_seconds` where that probe measured the node's micro-batch alone (`alone`)."""
+    at = {e["micro"]: e["seconds"] for e in probed.get("alone") or []}
+    return {**{k: v for k, v in probed.items() if k != "alone"}, "measured_on": probed_on,
+            **({"alone_micro": alone, "alone_seconds": at[alone]} if alone in at else {})}
 
 
 def is_here(names: list[str]) -> bool:
