@@ -555,3 +555,26 @@ def test_each_nodes_probe_is_asked_for_its_micro_batch_alone(lab, capsys, monkey
     # each node's figure alone is cached with it
     assert run_plan(lab, *args) == 0 and len(asked) == 1
     assert "node3 16,203 (micro 256)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_fastest_node_alones_time_to_accuracy_is_priced_at_its_own_micro_batch(lab, capsys, monkeypatch):
+    """plan/accuracy.py prices the fastest node alone with the whole-run model at the step its figure
+    alone gives (global batch ÷ its img/s at its own micro-batch)."""
+    from dataclasses import replace
+
+    from dscluster.plan import accuracy, nodes, phases
+
+    def over_ssh(hostfile, config, overrides, micro, precision, *, only, alone, **kw):
+        line = {"seconds": 0.0226, "device": "cuda (H100)", "alone": [{"micro": 256, "seconds": 0.0316}]}
+        return {n: nodes.member_figure(line, "node1", alone.get(n)) for n in only}, {}
+
+    monkeypatch.setattr(nodes, "measure_nodes", over_ssh)
+    assert main(["plan", "--config", str(REPO / "configs/vit_small_fractal.yaml"), "--hostfile", str(lab / "hosts.txt"),
+                 "--busbw", "1.19", "--powersgd-s", "0.01", "--json", "precision=fp16", "epochs=8"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    alone = doc["time_to_accuracy"]["runs"]["alone"]
+    assert alone["node"] == "node3"
+    assert doc["prediction"]["node_images_per_s"]["node3"] == pytest.approx(2 * 256 / 0.0316)
+    step_s = 512 / (2 * 256 / 0.0316)  # node3's step alone: two micro-batches of 256 at once
+    costs = replace(phases.RunCosts(**doc["runs"]["now"]["costs"]), plain_step_s=step_s, step_s=step_s, start_step=None)
+    assert alone["seconds"] == pytest.approx(accuracy.seconds_to(costs, alone["step"], epochs=8, max_steps=0), abs=0.1)
