@@ -52,11 +52,13 @@ def test_node_command_pins_the_planned_shape_and_passes_the_fault_on():
 def test_the_node_side_of_the_probe_prints_the_figure_the_head_reads():
     # what a node runs for the head's plan: the node command's own argv, on this machine
     config = Path(__file__).resolve().parents[2] / "configs" / "digits.yaml"
-    argv = shlex.split(nodes.node_command(sys.executable, str(config), [], 4, "fp32", (0, 1), None))
+    argv = shlex.split(nodes.node_command(sys.executable, str(config), [], 4, "fp32", (0, 1), None, alone=[8]))
     out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     fig = nodes.parse_node_output(out.stdout, "here")
     assert fig["seconds"] > 0 and "micro_batch=4 precision=fp32" in fig["probe"]
+    # the micro-batch alone is measured on a GPU only (a CPU figure is scaled linearly)
+    assert [e["micro"] for e in fig["alone"]] == ([8] if fig["device"].startswith("cuda") else [])
 
 
 def test_a_cpu_nodes_probe_takes_the_threads_its_ranks_will_have():
