@@ -392,14 +392,16 @@ def test_calibrate_without_an_mpirun_to_start_says_so_and_exits_1(lab, capsys, m
     assert json.loads(out.out)["calibration_runs"][0]["exit_code"] == 127
 
 
-def stand_in_probe(monkeypatch, seconds: list[float], spreads=(0.1,)):
+def stand_in_probe(monkeypatch, seconds: list[float], spreads=(0.1,), device="cpu", per_sample=0.0):
     """The compute probe replaced by one that returns `seconds[0]` (a list, so a test can slow it
-    down) with the given spreads in turn; PowerSGD's probe by a fixed 4 ms."""
+    down) + `per_sample` × the micro-batch, on `device`, with the given spreads in turn; PowerSGD's
+    probe by a fixed 4 ms."""
     taken = []
 
     def measure(cfg, in_chans, num_classes, micro):
         taken.append(micro)
-        return plan_probe.ComputeFigure(seconds=seconds[0], device="cpu", note="stand-in probe", samples=5,
+        return plan_probe.ComputeFigure(seconds=seconds[0] + per_sample * micro, device=device,
+                                        note="stand-in probe", samples=5,
                                         spread=spreads[min(len(taken), len(spreads)) - 1])
 
     monkeypatch.setattr(plan_probe, "measure_compute", measure)
@@ -495,3 +497,86 @@ def test_with_a_target_accuracy_the_recommendation_keeps_the_configs_global_batc
                     "data.dataset=fractal", "target_accuracy=0.9") == 0
     doc = json.loads(capsys.readouterr().out)
     assert "global_batch=1024" in doc["recommendation"]["overrides"]
+
+
+def test_each_node_alone_is_priced_at_its_own_micro_batch_on_a_gpu_measured_here(lab, capsys, monkeypatch):
+    """A node alone splits the global batch over its own ranks (micro_batch auto), and a GPU is faster
+    per image at a larger batch: on the 4×H100 lab, plan priced node1 alone at the lab's micro-batch
+    (5,665 img/s) where it trained at 512 and ran 8,164."""
+    taken = stand_in_probe(monkeypatch, [0.0136], device="cuda (Stand-in H100)", per_sample=0.00007)
+    doc = plan_digits_on_two(lab, capsys, "--probe-here")
+    assert taken == [32, 64]  # the lab's micro-batch (64 ÷ 2 ranks), then each node's alone (64 ÷ 1), once
+    alone_s = 0.0136 + 0.00007 * 64
+    assert doc["compute"]["nodes"]["node1"]["alone_micro"] == 64
+    assert doc["compute"]["nodes"]["node1"]["alone_seconds"] == pytest.approx(alone_s)
+    assert (doc["nodes"][0]["alone_micro"], doc["nodes"][0]["alone_compute_s"]) == (64, pytest.approx(alone_s))
+    p = doc["prediction"]
+    assert p["node_images_per_s"] == pytest.approx({"node1": 64 / alone_s, "node2": 64 / alone_s})
+    assert p["speedup"] == pytest.approx(p["images_per_s"] / (64 / alone_s))
+    assert p["speedup"] < p["images_per_s"] / (32 / (0.0136 + 0.00007 * 32))  # less flattering than before
+    # cached as the lab's figure is: the next plan measures nothing, and says at which micro-batch
+    (lab / "two.txt").write_text("node1 slots=1\nnode2 slots=1\n")
+    assert main(["plan", "--config", str(REPO / "configs/digits.yaml"), "--hostfile", str(lab / "two.txt"),
+                 "--busbw", "1", "--probe-here", "comm.compression=powersgd", "global_batch=64"]) == 0
+    assert taken == [32, 64]
+    assert f"each node alone, img/s: node1 {64 / alone_s:,.0f} (micro 64)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_cpu_probe_measures_once_and_scales_each_node_alone(lab, capsys, monkeypatch):
+    """CI's CPU machine: the plan takes no longer; a node alone is the lab's figure scaled, as before."""
+    taken = stand_in_probe(monkeypatch, [0.02])
+    doc = plan_digits_on_two(lab, capsys, "--probe-here")
+    assert taken == [32] and "nodes" not in doc["compute"]
+    assert doc["prediction"]["node_images_per_s"] == {"node1": 32 / 0.02, "node2": 32 / 0.02}
+    assert doc["nodes"][0]["alone_micro"] is None
+
+
+def test_each_nodes_probe_is_asked_for_its_micro_batch_alone(lab, capsys, monkeypatch):
+    """The per-node probes (plan/nodes.py), SSH stood in: the probe's line as a GPU node prints it, with
+    the lab's figures (fractal ViT-S fp16 on H100: 0.0226 s at 128, node1 alone 8,164 img/s at 512, a
+    probe at 256 0.0316 s)."""
+    from dscluster.plan import nodes
+
+    asked = []
+
+    def over_ssh(hostfile, config, overrides, micro, precision, *, only, alone, **kw):
+        asked.append((micro, alone))
+        line = nodes.parse_node_output(json.dumps({"seconds": 0.0226, "device": "cuda (H100)", "alone": [
+            {"micro": 512, "seconds": 512 / 8164}, {"micro": 256, "seconds": 0.0316}]}), "node1")
+        return {n: nodes.member_figure(line, "node1", alone.get(n)) for n in only}, {}
+
+    monkeypatch.setattr(nodes, "measure_nodes", over_ssh)
+    args = ("--busbw", "1.19", "--powersgd-s", "0.01", "precision=fp16")
+    assert run_plan(lab, "--json", *args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert asked == [(128, {"node1": 512, "node2": 512, "node3": 256})]  # global batch 512 over 1, 1 and 2 ranks
+    assert doc["compute"]["nodes"]["node3"]["alone_micro"] == 256
+    assert doc["prediction"]["node_images_per_s"] == pytest.approx({"node1": 8164, "node2": 8164,
+                                                                    "node3": 2 * 256 / 0.0316})
+    assert doc["prediction"]["fastest_node"] == "node3"
+    # each node's figure alone is cached with it
+    assert run_plan(lab, *args) == 0 and len(asked) == 1
+    assert "node3 16,203 (micro 256)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_fastest_node_alones_time_to_accuracy_is_priced_at_its_own_micro_batch(lab, capsys, monkeypatch):
+    """plan/accuracy.py prices the fastest node alone with the whole-run model at the step its figure
+    alone gives (global batch ÷ its img/s at its own micro-batch)."""
+    from dataclasses import replace
+
+    from dscluster.plan import accuracy, nodes, phases
+
+    def over_ssh(hostfile, config, overrides, micro, precision, *, only, alone, **kw):
+        line = {"seconds": 0.0226, "device": "cuda (H100)", "alone": [{"micro": 256, "seconds": 0.0316}]}
+        return {n: nodes.member_figure(line, "node1", alone.get(n)) for n in only}, {}
+
+    monkeypatch.setattr(nodes, "measure_nodes", over_ssh)
+    assert main(["plan", "--config", str(REPO / "configs/vit_small_fractal.yaml"), "--hostfile", str(lab / "hosts.txt"),
+                 "--busbw", "1.19", "--powersgd-s", "0.01", "--json", "precision=fp16", "epochs=8"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    alone = doc["time_to_accuracy"]["runs"]["alone"]
+    assert alone["node"] == "node3"
+    assert doc["prediction"]["node_images_per_s"]["node3"] == pytest.approx(2 * 256 / 0.0316)
+    step_s = 512 / (2 * 256 / 0.0316)  # node3's step alone: two micro-batches of 256 at once
+    costs = replace(phases.RunCosts(**doc["runs"]["now"]["costs"]), plain_step_s=step_s, step_s=step_s, start_step=None)
+    assert alone["seconds"] == pytest.approx(accuracy.seconds_to(costs, alone["step"], epochs=8, max_steps=0), abs=0.1)

@@ -342,3 +342,27 @@ def test_calibration_from_the_lab_first_powersgd_run_predicts_its_recommended_ru
     rec = predict(four_node_lab(8, 0.04920, 0.01599, calibration=(("powersgd", extra),)))
     assert rec.images_per_s == pytest.approx(9436.1, rel=0.02)
     assert rec.efficiency >= 0.8
+
+
+def test_a_node_alone_is_priced_at_the_micro_batch_it_trains_at_alone():
+    """The 4×H100 lab, fractal ViT-S fp16 compiled, global batch 512 with micro_batch auto: the probe read
+    0.0226 s per micro-batch of 128 (the lab's 4 ranks); node1 alone trains at micro 512 and ran 8,164
+    img/s, node3 (2 GPUs) at 256, where a probe read 0.0316 s. Priced at the lab's micro-batch, each
+    node alone was 25-30 % too slow and every speed-up flattered the lab."""
+    at_lab = (Node(name="node1", compute_s=0.0226), Node(name="node2", compute_s=0.0226),
+              Node(name="node3", ranks=2, compute_s=0.0226))
+    s = Scenario(nodes=at_lab, micro_batch=128, grad_bytes=model.gradient_bytes(21_700_000), busbw_GBps=1.19)
+    alone = {"node1": (512, 512 / 8164), "node2": (512, 512 / 8164), "node3": (256, 0.0316)}
+    own = replace(s, nodes=tuple(replace(n, alone_micro=alone[n.name][0], alone_compute_s=alone[n.name][1])
+                                 for n in at_lab))
+    before, after = predict(s), predict(own)
+    assert before.node_images_per_s["node3"] == pytest.approx(11_327, rel=1e-3)
+    assert after.node_images_per_s == pytest.approx({"node1": 8164, "node2": 8164, "node3": 16_203}, rel=1e-3)
+    assert after.fastest_node == "node3" and after.images_per_s == before.images_per_s  # the lab's step is its own
+    assert after.speedup == pytest.approx(before.speedup * 11_327 / 16_203, rel=1e-3)
+    assert after.efficiency == pytest.approx(before.efficiency * (4 * 5665) / (2 * 8164 + 16_203), rel=1e-3)
+    # the recommendation judges every option against the same nodes alone
+    rec = recommend(own, compressions=FP16_LADDER)
+    assert rec.choice.prediction.node_images_per_s == after.node_images_per_s
+    with pytest.raises(UsageError, match="node3: alone micro-batch 256"):
+        replace(own, nodes=(*own.nodes[:2], replace(own.nodes[2], alone_compute_s=0.0)))

@@ -1,6 +1,7 @@
 """plan's per-node compute probe (plan/nodes.py): which nodes are probed, the command each runs, its
 output read back, the fault it honours, and what mixed speeds do to the prediction."""
 
+import json
 import os
 import shlex
 import subprocess
@@ -51,11 +52,13 @@ def test_node_command_pins_the_planned_shape_and_passes_the_fault_on():
 def test_the_node_side_of_the_probe_prints_the_figure_the_head_reads():
     # what a node runs for the head's plan: the node command's own argv, on this machine
     config = Path(__file__).resolve().parents[2] / "configs" / "digits.yaml"
-    argv = shlex.split(nodes.node_command(sys.executable, str(config), [], 4, "fp32", (0, 1), None))
+    argv = shlex.split(nodes.node_command(sys.executable, str(config), [], 4, "fp32", (0, 1), None, alone=[8]))
     out = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     fig = nodes.parse_node_output(out.stdout, "here")
     assert fig["seconds"] > 0 and "micro_batch=4 precision=fp32" in fig["probe"]
+    # the micro-batch alone is measured on a GPU only (a CPU figure is scaled linearly)
+    assert [e["micro"] for e in fig["alone"]] == ([8] if fig["device"].startswith("cuda") else [])
 
 
 def test_a_cpu_nodes_probe_takes_the_threads_its_ranks_will_have():
@@ -121,3 +124,68 @@ def test_a_node_probes_the_preset_the_head_loaded_wherever_plan_was_started(tmp_
     got = Path(node_config("configs/digits.yaml"))
     assert got.is_absolute() and got.is_file()
     assert got == (Path(__file__).resolve().parents[2] / "configs" / "digits.yaml")
+
+
+def test_each_node_alone_takes_the_micro_batch_training_would_give_its_own_ranks():
+    from dscluster.plan.inputs import batch_shape
+    from dscluster.train.config import load_config
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "digits.yaml"  # micro_batch auto, global_batch 64
+    cfg = load_config(config)
+    assert nodes.alone_micros(cfg, LAB, 16, "fp32", batch_shape) == {"node1": 64, "node2": 64, "node3": 32}
+    # a fixed micro-batch stays alone too (more accumulation, the same speed per image): nothing to measure
+    fixed = load_config(config, ["micro_batch=8"])
+    assert nodes.alone_micros(fixed, LAB, 8, "fp32", batch_shape) == {}
+    # each node alone asks its probe for its micro-batch; a node's key names it, so a figure cached
+    # without it is not taken for one with it
+    cmd = nodes.node_command("python", "c.yaml", [], 16, "fp32", (0, 1), None, alone=[64, 32])
+    assert "--measure-node 0:1 --alone-micro 64,32 micro_batch=16" in cmd
+    assert nodes.cache_key(cfg, "node1", 16, "fp32", 0, 64).endswith(" alone_micro=64")
+    assert "alone" not in nodes.cache_key(cfg, "node1", 16, "fp32", 0)
+
+
+def gpu_stand_in(monkeypatch, device="cuda (Stand-in H100)"):
+    """plan/probe.py's measurement replaced by one that is faster per image at a larger batch, as a GPU
+    is (0.0226 s at 128 and 0.0316 s at 256 on an H100 for fractal ViT-S), on `device`."""
+    taken = []
+
+    def measure(cfg, in_chans, num_classes, micro, slow_ms=0):
+        taken.append(micro)
+        return probe.ComputeFigure(seconds=0.0136 + 0.00007 * micro, device=device, note="stand-in", samples=10,
+                                   spread=0.02)
+
+    monkeypatch.setattr(probe, "measure_compute", measure)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the node side leaves this process's threads as they are
+    return taken
+
+
+def test_a_gpu_node_probe_measures_at_the_micro_batch_alone_and_the_head_reads_it_back(monkeypatch):
+    from dscluster.plan import nodeprobe
+
+    config = str(Path(__file__).resolve().parents[2] / "configs" / "digits.yaml")
+    taken = gpu_stand_in(monkeypatch)
+    line = nodeprobe.measure_here(config, ["micro_batch=16", "precision=fp32"], "2:2", "32")
+    assert taken == [16, 32]  # the lab's micro-batch, then node3's alone, in the same process
+    fig = nodes.parse_node_output("a warning first\n" + json.dumps(line), "node3")
+    assert fig["seconds"] == pytest.approx(0.0136 + 0.00007 * 16)
+    assert [(e["micro"], e["seconds"]) for e in fig["alone"]] == [(32, pytest.approx(0.0136 + 0.00007 * 32))]
+    # each member of the probe's group takes its own micro-batch alone, where the probe measured it
+    member = nodes.member_figure(fig, "node3", 32)
+    assert (member["alone_micro"], member["measured_on"]) == (32, "node3") and "alone" not in member
+    assert "alone_micro" not in nodes.member_figure(fig, "node3", 64)
+    # an older probe's line, without `alone`, still reads: its nodes alone are priced at the lab's micro-batch
+    old = nodes.parse_node_output(RECORDED, "node2")
+    assert old["alone"] == [] and "alone_micro" not in nodes.member_figure(old, "node2", 64)
+
+
+def test_a_cpu_node_probe_measures_once(monkeypatch):
+    """CI's 2-core machine: a CPU figure stands in for the GPUs and is scaled linearly; plan must not
+    take longer there."""
+    from dscluster.plan import nodeprobe
+
+    config = str(Path(__file__).resolve().parents[2] / "configs" / "digits.yaml")
+    taken = gpu_stand_in(monkeypatch, device="cpu")
+    line = nodeprobe.measure_here(config, ["micro_batch=16", "precision=fp32"], "0:1", "64")
+    assert taken == [16] and line["alone"] == []
+    with pytest.raises(UsageError, match="--alone-micro"):
+        nodeprobe.measure_here(config, ["micro_batch=16", "precision=fp32"], "0:1", "64,x")

@@ -56,6 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="measure compute on this machine only and give every node its figure (default: a probe "
                    "on each node over SSH, one per distinct GPU model, cached)")
     p.add_argument("--measure-node", metavar="FIRST:RANKS", help=argparse.SUPPRESS)  # the probe plan runs on a node
+    p.add_argument("--alone-micro", metavar="M,...", help=argparse.SUPPRESS)  # and the micro-batches alone, on a GPU
     p.add_argument("--json", action="store_true", help="print the plan as JSON (schema: docs/schemas.md)")
     p.set_defaults(func=plan_command)
 
@@ -71,7 +72,7 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.measure_node:  # on a node, for the head's plan (plan/nodes.py)
         from dscluster.plan.nodeprobe import measure_here
 
-        print(json.dumps(measure_here(args.config, list(args.overrides), args.measure_node)))
+        print(json.dumps(measure_here(args.config, list(args.overrides), args.measure_node, args.alone_micro)))
         return 0
     from dscluster.plan.run import run
 

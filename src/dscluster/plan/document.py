@@ -78,8 +78,8 @@ def run_key(doc: dict, cfg, global_batch: int | None, compression: str) -> str:
 def scenario_of(inputs: PlanInputs, calibration: dict[str, dict]) -> model.Scenario:
     cfg = inputs.cfg
     full = inputs.micro * inputs.accum * inputs.world
-    nodes = tuple(model.Node(name=h.name, ranks=h.slots, compute_s=inputs.compute[h.name])
-                  for h in inputs.hostfile.hosts)
+    nodes = tuple(model.Node(name=h.name, ranks=h.slots, compute_s=inputs.compute[h.name],
+                             **node_probe.alone_of(inputs.how, h.name)) for h in inputs.hostfile.hosts)
     return model.Scenario(nodes=nodes, micro_batch=inputs.micro, grad_accum=inputs.accum,
                           grad_bytes=model.gradient_bytes(inputs.params, model.FORMAT_BYTES[inputs.grad_format]),
                           grad_format=inputs.grad_format, compression=cfg.comm.compression,
@@ -210,7 +210,8 @@ def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
         "schema": SCHEMA_VERSION, "config": opts.config, "model": cfg.model.name, "params": inputs.params,
         "hostfile": inputs.hostfile.path, "world_size": world,
         "nodes": [{"name": n.name, "ranks": n.ranks, "compute_s": n.compute_s,
-                   "images_per_s": n.images_per_s(inputs.micro)} for n in scenario.nodes],
+                   "images_per_s": n.images_per_s(inputs.micro), "alone_micro": n.alone_micro,
+                   "alone_compute_s": n.alone_compute_s} for n in scenario.nodes],
         "micro_batch": inputs.micro, "grad_accum": inputs.accum, "global_batch": scenario.global_batch,
         "precision": inputs.precision, "compression": cfg.comm.compression, "grad_format": inputs.grad_format,
         "grad_bytes": int(scenario.grad_bytes), "wire_bytes": int(scenario.wire_bytes),

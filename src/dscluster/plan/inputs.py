@@ -347,7 +347,7 @@ def measure(opts: PlanOptions) -> PlanInputs:
         how = {"seconds": max(compute.values()), "source": "--compute-s", "device": None, "note": None,
                **dict.fromkeys(FIGURE_KEYS[1:])}
     elif not (opts.probe_here or nodes.is_here(names)):
-        compute, how, failed = nodes.node_compute(opts, cfg, hostfile, micro, precision,
+        compute, how, failed = nodes.node_compute(opts, cfg, hostfile, micro, precision, batch_shape,
                                                   reuse=not opts.no_calibration, check_json=state.check_json_path())
         if failed:  # those nodes get this machine's figure, said in a note
             notes.append(f"could not measure compute on {', '.join(failed)} ({next(iter(failed.values()))}): "

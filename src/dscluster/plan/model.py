@@ -121,9 +121,18 @@ class Node:
     """Ranks (GPUs) on this node: the hostfile's slots."""
     compute_s: float
     """Measured seconds of one forward+backward of one micro-batch on one of its ranks."""
+    alone_micro: int | None = None
+    """The micro-batch this node trains at alone (micro_batch auto splits the global batch over its ranks
+    only); None: priced at the lab's."""
+    alone_compute_s: float | None = None
+    """Measured seconds of one micro-batch of alone_micro on one of its ranks; None: not measured."""
 
     def images_per_s(self, micro_batch: int) -> float:
-        """This node alone, its ranks' own communication left out (NVLink/PCIe is fast)."""
+        """This node alone, its ranks' own communication left out (NVLink/PCIe is fast): at its own
+        micro-batch where measured there (a GPU is faster per image at a larger batch; accumulation
+        keeps the rate per image), else at the lab's `micro_batch`."""
+        if self.alone_micro and self.alone_compute_s:
+            return self.ranks * self.alone_micro / self.alone_compute_s
         return self.ranks * micro_batch / self.compute_s
 
 
@@ -176,6 +185,9 @@ class Scenario:
                 raise UsageError(f"node {n.name}: ranks must be at least 1, got {n.ranks}")
             if not n.compute_s > 0:
                 raise UsageError(f"node {n.name}: compute time per micro-batch must be > 0 s, got {n.compute_s}")
+            if not (n.alone_compute_s is None or n.alone_compute_s > 0) or (n.alone_micro or 1) < 1:
+                raise UsageError(f"node {n.name}: alone micro-batch {n.alone_micro} in {n.alone_compute_s} s is "
+                                 "out of range")
         checks = [("micro_batch", self.micro_batch >= 1), ("grad_accum", self.grad_accum >= 1),
                   ("grad_bytes", self.grad_bytes > 0), ("busbw_GBps", self.busbw_GBps > 0),
                   ("overlap_fraction", 0 <= self.overlap_fraction <= 1), ("bucket_bytes", self.bucket_bytes > 0),

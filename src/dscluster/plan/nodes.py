@@ -8,6 +8,10 @@ config and overrides as given, the planned micro-batch and precision pinned; it 
 line (`parse_node_output`). It honours DSCLUSTER_FAULT's slow_gpu for the node's ranks (plan/probe.py
 `fault_ms`): plan passes the variable on, as mpirun's -x does for training, and OMP_NUM_THREADS where
 the head has it; without it, a CPU probe takes the threads training's ranks there take (cpus.py).
+
+Where a node alone would train at another micro-batch than the lab's (`alone_micros`), `--alone-micro
+M,...` makes a GPU probe measure at those too, in the same process (its line's `alone`: [{micro,
+seconds, ...}]); a CPU probe measures once, and its node alone is scaled linearly from the lab's.
 """
 
 from __future__ import annotations
@@ -75,12 +79,15 @@ def gpu_models(check_json: Path) -> dict[str, str | None]:
 
 
 def node_command(python: str, config: str, overrides: list[str], micro: int, precision: str,
-                 ranks: tuple[int, int], fault: str | None, threads: str | None = None) -> str:
+                 ranks: tuple[int, int], fault: str | None, threads: str | None = None,
+                 alone: list[int] | None = None) -> str:
     """The shell command that measures compute on a node (module docstring); `threads`, the head's
-    OMP_NUM_THREADS, travels with it as DSCLUSTER_FAULT does."""
+    OMP_NUM_THREADS, travels with it as DSCLUSTER_FAULT does; `alone`: the micro-batches to measure
+    at as well."""
     from dscluster import cpus
 
     argv = [python, "-m", "dscluster", "plan", "--config", config, "--measure-node", f"{ranks[0]}:{ranks[1]}",
+            *(["--alone-micro", ",".join(map(str, alone))] if alone else []),
             *overrides, f"micro_batch={micro}", f"precision={precision}"]
     env = f"DSCLUSTER_FAULT={shlex.quote(fault)} " if fault else ""
     if threads:
@@ -89,14 +96,21 @@ def node_command(python: str, config: str, overrides: list[str], micro: int, pre
 
 
 def parse_node_output(stdout: str, node: str) -> dict:
-    """The node probe's figure from its output: the last line that is a JSON object with `seconds`."""
+    """The node probe's figure from its output: the last line that is a JSON object with `seconds`;
+    its `alone` (the figures at other micro-batches, [{micro, seconds, ...}]) keeps well-formed entries
+    only, [] where the line has none (a probe that measured none, or one older than them)."""
+    def good(e) -> bool:
+        return (isinstance(e, dict) and type(e.get("micro")) is int and e["micro"] >= 1
+                and isinstance(e.get("seconds"), (int, float)) and e["seconds"] > 0)
+
     for line in reversed(stdout.strip().splitlines()):
         try:
             doc = json.loads(line)
         except json.JSONDecodeError:
             continue
         if isinstance(doc, dict) and isinstance(doc.get("seconds"), (int, float)) and doc["seconds"] > 0:
-            return doc
+            alone = doc.get("alone")
+            return {**doc, "alone": [e for e in alone if good(e)] if isinstance(alone, list) else []}
     tail = stdout.strip().splitlines()[-1:] or ["no output"]
     raise UsageError(f"{node}: the compute probe printed no figure ({tail[0][:200]})")
 
@@ -111,10 +125,11 @@ def node_config(config: str) -> str:
 
 
 def measure_nodes(hostfile, config: str, overrides: list[str], micro: int, precision: str, *, user: str | None = None,
-                  check_json: Path | None = None, env=None,
-                  only: set[str] | None = None) -> tuple[dict[str, dict], dict[str, str]]:
+                  check_json: Path | None = None, env=None, only: set[str] | None = None,
+                  alone: dict[str, int] | None = None) -> tuple[dict[str, dict], dict[str, str]]:
     """({node: figure}, {node: why it could not be measured}) for the hostfile's nodes (those in `only`),
-    one probe per group (`probe_groups`), in parallel over SSH."""
+    one probe per group (`probe_groups`), in parallel over SSH; a node in `alone` ({node: its micro-batch
+    alone}) gets `alone_micro` and `alone_seconds` where its group's probe measured that micro-batch."""
     from dscluster import cpus, remote, state
     from dscluster.check.probe import ProbeSettings, default_key, open_session
 
@@ -126,13 +141,14 @@ def measure_nodes(hostfile, config: str, overrides: list[str], micro: int, preci
     ranges, fault = rank_ranges(hostfile), env.get("DSCLUSTER_FAULT") or None
     settings = ProbeSettings(known_hosts=state.known_hosts_path(), key_filename=default_key(),
                              password=env.get("DSCLUSTER_SSH_PASSWORD"), timeout=PROBE_TIMEOUT_S)
-    config = node_config(config)
+    config, alone = node_config(config), alone or {}
 
     def work(t: remote.Target) -> dict:
         client = open_session(t, settings)
         try:
+            at = sorted({alone[m] for m in groups[t.name] if m in alone})  # its members' micro-batches alone
             cmd = node_command(sys.executable, config, overrides, micro, precision, ranges[t.name], fault,
-                               env.get(cpus.THREADS_ENV) or None)
+                               env.get(cpus.THREADS_ENV) or None, at)
             r = remote.run(client, f"cd {shlex.quote(os.getcwd())} 2>/dev/null; {cmd}", timeout=PROBE_TIMEOUT_S)
             return parse_node_output(r.stdout if r.rc == 0 else r.stderr or r.stdout, t.name)
         finally:
@@ -145,10 +161,18 @@ def measure_nodes(hostfile, config: str, overrides: list[str], micro: int, preci
     for name, o in outcomes.items():
         for member in groups[name]:
             if o.ok:
-                figures[member] = {**o.value, "measured_on": name}
+                figures[member] = member_figure(o.value, name, alone.get(member))
             else:
                 failed[member] = f"{type(o.error).__name__}: {o.error}"
     return figures, failed
+
+
+def member_figure(probed: dict, probed_on: str, alone: int | None) -> dict:
+    """A node's figure from its group's probe (`parse_node_output`'s dict, taken on `probed_on`), with
+    `alone_micro` and `alone_seconds` where that probe measured the node's micro-batch alone (`alone`)."""
+    at = {e["micro"]: e["seconds"] for e in probed.get("alone") or []}
+    return {**{k: v for k, v in probed.items() if k != "alone"}, "measured_on": probed_on,
+            **({"alone_micro": alone, "alone_seconds": at[alone]} if alone in at else {})}
 
 
 def is_here(names: list[str]) -> bool:
@@ -158,29 +182,59 @@ def is_here(names: list[str]) -> bool:
     return all(n in ("localhost", "127.0.0.1", socket.gethostname()) for n in names)
 
 
-def cache_key(cfg, node: str, micro: int, precision: str, fault: int) -> str:
-    """A node figure's key in plans.json `figures`: the node, the config part of plan/probe.py's key, any fault."""
+def cache_key(cfg, node: str, micro: int, precision: str, fault: int, alone: int | None = None) -> str:
+    """A node figure's key in plans.json `figures`: the node, the config part of plan/probe.py's key, any fault,
+    the micro-batch it trains at alone where that is another (`alone_micros`)."""
     return (f"node={node} model={cfg.model.name} micro_batch={micro} precision={precision} "
             f"dataset={cfg.data.dataset} img_size={cfg.data.img_size} channels_last={cfg.channels_last} "
-            f"compile={cfg.compile}" + (f" fault_ms={fault}" if fault else ""))
+            f"compile={cfg.compile}" + (f" fault_ms={fault}" if fault else "")
+            + (f" alone_micro={alone}" if alone else ""))
 
 
-def node_compute(opts, cfg, hostfile, micro: int, precision: str, *, reuse: bool,
+def alone_micros(cfg, hostfile, micro: int, precision: str, shape_of) -> dict[str, int]:
+    """{node: the micro-batch `dscluster train` would take on that node's ranks alone} where it is not the
+    lab's `micro`, by the resolver the lab's shape came from (`shape_of`: plan/inputs.py `batch_shape`).
+    Only with micro_batch auto, which splits the global batch over fewer ranks: a fixed micro-batch
+    stays, and accumulation keeps the global batch at the same speed per image."""
+    import copy
+
+    if cfg.micro_batch != "auto":
+        return {}
+    out = {}
+    for h in hostfile.hosts:
+        try:
+            alone = shape_of(copy.deepcopy(cfg), h.slots, precision)[0].micro_batch
+        except UsageError:
+            continue  # training refuses that shape on these ranks: priced at the lab's micro-batch
+        if alone != micro:
+            out[h.name] = alone
+    return out
+
+
+def alone_of(how: dict, node: str) -> dict:
+    """model.Node's alone fields from the document's compute.nodes, {} where not measured."""
+    f = (how.get("nodes") or {}).get(node) or {}
+    return ({"alone_micro": f["alone_micro"], "alone_compute_s": f["alone_seconds"]}
+            if f.get("alone_micro") and f.get("alone_seconds") else {})
+
+
+def node_compute(opts, cfg, hostfile, micro: int, precision: str, shape_of, *, reuse: bool,
                  check_json: Path | None) -> tuple[dict[str, float], dict, dict[str, str]]:
     """({node: seconds per micro-batch}, the document's `compute`, {node: why not measured}) from a
-    probe on each node (cached per node and config; `reuse` false measures again)."""
+    probe on each node (cached per node and config; `reuse` false measures again), which on a GPU also
+    measures each node's micro-batch alone (`alone_micros`, by `shape_of`)."""
     from dscluster.plan import predicted
     from dscluster.plan.probe import fault_ms
 
-    ranges = rank_ranges(hostfile)
-    keys = {n: cache_key(cfg, n, micro, precision, fault_ms(*ranges[n])) for n in hostfile.names}
+    ranges, alone = rank_ranges(hostfile), alone_micros(cfg, hostfile, micro, precision, shape_of)
+    keys = {n: cache_key(cfg, n, micro, precision, fault_ms(*ranges[n]), alone.get(n)) for n in hostfile.names}
     figures = {n: predicted.figure(k) for n, k in keys.items()} if reuse else {}
     figures = {n: {**f, "source": "cached"} for n, f in figures.items() if f}
     missing = [h for h in hostfile.hosts if h.name not in figures]
     failed: dict[str, str] = {}
     if missing:
         measured, failed = measure_nodes(hostfile, opts.config, opts.overrides, micro, precision, check_json=check_json,
-                                         only={h.name for h in missing})
+                                         only={h.name for h in missing}, alone=alone)
         for n, f in measured.items():
             figures[n] = {**f, "source": "measured"}
             try:
@@ -200,7 +254,7 @@ def node_compute(opts, cfg, hostfile, micro: int, precision: str, *, reuse: bool
            # rank 0 evaluates: the first node's figure
            "eval_s_per_image": (figures.get(hostfile.names[0]) or {}).get("eval_s_per_image"),
            "nodes": {n: {k: f.get(k) for k in ("seconds", "device", "source", "measured_on", "host", "fault_ms",
-                                                     "threads")}
+                                                     "threads", "alone_micro", "alone_seconds")}
                      for n, f in figures.items()}}
     return compute, how, failed
 

@@ -79,7 +79,8 @@ def render(doc: dict) -> None:
             comp = f"+{o['compression']}" if o["compression"] != "none" else ""
             table.add_row(*_row(f"{label}: accum {o['grad_accum']}{comp}", o["prediction"], "green"))
     out.print(table)
-    alone = ", ".join(f"{k} {v:,.0f}" for k, v in p["node_images_per_s"].items())
+    micro = {n["name"]: n.get("alone_micro") or doc["micro_batch"] for n in doc["nodes"]}  # what each is priced at
+    alone = ", ".join(f"{k} {v:,.0f} (micro {micro[k]})" for k, v in p["node_images_per_s"].items())
     out.print(escape(f"each node alone, img/s: {alone}"), style="dim")
     colour = "red" if p["slower"] else ("green" if p["efficiency"] >= rec["target_efficiency"] else "yellow")
     out.print(f"[{colour}]verdict[/]: {escape(p['verdict'])}")

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from dscluster.plan import alone, model, predicted
 from dscluster.plan import calibrate as calibration_run
-from dscluster.plan import model, predicted
 from dscluster.plan.document import build, run_key, save, saved_entry, scenario_of, uses_powersgd
 from dscluster.plan.inputs import PlanInputs, PlanOptions, calibrations_with, measure
 
@@ -16,6 +16,7 @@ from dscluster.plan.inputs import PlanInputs, PlanOptions, calibrations_with, me
 def run(opts: PlanOptions) -> dict:
     """The plan document (docs/schemas.md); `calibration_runs` holds any --calibrate run and its exit code."""
     inputs = measure(opts)
+    alone.measure_here(opts, inputs)  # each node's micro-batch alone, where this machine's GPU stands for them
     doc, rec = build(opts, inputs, inputs.calibration)
     if opts.calibrate:
         doc, rec = calibrate(opts, inputs, doc, rec)
