@@ -236,6 +236,13 @@ def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
     if cfg.target_accuracy is not None:
         doc["time_to_accuracy"] = time_to_accuracy(cfg, scenario.global_batch, whole, rec, prediction)
         doc["notes"] += doc["time_to_accuracy"]["notes"]
+    elif rec.choice is not None and rec.choice.compression != "none":
+        curves, _ = accuracy.curves_for(cfg, scenario.global_batch)
+        why = accuracy.trailing(curves, rec.choice.compression)
+        if why:  # recommended for speed: say what the recorded runs gave up, and how to weigh it
+            doc["notes"].append(why.replace("is left out of the recommendation: target_accuracy is set, and its",
+                                            "is recommended for images/s, but its")
+                                + "; set target_accuracy=<held-out accuracy> and plan weighs it")
     save(doc, saved_entries(doc, cfg, rec, opts))
     return doc, rec
 
