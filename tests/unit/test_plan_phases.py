@@ -154,7 +154,7 @@ def test_the_compute_figure_is_cached_per_host_device_and_config_and_its_first_s
     (tmp_path / "hosts.txt").write_text("node1 slots=1\nnode2 slots=1\n")
     calls = []
 
-    def measured(cfg, in_chans, num_classes, micro, measure=None):
+    def measured(cfg, in_chans, num_classes, micro, measure=None, slow_ms=0):
         calls.append(micro)
         return probe.ComputeFigure(seconds=0.05, device="cuda (test GPU)", note="compiled, as training runs it",
                                    spread=0.01, samples=10, warmup_extra_s=12.0, compiled=True)
@@ -169,11 +169,13 @@ def test_the_compute_figure_is_cached_per_host_device_and_config_and_its_first_s
     assert warm["name"] == "warm-up" and warm["seconds"] >= 12.0
     assert main(argv) == 0  # the same host, device and config: the figure is used again, not measured
     again = json.loads(capsys.readouterr().out)
-    assert calls == [first["micro_batch"]]
+    # the lab's micro-batch, then each node's alone (the global batch on its one GPU)
+    alone = first["global_batch"]
+    assert calls == [first["micro_batch"], alone]
     assert again["compute"]["source"] == "cached" and again["compute"]["seconds"] == 0.05
     assert again["runs"]["now"]["seconds"] == pytest.approx(first["runs"]["now"]["seconds"])
     assert main([*argv, "--no-calibration"]) == 0  # measures again
-    assert len(calls) == 2
+    assert calls == [first["micro_batch"], alone] * 2
 
 
 def test_the_probe_compiles_only_where_training_compiles():

@@ -86,6 +86,10 @@ def test_rank_0_away_from_the_rendezvous_says_so_instead_of_waiting():
     here = {**base, "MASTER_ADDR": "127.0.0.1"}
     export_env(detect_ranks(here), "x", here, warn=lambda m: None)
     assert here["MASTER_ADDR"] == "127.0.0.1"
+    # a name that does not resolve here is a launcher's own: left to it
+    named = {**base, "MASTER_ADDR": "head-of-another-launcher.invalid"}
+    export_env(detect_ranks(named), "x", named, warn=lambda m: None)
+    assert named["MASTER_ADDR"] == "head-of-another-launcher.invalid"
 
 
 @pytest.mark.parametrize("limit", [1, 2, 3, 37, 64, 100, 1000])

@@ -36,7 +36,7 @@ def export_env(info: RankInfo, run_id: str, env: dict | None = None, warn=None) 
             warnings.append(f"{key}={old} in the environment overridden by {key}={value} (from {info.source})")
         env[key] = str(value)
     addr = env.get("MASTER_ADDR")
-    if addr and not is_local_address(addr):
+    if addr and is_local_address(addr) is False:
         if info.local_world_size == info.world_size:
             # check's head is not in this job: every rank is on this host, and so is the store
             env["MASTER_ADDR"] = "127.0.0.1"
@@ -62,12 +62,13 @@ def export_env(info: RankInfo, run_id: str, env: dict | None = None, warn=None) 
     return warnings
 
 
-def is_local_address(addr: str) -> bool:
-    """Whether `addr` (an IP or a host name) is an address of this host: a socket can bind to it."""
+def is_local_address(addr: str) -> bool | None:
+    """Whether `addr` (an IP or a host name) is an address of this host: a socket can bind to it. None
+    where it does not resolve here: a launcher's own name is left to the launcher."""
     try:
         infos = socket.getaddrinfo(addr, None, type=socket.SOCK_DGRAM)
     except OSError:
-        return False  # unresolvable here: not this host's (the rendezvous says so in its own words)
+        return None
     for family, _, _, _, sockaddr in infos:
         with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_DGRAM) as s:
             s.bind((sockaddr[0], 0))
