@@ -165,9 +165,9 @@ def curves_for(cfg, global_batch: int, env=None) -> tuple[list[dict], str]:
 
 
 def trailing(curves: list[dict], compression: str) -> str | None:
-    """Why `compression` learns too slowly to recommend for time to accuracy, or None: its recorded
-    curves, at the last step each evaluated that uncompressed ones did too, more than TRAIL_POINTS below
-    the uncompressed median there (the median over its curves)."""
+    """How `compression`'s recorded curves learned more slowly than uncompressed ones, in words, or None:
+    at the last step each evaluated that uncompressed ones did too, more than TRAIL_POINTS below the
+    uncompressed median there (the median over its curves)."""
     plain = [dict((int(s), a) for s, a in c["points"]) for c in curves if c.get("compression", "none") == "none"]
     gaps = []
     for c in (c for c in curves if c.get("compression") == compression):
@@ -179,9 +179,8 @@ def trailing(curves: list[dict], compression: str) -> str | None:
     if not gaps or statistics.median(g[0] for g in gaps) >= -TRAIL_POINTS:
         return None
     said = ", ".join(f"{a:.1%} at step {s} against {b:.1%}" for _, s, a, b in gaps)
-    return (f"comm.compression={compression} is left out of the recommendation: target_accuracy is set, and its "
-            f"{len(gaps)} recorded run(s) of this model, data, schedule and global batch learned more slowly than "
-            f"uncompressed ones ({said}), more than {TRAIL_POINTS * 100:g} point below")
+    return (f"its {len(gaps)} recorded run(s) of this model, data, schedule and global batch learned more slowly "
+            f"than uncompressed ones ({said}), more than {TRAIL_POINTS * 100:g} point below")
 
 
 def seconds_to(c: phases.RunCosts, step: int, *, epochs: int, max_steps: int) -> float:

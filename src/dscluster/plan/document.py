@@ -200,7 +200,8 @@ def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
     mixed, balance = node_probe.mixed_notes(scenario, prediction, scenario.balanced)
     rec_scenario = replace(scenario, balanced=True) if balance else scenario
     limit, kept = batch_limit(opts, cfg, scenario.global_batch)
-    slow_learners = learning_too_slowly(cfg, scenario.global_batch)
+    curves, _ = accuracy.curves_for(cfg, scenario.global_batch)
+    slow_learners = learning_too_slowly(cfg, curves)
     rec = model.recommend(rec_scenario, max_global_batch=limit,
                           compressions=model.ladder(cfg.comm.compression,
                                                     allowed=lambda c: inputs.allowed.get(c) and c not in slow_learners))
@@ -237,12 +238,10 @@ def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
         doc["time_to_accuracy"] = time_to_accuracy(cfg, scenario.global_batch, whole, rec, prediction)
         doc["notes"] += doc["time_to_accuracy"]["notes"]
     elif rec.choice is not None and rec.choice.compression != "none":
-        curves, _ = accuracy.curves_for(cfg, scenario.global_batch)
         why = accuracy.trailing(curves, rec.choice.compression)
         if why:  # recommended for speed: say what the recorded runs gave up, and how to weigh it
-            doc["notes"].append(why.replace("is left out of the recommendation: target_accuracy is set, and its",
-                                            "is recommended for images/s, but its")
-                                + "; set target_accuracy=<held-out accuracy> and plan weighs it")
+            doc["notes"].append(f"comm.compression={rec.choice.compression} is recommended for images/s, but {why}; "
+                                "set target_accuracy=<held-out accuracy> and plan weighs it")
     save(doc, saved_entries(doc, cfg, rec, opts))
     return doc, rec
 
@@ -263,14 +262,14 @@ def alone_command(opts: PlanOptions, s: model.Scenario, node: str) -> str:
             + display(argv))
 
 
-def learning_too_slowly(cfg, global_batch: int) -> dict[str, str]:
+def learning_too_slowly(cfg, curves: list[dict]) -> dict[str, str]:
     """{compression: why it is not recommended}: with target_accuracy set, the compressions whose
-    recorded held-out curves trail uncompressed ones (plan/accuracy.py's rule); none without it."""
+    recorded held-out `curves` trail uncompressed ones (plan/accuracy.py's rule); none without it."""
     if cfg.target_accuracy is None:
         return {}
-    curves, _ = accuracy.curves_for(cfg, global_batch)
     why = {c: accuracy.trailing(curves, c) for c in model.LADDER if c != "none"}
-    return {c: w for c, w in why.items() if w}
+    return {c: (f"comm.compression={c} is left out of the recommendation: target_accuracy is set, and {w}")
+            for c, w in why.items() if w}
 
 
 def time_to_accuracy(cfg, global_batch: int, whole: dict, rec: model.Recommendation, p: model.Prediction) -> dict:
