@@ -88,3 +88,15 @@ def test_the_measured_whole_run_holds_the_data_cache_fill_as_plans_prediction_do
     (tmp_path / "metrics").mkdir()
     (tmp_path / "metrics" / "rank-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     assert tta.training_seconds(tmp_path) == 8.5 + 2.0 + (71.0 - 21.0)
+
+
+def test_the_measured_whole_run_starts_where_the_first_log_window_began(tmp_path):
+    # train writes a window's steps at its end, each with the window's mean step time: a warm-up
+    # window of 5 steps at 1.88 s each began 9.4 s before its end, not 1.88 s
+    recs = [{"kind": "data_cache", "split": "training", "seconds": 7.0},
+            *({"kind": "step", "step": s, "t": 109.4 + s * 1e-4, "step_time": 1.88} for s in range(1, 6)),
+            *({"kind": "step", "step": s, "t": 110.1 + s * 1e-4, "step_time": 0.07} for s in range(6, 16)),
+            {"kind": "end", "t": 150.0}]
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "rank-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert tta.training_seconds(tmp_path) == round(7.0 + (150.0 - (109.4 + 1e-4 - 5 * 1.88)), 2)
