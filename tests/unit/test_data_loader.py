@@ -15,6 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
+from _wait import wait_until
 from dscluster.errors import UsageError
 from dscluster.train import data
 from dscluster.train.config import DataConfig
@@ -108,6 +109,34 @@ def test_resume_mid_epoch_continues_with_the_same_batches(folder):
     whole = run_steps(steps, splits.train, [(0, 0)], augment=True)
     resumed = run_steps(steps, splits.train, [(0, 3)], augment=True)
     assert same(resumed, whole[3 * 2:])
+
+
+def test_the_next_epoch_is_made_during_the_evaluation_with_the_same_batches(folder, tmp_path, monkeypatch):
+    # train/loop.py primes epoch e+1 before rank 0's held-out pass: the workers make its first batch
+    # while the GPU evaluates, not after the next step has asked for it
+    splits, cfg = load(folder, augment=True, workers=2)
+    train = splits.train
+    sampler = StepSampler(len(train), [4], 2, 0, seed=5)
+    unprimed = run_steps(with_loader(sampler, splits, cfg, CPU, 1, []), train, [(0, 0), (1, 0)], augment=True)
+    made = tmp_path / "made"
+    made.mkdir()
+    prepare = train.prepare
+
+    def recording(idx, seed):  # runs in a worker process: leaves a file per batch it made
+        (made / "-".join(map(str, idx))).touch()
+        return prepare(idx, seed)
+
+    monkeypatch.setattr(train, "prepare", recording)
+    steps = with_loader(sampler, splits, cfg, CPU, 1, [])
+    primed = run_steps(steps, train, [(0, 0)], augment=True)
+    first = "-".join(map(str, next(iter(sampler.steps(1, 0)))[0]))
+    assert not (made / first).exists()  # epoch 1's first batch is not made ahead of being asked for...
+    steps.prime(1)
+    wait_until(lambda: (made / first).exists(), 60, "epoch 1's first batch made by a worker after prime(1)")
+    primed += run_steps(steps, train, [(1, 0)], augment=True)  # ...and, primed, epoch 1 is the same
+    assert same(primed, unprimed)
+    steps.prime(2)  # primed for another place (a resume elsewhere): the workers start again there
+    assert same(run_steps(steps, train, [(1, 1)], augment=True), unprimed[len(unprimed) // 2 + 2:])
 
 
 def test_evaluation_reads_the_holdout_through_the_workers(folder, monkeypatch):

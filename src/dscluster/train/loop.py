@@ -334,6 +334,8 @@ class Trainer:
         self.window.flush(self.steps_this_run)
         last = done or epoch + 1 >= cfg.epochs
         evaluates = last or (epoch + 1) % cfg.eval_every_epochs == 0
+        if not last and hasattr(self.b.sampler, "prime"):
+            self.b.sampler.prime(epoch + 1)  # loader workers: the next epoch's batches during the evaluation
         if not self.calibrate and self.b.splits.holdout is not None and evaluates:
             self.accuracy = evaluation.held_out(self.b.engine, self.b, cfg, self.rank.device, primary=self.primary,
                                                 log=self.log, progress=self.progress, epoch=epoch,
