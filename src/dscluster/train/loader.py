@@ -166,9 +166,9 @@ class LoaderSteps:
     def prime(self, epoch: int, start_step: int = 0) -> None:
         """Set the workers on `epoch` now, while the held-out pass runs (rank 0) and the other ranks wait:
         its first batches are made by the time its first step asks. Started in `steps`, each epoch's
-        first step waited for the workers' restart and its first batch: 0.7 s before the step and
-        0.3-0.55 s of data in it, at each of 7 epoch boundaries of fractal ViT-S on an H200 with 14
-        workers (bench/results/2026-11-27-2xh200-tta-10gbit-1-1-fp16.json)."""
+        first step waited 0.70-0.83 s for the workers' restart and its first batch (fractal ViT-S, one
+        H100, 14 workers); primed, 0.003 s, though the held-out pass they overlap took 0.82 -> 1.21 s:
+        +3 % images/s over two boundaries (bench/results/2026-11-27-nvidia-h100-epoch-prime.json)."""
         self.primed = (epoch, start_step, *self._start(epoch, start_step))
 
     def _start(self, epoch: int, start_step: int) -> tuple[list, Feed]:
