@@ -272,8 +272,8 @@ def slower_because(cfg, curves: list[dict], family: list[tuple[str, list[dict]]]
     why, length = found
     if length is None:
         return why
-    return (f"at {length}, not this config's {accuracy.run_length(cfg)} (no recorded run of that length compares "
-            f"it), {why}")
+    own = accuracy.run_length(cfg)
+    return f"at {length}, not this config's {own} (no recorded run at {own} compares it with uncompressed ones), {why}"
 
 
 def learning_too_slowly(cfg, curves: list[dict], family: list[tuple[str, list[dict]]]) -> dict[str, str]:
