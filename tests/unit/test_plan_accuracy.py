@@ -170,12 +170,92 @@ def test_a_compression_whose_curves_trail_by_more_than_a_point_is_named_with_its
              {"points": [[10, 0.4], [20, 0.82], [30, 0.92]], "compression": "none"}]
     slow = {"points": [[10, 0.45], [20, 0.7]], "compression": "powersgd"}  # cut at step 20
     why = accuracy.trailing(plain + [slow], "powersgd")
-    assert why.startswith("its 1 recorded run(s) of this model, data, schedule and global batch learned more slowly")
+    assert why.startswith("its 1 recorded run(s) of this model, data, optimizer and global batch learned more slowly")
     assert "70.0% at step 20 against 81.0%" in why
     # within a point of the uncompressed median at its last common step: kept; none recorded: kept
     close = {"points": [[10, 0.2], [20, 0.801]], "compression": "powersgd"}
     assert accuracy.trailing(plain + [close], "powersgd") is None
     assert accuracy.trailing(plain, "fp16") is None
+
+
+PLAIN = ([(10, 0.5), (20, 0.8), (30, 0.9)], [(10, 0.4), (20, 0.82), (30, 0.92)])
+SLOW = [(10, 0.45), (20, 0.6), (30, 0.7)]
+
+
+def digits(*words: str):
+    return load_config(str(REPO / "configs" / "digits.yaml"), list(words))
+
+
+def test_a_compression_trailing_at_another_run_length_is_named_with_that_length(tmp_path):
+    env = {"DSCLUSTER_STATE": str(tmp_path)}
+    eight, four = digits("epochs=8"), digits("epochs=4")
+    for i, points in enumerate(PLAIN):
+        accuracy.record_curve(eight, 64, points, compression="none", ranks=1, run_id=f"plain{i}", env=env)
+    # the 4-epoch run's own PowerSGD curve has no uncompressed curve of its length to be held against:
+    # it is never compared with the 8-epoch ones (another schedule), however low it is
+    accuracy.record_curve(four, 64, [(10, 0.1), (20, 0.2)], compression="powersgd", ranks=2, run_id="p4", env=env)
+    curves, _ = accuracy.curves_for(four, 64, env)
+    family = accuracy.family_for(four, 64, env)
+    assert [c["run_id"] for c in curves] == ["p4"] and [length for length, _ in family] == ["epochs=8"]
+    assert accuracy.slower(curves, family, "powersgd") is None
+    # an 8-epoch PowerSGD run that trailed its own schedule's uncompressed runs: the 4-epoch plan hears of it
+    accuracy.record_curve(eight, 64, SLOW, compression="powersgd", ranks=2, run_id="p8", env=env)
+    family = accuracy.family_for(four, 64, env)
+    why, length = accuracy.slower(curves, family, "powersgd")
+    assert length == "epochs=8" and "70.0% at step 30 against 91.0%" in why
+    assert "20.0%" not in why  # the 4-epoch curve is in no comparison
+    # the plan's own length decides where its curves compare it, whatever the family says
+    accuracy.record_curve(four, 64, [(10, 0.45), (20, 0.8)], compression="none", ranks=1, run_id="n4", env=env)
+    accuracy.record_curve(four, 64, [(10, 0.45), (20, 0.8)], compression="powersgd", ranks=2, run_id="q4", env=env)
+    curves, _ = accuracy.curves_for(four, 64, env)
+    assert accuracy.slower(curves, family, "powersgd")[1] is None  # p4 trails n4: its own length's figures
+    assert accuracy.slower([c for c in curves if c["run_id"] != "p4"], family, "powersgd") is None  # q4 keeps up
+
+
+def test_a_curves_file_from_before_families_still_loads_and_counts_for_its_own_key(tmp_path):
+    env = {"DSCLUSTER_STATE": str(tmp_path)}
+    four = digits("epochs=4")
+    old = [{"key": accuracy.trajectory_key(four, 64), "points": list(map(list, p)), "compression": c, "ranks": 1,
+            "run_id": f"old{i}", "at": 1.0} for i, (p, c) in enumerate([(PLAIN[0], "none"), (SLOW, "powersgd")])]
+    (tmp_path / "curves.json").write_text(json.dumps({"schema": 1, "curves": old}))
+    curves, source = accuracy.curves_for(four, 64, env)
+    assert len(curves) == 2 and source.startswith("2 run(s) of this lab")
+    assert accuracy.slower(curves, [], "powersgd")[1] is None
+    # without a family they say nothing about another length; a new run's curve carries its family
+    assert accuracy.family_for(digits("epochs=8"), 64, env) == []
+    accuracy.record_curve(digits("epochs=8"), 64, PLAIN[1], compression="none", ranks=1, run_id="new", env=env)
+    new = json.loads((tmp_path / "curves.json").read_text())["curves"][-1]
+    assert new["length"] == "epochs=8" and new["family"] == accuracy.family_key(four, 64)
+    assert [length for length, _ in accuracy.family_for(four, 64, env)] == ["epochs=8"]
+
+
+def test_at_4_epochs_plan_leaves_out_the_compression_whose_8_epoch_curves_trail(tmp_path):
+    # bench/results/2026-11-27-2xh200-lab-1gbit-1-1-fp16-powersgd.json: two 1-GPU nodes at 1 Gbit, the
+    # fractal preset at epochs=4; plan recommended PowerSGD, and the run ended at 45.4 % after 4 epochs
+    env = {**os.environ, "DSCLUSTER_STATE": str(tmp_path / "state"), "OMP_NUM_THREADS": "1"}
+    (tmp_path / "hosts.txt").write_text("node1 slots=1\nnode2 slots=1\n")
+
+    def plan(*extra: str) -> dict:
+        out = subprocess.run([sys.executable, "-m", "dscluster", "plan", "--config", FRACTAL, "--hostfile",
+                              str(tmp_path / "hosts.txt"), "--busbw", "0.119", "--compute-s", "0.0278",
+                              "--powersgd-s", "0.0101", "precision=fp16", "epochs=4", "micro_batch=256", *extra,
+                              "--json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout)
+
+    doc = plan()  # the preset's target_accuracy 0.9
+    assert "comm.compression=powersgd" not in doc["recommendation"]["overrides"]
+    assert (doc["recommendation"]["choice"] or {}).get("compression") != "powersgd"
+    [why] = [n for n in doc["notes"] if n.startswith("comm.compression=powersgd is left out")]
+    assert "at epochs=8, not this config's epochs=4" in why and "67.1% at step 468 against 86.7%" in why
+    # the 8-epoch curves do not price the 4-epoch run's time to accuracy
+    tta = doc["time_to_accuracy"]
+    assert tta["runs"] == {} and tta["curves"] == 0
+    assert tta["notes"][0].startswith("no time to 90.0%: no recorded run of this model, data, schedule, epochs")
+    speed = plan("target_accuracy=null")  # for img/s alone PowerSGD is recommended, with the 8-epoch figures
+    assert "comm.compression=powersgd" in speed["recommendation"]["overrides"]
+    assert any(n.startswith("comm.compression=powersgd is recommended for images/s, but at epochs=8")
+               for n in speed["notes"])
 
 
 def plan_fractal_lab(tmp_path, env, *extra):

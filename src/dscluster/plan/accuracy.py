@@ -14,10 +14,19 @@ Curves of this lab come first; without them, the curves shipped with the presets
 from a results file). A curve recorded without compression stands in for a compressed run only with
 a note saying so: PowerSGD can learn more slowly per step (`POWERSGD_EVIDENCE`).
 
+Whether a compression learns more slowly (`trailing`) compares its curves only with uncompressed ones
+of the same key, the same schedule. Where this trajectory's curves hold no such comparison, the
+curves of its family (`family_key`: the same but for epochs and max_steps) at another run length
+can say it, grouped per key (`family_for`, `slower`); they never price a time to accuracy.
+
 <state>/curves.json, written atomically by train's rank 0, validated like user input when read:
 
     {"schema": 1, "curves": [{"key": KEY, "points": [[step, accuracy], ...], "compression": str,
-                              "ranks": int, "run_id": str, "at": unix time}]}
+                              "ranks": int, "run_id": str, "at": unix time,
+                              "family": FAMILY, "length": "epochs=8" | "epochs=8 max_steps=300"}]}
+
+`family` and `length` (`family_key`, `run_length`) are absent from files written before them: such
+curves count for their own key only.
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ MAX_CURVES = 200
 FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "schema": (int,), "curves": (list,), "curves[]": (dict,), "curves[].key": (str,), "curves[].points": (list,),
     "curves[].points[]": (list,), "curves[].compression": (str,), "curves[].ranks": (int,),
-    "curves[].run_id": (str,), "curves[].at": NUMBER,
+    "curves[].run_id": (str,), "curves[].at": NUMBER, "curves[].family": (str,), "curves[].length": (str,),
 }
 _DATA_RUN_ONLY = ("workers", "prefetch", "cache")
 """data keys that change how fast images come, not which ones: left out of the key."""
@@ -96,16 +105,35 @@ def path(env=None) -> Path:
     return state.state_dir(env) / CURVES_FILE
 
 
+def _facts(cfg, global_batch: int) -> dict:
+    data = {k: v for k, v in asdict(cfg.data).items() if k not in _DATA_RUN_ONLY}
+    optim = {k: v for k, v in asdict(cfg.optim).items() if k != "fused"}
+    return {"model": asdict(cfg.model), "data": data, "optim": optim, "epochs": cfg.epochs,
+            "max_steps": cfg.max_steps, "global_batch": global_batch}
+
+
+def _digest(facts: dict) -> str:
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
 def trajectory_key(cfg, global_batch: int) -> str:
     """What decides a run's held-out curve: model, data (not how fast it comes), optimizer and schedule,
     epochs, max_steps and the global batch; the seed and the nodes are not in it."""
-    data = {k: v for k, v in asdict(cfg.data).items() if k not in _DATA_RUN_ONLY}
-    optim = {k: v for k, v in asdict(cfg.optim).items() if k != "fused"}
-    facts = {"model": asdict(cfg.model), "data": data, "optim": optim, "epochs": cfg.epochs,
-             "max_steps": cfg.max_steps, "global_batch": global_batch}
-    digest = hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:12]
     return (f"model={cfg.model.name} dataset={cfg.data.dataset} img_size={cfg.data.img_size} "
-            f"global_batch={global_batch} epochs={cfg.epochs} digest={digest}")
+            f"global_batch={global_batch} epochs={cfg.epochs} digest={_digest(_facts(cfg, global_batch))}")
+
+
+def family_key(cfg, global_batch: int) -> str:
+    """The trajectory's family: its key but for the run length (epochs, max_steps), so the same optimizer
+    and schedule kind, cut or stretched."""
+    facts = {k: v for k, v in _facts(cfg, global_batch).items() if k not in ("epochs", "max_steps")}
+    return (f"model={cfg.model.name} dataset={cfg.data.dataset} img_size={cfg.data.img_size} "
+            f"global_batch={global_batch} digest={_digest(facts)}")
+
+
+def run_length(cfg) -> str:
+    """What sets a run's length, as a user writes it: "epochs=8", "epochs=8 max_steps=300"."""
+    return f"epochs={cfg.epochs}" + (f" max_steps={cfg.max_steps}" if cfg.max_steps else "")
 
 
 def _read(p: Path) -> list[dict]:
@@ -127,7 +155,8 @@ def record_curve(cfg, global_batch: int, points: list[tuple[int, float]], *, com
     p = path(env)
     curves = _read(p)
     curves.append({"key": trajectory_key(cfg, global_batch), "points": [[int(s), float(a)] for s, a in points],
-                   "compression": compression, "ranks": ranks, "run_id": run_id, "at": time.time()})
+                   "compression": compression, "ranks": ranks, "run_id": run_id, "at": time.time(),
+                   "family": family_key(cfg, global_batch), "length": run_length(cfg)})
     atomic_write_json(p, {"schema": SCHEMA, "curves": curves[-MAX_CURVES:]})
 
 
@@ -136,26 +165,28 @@ def first_reach(points, target: float) -> int | None:
     return next((int(s) for s, a in points if a >= target), None)
 
 
-def curves_for(cfg, global_batch: int, env=None) -> tuple[list[dict], str]:
-    """The curves of this trajectory and where they come from: this lab's runs, and for a compression
-    none of them had, the shipped ones whose preset and overrides resolve to the same key."""
+def _shipped(global_batch: int) -> list[tuple[Shipped, dict]]:
+    """The shipped curves as stored ones, each with the key, family and length its preset and overrides
+    resolve to (at `global_batch` where the preset leaves it open)."""
     from dscluster.train.config import load_config
 
-    k = trajectory_key(cfg, global_batch)
-    own = [c for c in _read(path(env)) if c.get("key") == k and c.get("points")]
-    mine = {c.get("compression", "none") for c in own}
-    shipped = []
+    out = []
     for s in SHIPPED:
-        if s.compression in mine:
-            continue
         try:
             ref = load_config(s.config, list(s.overrides))
         except (UsageError, OSError):
             continue
-        if trajectory_key(ref, ref.global_batch or global_batch) == k:
-            shipped.append((s, {"points": [list(p) for p in s.points], "compression": s.compression, "ranks": 1}))
-    if not (own or shipped):
-        return [], "no recorded run of this model, data, schedule, epochs and global batch"
+        gb = ref.global_batch or global_batch
+        out.append((s, {"key": trajectory_key(ref, gb), "family": family_key(ref, gb), "length": run_length(ref),
+                        "points": [list(p) for p in s.points], "compression": s.compression, "ranks": 1}))
+    return out
+
+
+def _with_shipped(own: list[dict], shipped: list[tuple[Shipped, dict]], env=None) -> tuple[list[dict], str]:
+    """One key's curves: this lab's, and the shipped ones of the compressions none of them had; and
+    where they come from."""
+    mine = {c.get("compression", "none") for c in own}
+    shipped = [(s, c) for s, c in shipped if s.compression not in mine]
     where = [f"{len(own)} run(s) of this lab ({path(env)})"] if own else []
     if shipped:
         files = ", ".join(dict.fromkeys(s.source for s, _ in shipped))
@@ -164,23 +195,80 @@ def curves_for(cfg, global_batch: int, env=None) -> tuple[list[dict], str]:
     return own + [c for _, c in shipped], "; ".join(where)
 
 
-def trailing(curves: list[dict], compression: str) -> str | None:
-    """How `compression`'s recorded curves learned more slowly than uncompressed ones, in words, or None:
-    at the last step each evaluated that uncompressed ones did too, more than TRAIL_POINTS below the
-    uncompressed median there (the median over its curves)."""
+def curves_for(cfg, global_batch: int, env=None) -> tuple[list[dict], str]:
+    """The curves of this trajectory and where they come from: this lab's runs, and for a compression
+    none of them had, the shipped ones whose preset and overrides resolve to the same key."""
+    k = trajectory_key(cfg, global_batch)
+    own = [c for c in _read(path(env)) if c.get("key") == k and c.get("points")]
+    shipped = [(s, c) for s, c in _shipped(global_batch) if c["key"] == k]
+    if not (own or shipped):
+        return [], "no recorded run of this model, data, schedule, epochs and global batch"
+    return _with_shipped(own, shipped, env)
+
+
+def family_for(cfg, global_batch: int, env=None) -> list[tuple[str, list[dict]]]:
+    """The curves of this trajectory's family at other run lengths, one entry per key: (its run length,
+    its curves as `curves_for` gathers them), this lab's keys first. Only to say whether a compression
+    learns more slowly (`slower`), never to price a time to accuracy: the schedule differs."""
+    k, fam = trajectory_key(cfg, global_batch), family_key(cfg, global_batch)
+    own: dict[str, list[dict]] = {}
+    for c in _read(path(env)):
+        if c.get("family") == fam and c.get("key") != k and c.get("points"):
+            own.setdefault(c["key"], []).append(c)
+    shipped: dict[str, list] = {}
+    for s, c in _shipped(global_batch):
+        if c["family"] == fam and c["key"] != k:
+            shipped.setdefault(c["key"], []).append((s, c))
+    out = []
+    for key in dict.fromkeys([*own, *shipped]):
+        curves, _ = _with_shipped(own.get(key, []), shipped.get(key, []), env)
+        out.append((curves[0].get("length") or "another run length", curves))
+    return out
+
+
+def _gaps(curves: list[dict], compression: str) -> list[tuple[float, int, float, float]]:
+    """Each of `compression`'s curves against the uncompressed ones among `curves` (one key: the same
+    schedule): (its accuracy less their median, the step, its accuracy, their median) at the last step
+    it evaluated that every uncompressed one did too; none where nothing compares."""
     plain = [dict((int(s), a) for s, a in c["points"]) for c in curves if c.get("compression", "none") == "none"]
     gaps = []
     for c in (c for c in curves if c.get("compression") == compression):
         common = [(int(s), a) for s, a in c["points"] if all(int(s) in q for q in plain)]
         if plain and common:
             step, acc = common[-1]
-            gaps.append((acc - statistics.median(q[step] for q in plain), step, acc,
-                         statistics.median(q[step] for q in plain)))
+            plain_at = statistics.median(q[step] for q in plain)
+            gaps.append((acc - plain_at, step, acc, plain_at))
+    return gaps
+
+
+def trailing(curves: list[dict], compression: str) -> str | None:
+    """How `compression`'s recorded curves learned more slowly than uncompressed ones, in words, or None:
+    at the last step each evaluated that uncompressed ones did too, more than TRAIL_POINTS below the
+    uncompressed median there (the median over its curves). `curves` are one key's (`curves_for`, or
+    one run length of `family_for`)."""
+    gaps = _gaps(curves, compression)
     if not gaps or statistics.median(g[0] for g in gaps) >= -TRAIL_POINTS:
         return None
     said = ", ".join(f"{a:.1%} at step {s} against {b:.1%}" for _, s, a, b in gaps)
-    return (f"its {len(gaps)} recorded run(s) of this model, data, schedule and global batch learned more slowly "
-            f"than uncompressed ones ({said}), more than {TRAIL_POINTS * 100:g} point below")
+    return (f"its {len(gaps)} recorded run(s) of this model, data, optimizer and global batch learned more slowly "
+            f"than uncompressed ones of the same run length ({said}), more than {TRAIL_POINTS * 100:g} point below")
+
+
+def slower(curves: list[dict], family: list[tuple[str, list[dict]]], compression: str) -> tuple[str, str | None] | None:
+    """Whether `compression` learns more slowly: (trailing's words, None) where this trajectory's `curves`
+    compare it with uncompressed ones; else (trailing's words, that run length) from the run length of
+    `family` (`family_for`) whose curves compare it most, this lab's own runs of it first. None where
+    the curves that decide keep up, or none compare it."""
+    if _gaps(curves, compression):
+        why = trailing(curves, compression)
+        return (why, None) if why else None
+    compared = [(length, cs) for length, cs in family if _gaps(cs, compression)]
+    if not compared:
+        return None
+    length, cs = max(compared, key=lambda g: (any(c.get("run_id") and c.get("compression") == compression
+                                                  for c in g[1]), len(_gaps(g[1], compression))))
+    why = trailing(cs, compression)
+    return (why, length) if why else None
 
 
 def seconds_to(c: phases.RunCosts, step: int, *, epochs: int, max_steps: int) -> float:

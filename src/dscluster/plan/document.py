@@ -201,7 +201,8 @@ def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
     rec_scenario = replace(scenario, balanced=True) if balance else scenario
     limit, kept = batch_limit(opts, cfg, scenario.global_batch)
     curves, _ = accuracy.curves_for(cfg, scenario.global_batch)
-    slow_learners = learning_too_slowly(cfg, curves)
+    family = accuracy.family_for(cfg, scenario.global_batch)
+    slow_learners = learning_too_slowly(cfg, curves, family)
     rec = model.recommend(rec_scenario, max_global_batch=limit,
                           compressions=model.ladder(cfg.comm.compression,
                                                     allowed=lambda c: inputs.allowed.get(c) and c not in slow_learners))
@@ -238,7 +239,7 @@ def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
         doc["time_to_accuracy"] = time_to_accuracy(cfg, scenario.global_batch, whole, rec, prediction)
         doc["notes"] += doc["time_to_accuracy"]["notes"]
     elif rec.choice is not None and rec.choice.compression != "none":
-        why = accuracy.trailing(curves, rec.choice.compression)
+        why = slower_because(cfg, curves, family, rec.choice.compression)
         if why:  # recommended for speed: say what the recorded runs gave up, and how to weigh it
             doc["notes"].append(f"comm.compression={rec.choice.compression} is recommended for images/s, but {why}; "
                                 "set target_accuracy=<held-out accuracy> and plan weighs it")
@@ -262,12 +263,26 @@ def alone_command(opts: PlanOptions, s: model.Scenario, node: str) -> str:
             + display(argv))
 
 
-def learning_too_slowly(cfg, curves: list[dict]) -> dict[str, str]:
+def slower_because(cfg, curves: list[dict], family: list[tuple[str, list[dict]]], compression: str) -> str | None:
+    """Why `compression` learns too slowly (accuracy.slower's evidence), in words, saying at which run
+    length where it comes from the family's curves; None where the recorded curves do not say so."""
+    found = accuracy.slower(curves, family, compression)
+    if found is None:
+        return None
+    why, length = found
+    if length is None:
+        return why
+    own = accuracy.run_length(cfg)
+    return f"at {length}, not this config's {own} (no recorded run at {own} compares it with uncompressed ones), {why}"
+
+
+def learning_too_slowly(cfg, curves: list[dict], family: list[tuple[str, list[dict]]]) -> dict[str, str]:
     """{compression: why it is not recommended}: with target_accuracy set, the compressions whose
-    recorded held-out `curves` trail uncompressed ones (plan/accuracy.py's rule); none without it."""
+    recorded held-out `curves` trail uncompressed ones, or where those hold no comparison, the curves of
+    another run length of the same `family` (plan/accuracy.py's rule); none without it."""
     if cfg.target_accuracy is None:
         return {}
-    why = {c: accuracy.trailing(curves, c) for c in model.LADDER if c != "none"}
+    why = {c: slower_because(cfg, curves, family, c) for c in model.LADDER if c != "none"}
     return {c: (f"comm.compression={c} is left out of the recommendation: target_accuracy is set, and {w}")
             for c, w in why.items() if w}
 
