@@ -9,10 +9,10 @@ process, and reads when each item arrives. The first wave of items (one per work
 start and first calls; the waves after it give the wall-clock seconds per image with those workers in
 parallel. A fill of N images then takes start + N × that (phases.fill_seconds), and the same rate
 prices an uncached evaluation and the least an uncached training step takes. Why not one core's
-rendering divided by the workers: on a 16-core GPU host a 224-px fractal image took 1.28-1.56 ms of
-one core, but 14 workers in parallel made one every 0.18 ms (2.5 ms each, shared caches and memory
-bandwidth, the transfer into the cache), and that division predicted 4.9-6.8 s for fills measured at
-9.5-11.5 s. The one-core figure (`render_seconds`) only sizes the sample to about PROBE_SECONDS.
+rendering divided by the workers: on 16-core GPU hosts a 224-px fractal image took 1.28-1.56 ms of one
+core and that division predicted 4.9-6.8 s for 50,000-image fills measured at 9.5-11.5 s with 14
+workers (their start, shared caches and memory bandwidth, the transfer into the cache; docs/plan.md).
+The one-core figure (`render_seconds`) only sizes the sample to about PROBE_SECONDS.
 data.workers=0: the loader runs in plan's process, the rate is the in-process one. The probe fills a
 sample object of its own: the split keeps no cache and no feed. Whether a split is cached is train's
 own rule (train/datacache.choose) with the head's available memory.
@@ -28,14 +28,14 @@ from dscluster.errors import UsageError
 from dscluster.plan import phases
 
 RENDER_PROBE_IMAGES = 64
-PROBE_SECONDS = 0.4
+PROBE_SECONDS = 0.3
 """What the fill probe aims to spend making images, after its workers start (sized by one core's rate)."""
 PROBE_MAX_IMAGES = 4096
-PROBE_WAVES = 2
+PROBE_WAVES = 3
 """Items per worker, at least: the first holds the start, the rest the rate."""
-PROBE_MIN_CHUNK = 32
-"""Images per item, at least, where the sample is too small for the fill's own FILL_CHUNK (the fractal
-renderer draws 32 at a time)."""
+PROBE_MIN_CHUNK = 16
+"""Images per item, at least, where the sample is too small for the fill's own FILL_CHUNK (many workers
+on few CPUs)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
