@@ -104,6 +104,7 @@ def test_plan_probes_the_fill_and_resolves_the_cache_as_training_does(tmp_path):
     assert f"{facts.probe_images:,} fractal images made here by {facts.workers} loader worker(s)" in note
     inline = datafeed.data_facts(load_config(str(REPO / "configs/fractal_cpu.yaml"), ["data.workers=0"]), 1)
     assert inline.workers == 0 and inline.s_per_image > 0  # the loader in plan's own process
+    assert "images made here in-process (train's fill, data.workers=0)" in datafeed.notes(inline, 32, 1.0)[0]
     off = datafeed.data_facts(load_config(str(REPO / "configs/fractal_cpu.yaml"), ["data.cache=false"]), 1)
     assert not off.cached_train and off.cached_images == 0
     digits = datafeed.data_facts(load_config(str(REPO / "configs/digits.yaml"), []), 1)

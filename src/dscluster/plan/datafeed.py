@@ -190,8 +190,10 @@ def notes(facts: DataFacts | str, images_per_rank: int, gpu_step_s: float) -> li
     if isinstance(facts, str) or facts.s_per_image is None:
         return []
     one = f"; one core alone: {facts.one_core_s * 1e3:.2f} ms an image" if facts.one_core_s else ""
-    out = [f"data: {facts.probe_images:,} {facts.name} images made here by {facts.workers} loader worker(s) a rank "
-           f"(train's fill): {facts.s_per_image * 1e3:.3f} ms per image after {facts.start_s:.2f} s to start them{one}"
+    by = (f"by {facts.workers} loader worker(s) a rank (train's fill): {facts.s_per_image * 1e3:.3f} ms per image "
+          f"after {facts.start_s:.2f} s to start them" if facts.workers else
+          f"in-process (train's fill, data.workers=0): {facts.s_per_image * 1e3:.3f} ms per image")
+    out = [f"data: {facts.probe_images:,} {facts.name} images made here {by}{one}"
            + (f"; {facts.cached_images:,} made once into memory in about {facts.fill_s():.1f} s (data.cache)"
               if facts.cached_images else "")]
     if facts.cache_reason and facts.cache_reason != "data.cache=false":
