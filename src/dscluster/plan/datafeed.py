@@ -101,13 +101,13 @@ def probe_sample(size: int, workers: int, one_core_s: float, cpus: int) -> tuple
     """(images, images per item) of the fill probe: whole waves of one item per worker, at least
     PROBE_WAVES of them, about PROBE_SECONDS of making at one core's rate shared by the CPUs the
     workers can use, at most PROBE_MAX_IMAGES and the split."""
+    from dscluster.train.datacache import FILL_CHUNK
+
     w = max(1, workers)
     per_image = one_core_s / (min(w, cpus) if workers else 1)
     want = min(PROBE_MAX_IMAGES, int(PROBE_SECONDS / max(per_image, 1e-7)))
-    from dscluster.train.datacache import FILL_CHUNK
-
     chunk = min(FILL_CHUNK, max(PROBE_MIN_CHUNK, want // (PROBE_WAVES * w)), size // (PROBE_WAVES * w))
-    if chunk < 1:  # fewer images than two waves of one image a worker: the split in one item a worker
+    if chunk < 1:  # fewer images than PROBE_WAVES waves of one image a worker: the split, one item a worker
         return size, max(1, -(-size // w))
     waves = max(PROBE_WAVES, min(want, size) // (w * chunk))
     return min(waves, size // (w * chunk)) * w * chunk, chunk
@@ -143,7 +143,7 @@ def fill_rate(images, workers: int, prefetch: int, one_core_s: float, cpus: int 
     total = datacache.fill(_Sample(images, n), workers, prefetch, chunk=chunk,
                            arrived=lambda made, t: arrivals.append((made, t)))
     first = max(1, workers)
-    rate = total / n
+    rate = total / max(1, n)
     if len(arrivals) > first:
         made, at = arrivals[first - 1]
         rate = (arrivals[-1][1] - at) / (n - made)
