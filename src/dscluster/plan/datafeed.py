@@ -1,16 +1,26 @@
 """What the data set costs the whole run (plan/phases.py): its size as training splits it and, for a
-set made on the host (fractal, imagefolder, cifar10 resized), how fast one core makes an image and
-what data.cache makes once.
+set made on the host (fractal, imagefolder, cifar10 resized), how fast the rank's loader workers make
+its images and what data.cache makes once.
 
-The render probe times `prepare` of RENDER_PROBE_IMAGES training images in plan's own process on the
-head (after one small warm call): seconds of one core per image. With the rank's loader workers
-(data.workers, or the node's CPUs shared among its ranks) that gives the cache's fill, an uncached
-evaluation and the least an uncached training step takes. Whether a split is cached is train's own
-rule (train/datacache.choose) with the head's available memory.
+The fill probe runs train's own fill (train/datacache.fill: `make_loader` with the rank's workers,
+data.workers or the node's CPUs shared among its ranks, and data.prefetch; each batch through shared
+memory into a cache tensor) over the first images of the training split, on the head, in plan's own
+process, and reads when each item arrives. The first wave of items (one per worker) holds the workers'
+start and first calls; the waves after it give the wall-clock seconds per image with those workers in
+parallel. A fill of N images then takes start + N × that (phases.fill_seconds), and the same rate
+prices an uncached evaluation and the least an uncached training step takes. Why not one core's
+rendering divided by the workers: on 16-core GPU hosts a 224-px fractal image took 1.28-1.56 ms of one
+core and that division predicted 4.9-6.8 s for 50,000-image fills measured at 9.5-11.5 s with 14
+workers (their start, shared caches and memory bandwidth, the transfer into the cache; docs/plan.md).
+The one-core figure (`render_seconds`) only sizes the sample to about PROBE_SECONDS.
+data.workers=0: the loader runs in plan's process, the rate is the in-process one. The probe fills a
+sample object of its own: the split keeps no cache and no feed. Whether a split is cached is train's
+own rule (train/datacache.choose) with the head's available memory.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -18,6 +28,14 @@ from dscluster.errors import UsageError
 from dscluster.plan import phases
 
 RENDER_PROBE_IMAGES = 64
+PROBE_SECONDS = 0.3
+"""What the fill probe aims to spend making images, after its workers start (sized by one core's rate)."""
+PROBE_MAX_IMAGES = 4096
+PROBE_WAVES = 3
+"""Items per worker, at least: the first holds the start, the rest the rate."""
+PROBE_MIN_CHUNK = 16
+"""Images per item, at least, where the sample is too small for the fill's own FILL_CHUNK (many workers
+on few CPUs)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -26,7 +44,13 @@ class DataFacts:
     holdout_n: int
     name: str = ""
     s_per_image: float | None = None
-    """One core's seconds per image made on the host (the render probe); None: not made on the host."""
+    """Wall-clock seconds per image with the rank's `workers` in parallel (the fill probe); None: not
+    made on the host."""
+    start_s: float = 0.0
+    """Starting the workers of a pass and their first calls (the fill probe)."""
+    probe_images: int = 0
+    one_core_s: float | None = None
+    """One core's seconds per image in plan's process (`render_seconds`)."""
     workers: int = 0
     cached_train: bool = False
     cached_holdout: bool = False
@@ -41,20 +65,30 @@ class DataFacts:
     def fill_s(self) -> float:
         if self.measured_fill_s is not None and self.cached_images:
             return self.measured_fill_s
-        return phases.fill_seconds(self.cached_images, self.s_per_image or 0.0, self.workers,
+        return phases.fill_seconds(self.cached_images, self.s_per_image or 0.0, self.start_s,
                                    passes=self.cached_train + self.cached_holdout)
 
     def feed_step_s(self, images_per_rank: int) -> float:
         """The least a training step takes for its loader workers to make a rank's images (0: cached)."""
-        return 0.0 if self.cached_train else phases.feed_step_seconds(images_per_rank, self.s_per_image, self.workers)
+        return 0.0 if self.cached_train else phases.feed_step_seconds(images_per_rank, self.s_per_image)
 
     def eval_s(self, forward_s: float) -> float:
         return phases.evaluation_seconds(forward_s, self.holdout_n,
-                                         None if self.cached_holdout else self.s_per_image, self.workers)
+                                         None if self.cached_holdout else self.s_per_image, self.start_s)
+
+
+@dataclass(frozen=True, slots=True)
+class FillRate:
+    """What the fill probe measured: seconds per image with `workers` in parallel, and the start."""
+
+    s_per_image: float
+    start_s: float
+    images: int
+    workers: int
 
 
 def render_seconds(images, count: int = RENDER_PROBE_IMAGES) -> float:
-    """Seconds of one core to make one un-augmented image of `images` (plan's render probe)."""
+    """Seconds of one core to make one un-augmented image of `images` (sizes the fill probe)."""
     n = min(count, len(images))
     warm = range(n, min(len(images), n + 8)) or range(min(8, n))
     images.prepare(warm, None)  # first-call costs (imports, allocations) are not the steady rate
@@ -63,8 +97,62 @@ def render_seconds(images, count: int = RENDER_PROBE_IMAGES) -> float:
     return (time.perf_counter() - t0) / max(1, n)
 
 
+def probe_sample(size: int, workers: int, one_core_s: float, cpus: int) -> tuple[int, int]:
+    """(images, images per item) of the fill probe: whole waves of one item per worker, at least
+    PROBE_WAVES of them, about PROBE_SECONDS of making at one core's rate shared by the CPUs the
+    workers can use, at most PROBE_MAX_IMAGES and the split."""
+    from dscluster.train.datacache import FILL_CHUNK
+
+    w = max(1, workers)
+    per_image = one_core_s / (min(w, cpus) if workers else 1)
+    want = min(PROBE_MAX_IMAGES, int(PROBE_SECONDS / max(per_image, 1e-7)))
+    chunk = min(FILL_CHUNK, max(PROBE_MIN_CHUNK, want // (PROBE_WAVES * w)), size // (PROBE_WAVES * w))
+    if chunk < 1:  # fewer images than PROBE_WAVES waves of one image a worker: the split, one item a worker
+        return size, max(1, -(-size // w))
+    waves = max(PROBE_WAVES, min(want, size) // (w * chunk))
+    return min(waves, size // (w * chunk)) * w * chunk, chunk
+
+
+class _Sample:
+    """The first `n` images of a split, made by the split's own `prepare`: the cache train's fill leaves
+    is this object's, dropped with it."""
+
+    cached = None
+
+    def __init__(self, images, n: int):
+        self.images, self.n = images, n
+        self.in_chans, self.img_size = images.in_chans, images.img_size
+
+    def __len__(self) -> int:
+        return self.n
+
+    def prepare(self, indices, seed):
+        return self.images.prepare(indices, seed)
+
+
+def fill_rate(images, workers: int, prefetch: int, one_core_s: float, cpus: int | None = None) -> FillRate:
+    """Train's fill (datacache.fill) of a sample of `images` by `workers` loader workers: the wall-clock
+    seconds per image after the first wave (no fewer than one core's spread over the CPUs the workers
+    share: where they outnumber the CPUs, the early ones make their items while the last start), and
+    the start, the rest of the sample's fill."""
+    from dscluster.train import datacache
+
+    cpus = cpus or os.cpu_count() or 1
+    n, chunk = probe_sample(len(images), workers, one_core_s, cpus)
+    arrivals: list[tuple[int, float]] = []
+    total = datacache.fill(_Sample(images, n), workers, prefetch, chunk=chunk,
+                           arrived=lambda made, t: arrivals.append((made, t)))
+    first = max(1, workers)
+    rate = total / max(1, n)
+    if len(arrivals) > first:
+        made, at = arrivals[first - 1]
+        rate = (arrivals[-1][1] - at) / (n - made)
+    rate = max(rate, one_core_s / min(first, cpus))
+    return FillRate(rate, max(0.0, total - n * rate), n, workers)
+
+
 def data_facts(cfg, local_ranks: int) -> DataFacts | str:
-    """The data set's facts for the whole run (training's split, the render probe, data.cache's rule for
+    """The data set's facts for the whole run (training's split, the fill probe, data.cache's rule for
     rank 0 of a node with `local_ranks` ranks), or why they are unknown."""
     from dscluster.train import datacache, loader
 
@@ -81,8 +169,10 @@ def data_facts(cfg, local_ranks: int) -> DataFacts | str:
     facts = DataFacts(train_n=len(train), holdout_n=len(hold) if hold is not None else 0, name=train.name)
     if not train.host_prepared:
         return facts
+    workers = loader.workers_for(d, local_ranks)
     try:
-        s_img = render_seconds(train)
+        one_core = render_seconds(train)
+        rate = fill_rate(train, workers, d.prefetch, one_core)
     except UsageError as e:
         return f"data set {d.dataset!r} not readable here ({e})"
     choice = datacache.CacheChoice(False, False, "")
@@ -90,17 +180,20 @@ def data_facts(cfg, local_ranks: int) -> DataFacts | str:
         hold_bytes = datacache.split_bytes(hold) if hold is not None and hold.cacheable else 0
         choice = datacache.choose(d.cache, datacache.split_bytes(train), hold_bytes, primary=True,
                                   local_ranks=local_ranks, available=datacache.mem_available())
-    return DataFacts(train_n=facts.train_n, holdout_n=facts.holdout_n, name=train.name, s_per_image=s_img,
-                     workers=loader.workers_for(d, local_ranks), cached_train=choice.training,
-                     cached_holdout=choice.holdout, cache_reason=choice.reason)
+    return DataFacts(train_n=facts.train_n, holdout_n=facts.holdout_n, name=train.name, s_per_image=rate.s_per_image,
+                     start_s=rate.start_s, probe_images=rate.images, one_core_s=one_core, workers=workers,
+                     cached_train=choice.training, cached_holdout=choice.holdout, cache_reason=choice.reason)
 
 
 def notes(facts: DataFacts | str, images_per_rank: int, gpu_step_s: float) -> list[str]:
     """What the reader should know about the data set's share of the run."""
     if isinstance(facts, str) or facts.s_per_image is None:
         return []
-    out = [f"data: {facts.name} images take {facts.s_per_image * 1e3:.2f} ms of one core each here (render probe, "
-           f"{RENDER_PROBE_IMAGES} images); {facts.workers} loader worker(s) a rank"
+    one = f"; one core alone: {facts.one_core_s * 1e3:.2f} ms an image" if facts.one_core_s else ""
+    by = (f"by {facts.workers} loader worker(s) a rank (train's fill): {facts.s_per_image * 1e3:.3f} ms per image "
+          f"after {facts.start_s:.2f} s to start them" if facts.workers else
+          f"in-process (train's fill, data.workers=0): {facts.s_per_image * 1e3:.3f} ms per image")
+    out = [f"data: {facts.probe_images:,} {facts.name} images made here {by}{one}"
            + (f"; {facts.cached_images:,} made once into memory in about {facts.fill_s():.1f} s (data.cache)"
               if facts.cached_images else "")]
     if facts.cache_reason and facts.cache_reason != "data.cache=false":

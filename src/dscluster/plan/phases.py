@@ -44,30 +44,30 @@ CHECKPOINT_BYTES_PER_PARAM = 16
 """A ZeRO-0 checkpoint: fp32 weights (4 bytes), AdamW's two moments (8), the module's copy (4)."""
 CHECKPOINT_WRITE_GBps = 0.5
 """Assumed write rate of a checkpoint save (a local SSD or NFS); a stated guess, not measured."""
-WORKER_START_S = 0.3
-"""Starting an evaluation's loader workers (forked from a process that has imported torch): a 600-image
-fractal pass at 32 px by 2 workers took 0.37 s where its images take 0.03 s of rendering (2-core VM)."""
 
 
-def fill_seconds(images: int, s_per_image: float, workers: int, passes: int = 1) -> float:
-    """The data cache's fill: `images` made once, front to back, by the rank's loader workers, started
-    afresh for each of `passes` splits."""
-    return images * s_per_image / max(1, workers) + passes * WORKER_START_S if images else 0.0
+def fill_seconds(images: int, s_per_image: float, start_s: float, passes: int = 1) -> float:
+    """The data cache's fill: `images` made once, front to back, by the rank's loader workers at
+    `s_per_image` wall-clock seconds each (the workers in parallel: plan/datafeed.py's fill probe),
+    started afresh (`start_s`) for each of `passes` splits."""
+    return images * s_per_image + passes * start_s if images else 0.0
 
 
-def evaluation_seconds(forward_s: float, images: int, s_per_image: float | None, workers: int) -> float:
+def evaluation_seconds(forward_s: float, images: int, s_per_image: float | None, start_s: float) -> float:
     """One held-out evaluation: the forward pass, or where its images are made again at each pass
-    (`s_per_image` seconds of one core each, not cached) the making of them by freshly started workers,
-    whichever is longer (the workers make the next chunks while the GPU runs one)."""
+    (not cached: `s_per_image` wall-clock seconds each by the workers in parallel) the making of them
+    by freshly started workers, whichever is longer (the workers make the next chunks while the GPU
+    runs one)."""
     if s_per_image is None or not images:
         return forward_s
-    return max(forward_s, images * s_per_image / max(1, workers) + WORKER_START_S)
+    return max(forward_s, images * s_per_image + start_s)
 
 
-def feed_step_seconds(images_per_rank: int, s_per_image: float | None, workers: int) -> float:
+def feed_step_seconds(images_per_rank: int, s_per_image: float | None) -> float:
     """The least a step can take when a rank's loader workers make its images (not cached): its
-    micro-batches × grad_accum images, `s_per_image` seconds of one core each, over its workers."""
-    return 0.0 if s_per_image is None else images_per_rank * s_per_image / max(1, workers)
+    micro-batches × grad_accum images at `s_per_image` wall-clock seconds each by its workers in
+    parallel (persistent: no start)."""
+    return 0.0 if s_per_image is None else images_per_rank * s_per_image
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,5 +1,5 @@
 """What plan's whole-run prediction (plan/phases.py) is made from for one setting: the data set's
-facts (plan/datafeed.py: its size as training splits it, the render probe, data.cache), the step
+facts (plan/datafeed.py: its size as training splits it, the fill probe, data.cache), the step
 times of the setting with and without its compression (at least what the loader workers need to make
 an uncached step's images), PowerSGD's start step, the probe's first-step cost, an evaluation pass
 (train's own evaluation as the probe measured it, and the making of an uncached held-out set), the

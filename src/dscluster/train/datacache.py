@@ -22,6 +22,7 @@ split on rank 0 alone (only rank 0 evaluates).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -98,19 +99,22 @@ def choose(setting: str, train_bytes: int, holdout_bytes: int, *, primary: bool,
     return CacheChoice(training, holdout, why)
 
 
-def fill(images, workers: int, prefetch: int) -> float:
-    """Make every image of `images` once, front to back, by `workers` loader workers, into its cache;
-    the seconds it took."""
+def fill(images, workers: int, prefetch: int, *, chunk: int = FILL_CHUNK,
+         arrived: Callable[[int, float], None] | None = None) -> float:
+    """Make every image of `images` once, front to back, by `workers` loader workers, `chunk` images an
+    item, into its cache; the seconds it took. `arrived(images, seconds)` after each item (plan's fill probe)."""
     n, c, s = len(images), images.in_chans, images.img_size
     x = torch.empty((n, s, s, c), dtype=torch.uint8).permute(0, 3, 1, 2)  # [N, C, S, S], channels-last memory
     y = torch.empty(n, dtype=torch.long)
-    items = [(tuple(range(lo, min(n, lo + FILL_CHUNK))), None) for lo in range(0, n, FILL_CHUNK)]
+    items = [(tuple(range(lo, min(n, lo + chunk))), None) for lo in range(0, n, chunk)]
     images.cached = None
     t0 = time.perf_counter()
     made = loader.make_loader(images, items, workers, prefetch, False, persistent=False)
     for idx, xb, yb in loader.start_workers(made):
         lo, hi = int(idx[0]), int(idx[-1]) + 1
         x[lo:hi], y[lo:hi] = xb, yb
+        if arrived is not None:
+            arrived(hi, time.perf_counter() - t0)
     images.cached = (x, y)
     return time.perf_counter() - t0
 
