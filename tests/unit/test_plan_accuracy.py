@@ -273,8 +273,12 @@ def test_for_time_to_accuracy_plan_recommends_no_compression_that_learned_too_sl
     # 10 Gbit, 1+1+2 GPUs: for speed alone PowerSGD is the only setting that scales
     speed = plan_fractal_lab(tmp_path, env, "target_accuracy=null")
     assert speed["recommendation"]["choice"]["compression"] == "powersgd"
-    assert any(n.startswith("comm.compression=powersgd is recommended for images/s, but its 2 recorded run(s)")
-               and n.endswith("set target_accuracy=<held-out accuracy> and plan weighs it") for n in speed["notes"])
+    assert speed["recommendation"]["choice"]["global_batch"] == 2048
+    [note] = [n for n in speed["notes"] if n.startswith("comm.compression=powersgd is recommended for images/s, but "
+                                                        "its 2 recorded run(s)")]
+    assert note.endswith("set target_accuracy=<held-out accuracy> and plan weighs it")
+    # the curves are at the config's batch; the note says the recommendation's is another
+    assert "recorded at global batch 512; the recommendation trains at 2048, which no recorded run measured" in note
     doc = plan_fractal_lab(tmp_path, env)  # the preset's target_accuracy 0.9: the shipped curves decide
     rec = doc["recommendation"]
     assert rec["choice"]["compression"] != "powersgd" and "comm.compression=powersgd" not in rec["overrides"]

@@ -240,6 +240,10 @@ def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
         doc["notes"] += doc["time_to_accuracy"]["notes"]
     elif rec.choice is not None and rec.choice.compression != "none":
         why = slower_because(cfg, curves, family, rec.choice.compression)
+        gb = rec.choice.prediction.global_batch
+        if why and gb != scenario.global_batch:  # the curves are at the config's batch, not the recommendation's
+            why += (f" (recorded at global batch {scenario.global_batch}; the recommendation trains at {gb}, "
+                    "which no recorded run measured)")
         if why:  # recommended for speed: say what the recorded runs gave up, and how to weigh it
             doc["notes"].append(f"comm.compression={rec.choice.compression} is recommended for images/s, but {why}; "
                                 "set target_accuracy=<held-out accuracy> and plan weighs it")
