@@ -409,8 +409,9 @@ def main(argv: list[str] | None = None) -> int:
                              **tta.run_record(b.hwork / "runs" / name))
             doc["accuracy_by_compression"] = accuracy_by_compression(doc["runs"])
             if args.tta:
-                doc["time_to_accuracy"] = {"config": args.tta, "target": args.target, "seeds": args.seeds,
-                                           **tta.summarise(doc["runs"]),
+                summary = tta.summarise(doc["runs"])
+                doc["time_to_accuracy"] = {"config": args.tta, "target": args.target, "seeds": args.seeds, **summary,
+                                           "advice": tta.advice(doc.get("tta_plan"), summary),
                                            "plan_lab_whole_run": whole_run(doc.get("tta_plan") or {}, "choice"),
                                            "plan_time_to_accuracy": (doc.get("tta_plan") or {}).get("time_to_accuracy")}
             atomic_write_json(out, doc)

@@ -100,3 +100,21 @@ def test_the_measured_whole_run_starts_where_the_first_log_window_began(tmp_path
     (tmp_path / "metrics").mkdir()
     (tmp_path / "metrics" / "rank-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     assert tta.training_seconds(tmp_path) == round(7.0 + (150.0 - (109.4 + 1e-4 - 5 * 1.88)), 2)
+
+
+def test_the_results_say_whether_plans_advice_to_train_alone_held():
+    def role(runs, *times):
+        return {"runs": runs, "reached": len(times), "time_to_accuracy_s": sum(times) / len(times) if times else None}
+
+    said_alone = {"recommendation": {"train_alone": True, "alone_command": "printf ... && mpirun -np 1 ...",
+                                     "overrides": ["comm.compression=fp16"]}}
+    # measured on two 1-GPU H200 nodes at 10 Gbit: 67.1 s alone, 98.9 s for the lab
+    out = tta.advice(said_alone, {"alone": role(1, 67.1), "lab": role(1, 98.9)})
+    assert out["train_alone"] and out["alone_sooner"] and out["held"]
+    assert out["lab_overrides"] == ["comm.compression=fp16"] and out["alone_command"].startswith("printf")
+    assert tta.advice(said_alone, {"alone": role(1, 99.0), "lab": role(1, 67.0)})["held"] is False
+    assert tta.advice(said_alone, {"alone": role(2, 70.0), "lab": role(1)})["held"]  # the lab never got there
+    said_lab = {"recommendation": {"train_alone": False, "overrides": ["grad_accum=2"]}}
+    assert tta.advice(said_lab, {"alone": role(1), "lab": role(1, 80.0)})["held"]
+    assert tta.advice(said_lab, {"alone": role(1, 60.0), "lab": role(0)})["held"] is None  # no lab run
+    assert tta.advice(None, {"alone": role(1, 60.0), "lab": role(1, 70.0)}) is None  # plan gave nothing

@@ -101,3 +101,20 @@ def summarise(runs: list[dict]) -> dict:
     out["accuracy_points_vs_alone"] = (round(100 * (b["accuracy"] - a["accuracy"]), 2)
                                        if a["accuracy"] is not None and b["accuracy"] is not None else None)
     return out
+
+
+def advice(plan_doc: dict | None, summary: dict) -> dict | None:
+    """What plan advised the lab (`plan_doc`: its --json) and whether the runs bore it out: it says to
+    train on the fastest node alone or not; the runs say which reached the target sooner (`summary`:
+    `summarise`'s). A role whose runs never reached it counts as later than one whose did."""
+    if not plan_doc:
+        return None
+    rec = plan_doc.get("recommendation") or {}
+    alone, lab = summary[ALONE], summary[LAB]
+    a = alone["time_to_accuracy_s"] if alone["reached"] else None
+    b = lab["time_to_accuracy_s"] if lab["reached"] else None
+    sooner = None if a is None and b is None or not (alone["runs"] and lab["runs"]) else (
+        b is None or (a is not None and a < b))
+    said = bool(rec.get("train_alone"))
+    return {"train_alone": said, "alone_command": rec.get("alone_command"), "lab_overrides": rec.get("overrides"),
+            "alone_sooner": sooner, "held": None if sooner is None else sooner == said}
