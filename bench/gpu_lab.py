@@ -44,7 +44,8 @@ recommendation pasted as printed, both with target_accuracy=--target (and any --
 runs once on the whole lab first, with the preset as is, for the recommendation. The results file
 (bench/results/<date>-<card>-tta-<link>.json) adds `time_to_accuracy`: per role the mean time to the
 target, how many seeds reached it, final accuracy and img/s, the speedup of the lab over the node
-alone and the accuracy difference in points.
+alone and the accuracy difference in points, and `advice`: whether plan said to train on the
+fastest node alone, and whether the runs bore that out (which reached the target sooner).
 
     sudo .venv/bin/python bench/gpu_lab.py --link 10gbit --gpus 1,1 --tta configs/vit_small_fractal.yaml \
         --target 0.9 --seeds 1,2
