@@ -293,12 +293,13 @@ def reach(curves: list[dict], target: float, compression: str) -> dict:
 
 
 def predict(cfg, target: float, global_batch: int, runs: dict, alone: tuple[str, float] | None,
-            compressions: dict[str, str], env=None) -> dict:
+            compressions: dict[str, str], env=None, *, curves: tuple[list[dict], str] | None = None) -> dict:
     """The document's `time_to_accuracy`: for each whole run in `runs` ({"now"|"choice": phases.whole_run's
     dict}, `compressions` theirs) and for the node alone (`alone`: its name and img/s at this global
     batch, uncompressed), the step its recorded curves reach `target` at and plan's seconds to the end
-    of that evaluation; `speedup`: the node alone's seconds over the lab's best."""
-    curves, source = curves_for(cfg, global_batch, env)
+    of that evaluation; `speedup`: the node alone's seconds over the lab's best. `curves`: `curves_for`'s
+    answer where the caller has read it already."""
+    curves, source = curves if curves is not None else curves_for(cfg, global_batch, env)
     out: dict = {"target": target, "source": source, "curves": len(curves), "runs": {}, "speedup": None,
                  "notes": []}
     if not curves:

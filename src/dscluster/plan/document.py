@@ -200,7 +200,7 @@ def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
     mixed, balance = node_probe.mixed_notes(scenario, prediction, scenario.balanced)
     rec_scenario = replace(scenario, balanced=True) if balance else scenario
     limit, kept = batch_limit(opts, cfg, scenario.global_batch)
-    curves, _ = accuracy.curves_for(cfg, scenario.global_batch)
+    curves, source = accuracy.curves_for(cfg, scenario.global_batch)  # read once for the whole plan
     family = accuracy.family_for(cfg, scenario.global_batch)
     slow_learners = learning_too_slowly(cfg, curves, family)
     rec = model.recommend(rec_scenario, max_global_batch=limit,
@@ -236,7 +236,8 @@ def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
     if rec.train_alone:
         doc["recommendation"]["alone_command"] = alone_command(opts, scenario, prediction.fastest_node)
     if cfg.target_accuracy is not None:
-        doc["time_to_accuracy"] = time_to_accuracy(cfg, scenario.global_batch, whole, rec, prediction)
+        doc["time_to_accuracy"] = time_to_accuracy(cfg, scenario.global_batch, whole, rec, prediction,
+                                                   (curves, source))
         doc["notes"] += doc["time_to_accuracy"]["notes"]
     elif rec.choice is not None and rec.choice.compression != "none":
         why = slower_because(cfg, curves, family, rec.choice.compression)
@@ -291,16 +292,18 @@ def learning_too_slowly(cfg, curves: list[dict], family: list[tuple[str, list[di
             for c, w in why.items() if w}
 
 
-def time_to_accuracy(cfg, global_batch: int, whole: dict, rec: model.Recommendation, p: model.Prediction) -> dict:
+def time_to_accuracy(cfg, global_batch: int, whole: dict, rec: model.Recommendation, p: model.Prediction,
+                     curves: tuple[list[dict], str]) -> dict:
     """plan/accuracy.py's prediction for the config as given, the recommendation (where it keeps the
-    global batch the recorded curves were made at) and the fastest node alone."""
+    global batch the recorded curves were made at) and the fastest node alone, from `curves`
+    (accuracy.curves_for's answer)."""
     runs, compressions = {"now": whole.get("now")}, {"now": cfg.comm.compression}
     choice = rec.choice
     if choice is not None and choice.prediction.global_batch == global_batch:
         runs["choice"], compressions["choice"] = whole.get("choice"), choice.compression
     fastest = p.fastest_node
     alone = (fastest, p.node_images_per_s[fastest]) if len(p.node_images_per_s) > 1 else None
-    out = accuracy.predict(cfg, cfg.target_accuracy, global_batch, runs, alone, compressions)
+    out = accuracy.predict(cfg, cfg.target_accuracy, global_batch, runs, alone, compressions, curves=curves)
     if choice is not None and "choice" not in runs:
         out["notes"].append(f"no time to accuracy for the recommendation: it changes the global batch to "
                             f"{choice.prediction.global_batch}, and the recorded curves are at {global_batch}")
