@@ -32,16 +32,25 @@ from dscluster.fsutil import atomic_write_json
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_option(runs: Path, run_id: str, option: str, seed: int, ranks: int, extra: list[str], timeout: float) -> dict:
+AS_NODE = ["unshare", "--uts", "bash", "-c", 'hostname "node$((OMPI_COMM_WORLD_RANK + 1))" && exec "$@"', "as-node"]
+"""Each rank its own host name (a UTS namespace; root): ranks on one machine that training takes for
+separate nodes, as sync.mode local_sgd / diloco needs to average anything across nodes."""
+
+
+def run_option(runs: Path, run_id: str, option: str, seed: int, ranks: int, extra: list[str], timeout: float,
+               as_nodes: bool = False) -> dict:
     """One run of `option` ("powersgd", or "powersgd:comm.powersgd_rank=8+..." with overrides) with `seed`."""
     name, _, more = option.partition(":")
     env = {**os.environ, "DSCLUSTER_RUNS": str(runs), "DSCLUSTER_RUN_ID": run_id, "MASTER_PORT": str(free_port()),
            "PYTHONUNBUFFERED": "1"}
     env.pop("DSCLUSTER_FAULT", None)
     cmd = [str(paths.venv_bin() / "mpirun"), "--allow-run-as-root", "--oversubscribe", "-np", str(ranks)]
-    for var in ("DSCLUSTER_RUNS", "DSCLUSTER_RUN_ID", "MASTER_PORT", "PYTHONUNBUFFERED"):
+    if as_nodes:  # the ranks meet on loopback, which every one of them still shares
+        env.update(GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1")
+    for var in ("DSCLUSTER_RUNS", "DSCLUSTER_RUN_ID", "MASTER_PORT", "PYTHONUNBUFFERED",
+                *(("GLOO_SOCKET_IFNAME", "MASTER_ADDR") if as_nodes else ())):
         cmd += ["-x", var]
-    cmd += [str(paths.venv_bin() / "dscluster"), "train", "--config", str(paths.preset("digits.yaml")),
+    cmd += [*(AS_NODE if as_nodes else []), str(paths.venv_bin() / "dscluster"), "train", "--config", str(paths.preset("digits.yaml")),
             "progress=false", "checkpoint.every_epochs=0", f"comm.compression={name}", f"seed={seed}",
             *[o for o in more.split("+") if o], *extra]
     t0 = time.time()
@@ -82,6 +91,9 @@ def main() -> int:
     ap.add_argument("--out", default=None,
                     help="result file (default bench/results/<date>-cpu-digits-compression.json)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per option")
+    ap.add_argument("--as-nodes", action="store_true",
+                    help="each rank its own host name (root: a UTS namespace per rank), so that sync.mode local_sgd "
+                         "or diloco averages across 'nodes'; e.g. --options none,none:sync.mode=local_sgd+sync.period=4")
     args = ap.parse_args()
     options = [o.strip() for o in args.options.split(",") if o.strip()]
     if "none" not in options:
@@ -95,7 +107,7 @@ def main() -> int:
         for seed in seeds:  # seed by seed: a change of load over the hours hits every option alike
             for i, option in enumerate(options):
                 r = run_option(Path(tmp), f"{i}-{option.partition(':')[0]}-s{seed}", option, seed, args.np, extra,
-                               args.timeout)
+                               args.timeout, as_nodes=args.as_nodes)
                 runs[option].append({"seed": seed, **r})
                 print(f"{option} seed {seed}: held-out accuracy {r['accuracy']:.1%}, {r['images_per_s']:.0f} img/s, "
                       f"{r['wall_s']:.0f} s", flush=True)
@@ -110,7 +122,8 @@ def main() -> int:
         r["points_vs_none"] = round(100 * (r["accuracy"] - base), 2)
     import torch
 
-    doc = {"bench": "compression_accuracy", "date": date, "card": "cpu", "link": "loopback",
+    doc = {"bench": "compression_accuracy", "date": date, "card": "cpu",
+           "link": "loopback" + (", each rank its own host name (UTS namespace)" if args.as_nodes else ""),
            "device_name": "cpu", "cpu_count": os.cpu_count(), "torch": torch.__version__, "ranks": args.np,
            "config": "configs/digits.yaml", "overrides": extra + ["checkpoint.every_epochs=0"], "seeds": seeds,
            **source_version(), "baseline": "none (same invocation)", "max_drop_points": args.max_drop,

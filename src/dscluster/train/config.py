@@ -30,6 +30,7 @@ from dscluster.train.config_checks import (
     check_world,
     compression_conflict,
     limits,
+    sync_conflict,
 )
 from dscluster.train.config_yaml import apply_override, from_node
 
@@ -180,6 +181,26 @@ class CommConfig:
 
 
 @dataclass
+class SyncConfig:
+    mode: str = field(default="every_step", metadata={"choices": ("every_step", "local_sgd", "diloco")})
+    """How often the ranks' models meet (train/localsgd.py, docs/ethernet-labs.md). every_step: the gradients
+    are all-reduced every optimizer step (data parallelism). local_sgd: post-local SGD (Lin et al. 2020):
+    after sync.warmup_steps of every-step reduction each node steps on its own gradients (a node's own
+    GPUs still average theirs every step) and the models are averaged every sync.period steps. diloco
+    (Douillard et al. 2023): as local_sgd, and the averaged change of each period is applied by an outer
+    Nesterov step (sync.outer_lr, sync.outer_momentum). Needs zero_stage=0 and, for fp16, amp=true."""
+    period: int = field(default=8, metadata=limits(ge=2, le=10000))
+    """local_sgd, diloco: optimizer steps between two averages across nodes (H). Also averaged at every
+    epoch's end (evaluation and checkpoints see the average) and at checkpoint.every_steps saves."""
+    warmup_steps: int = field(default=0, metadata=limits(ge=0))
+    """local_sgd, diloco: optimizer steps whose gradients are all-reduced across every rank first."""
+    outer_lr: float = field(default=1.0, metadata=limits(gt=0, le=2))
+    """diloco: outer learning rate on the averaged change of a period (1 with outer_momentum 0 is local_sgd)."""
+    outer_momentum: float = field(default=0.3, metadata=limits(ge=0, lt=1))
+    """diloco: Nesterov momentum of the outer step."""
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     """Which ViT."""
@@ -195,6 +216,8 @@ class TrainConfig:
     """Process-group settings."""
     comm: CommConfig = field(default_factory=CommConfig)
     """Gradient communication: compression on the ZeRO-0 DDP path."""
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    """How often the ranks synchronise: every step, or local SGD / DiLoCo every sync.period steps."""
     epochs: int = field(default=20, metadata=limits(ge=1))
     """Passes over the training set."""
     max_steps: int = field(default=0, metadata=limits(ge=0))
@@ -317,6 +340,7 @@ def validate(cfg: TrainConfig) -> None:
     check_deepspeed_section(cfg.deepspeed)
     check_relations(cfg)
     compression_conflict(cfg, None if cfg.precision == "auto" else cfg.precision)
+    sync_conflict(cfg, None if cfg.precision == "auto" else cfg.precision)
 
 
 def to_dict(cfg: TrainConfig) -> dict:

@@ -301,6 +301,28 @@ def compression_conflict(cfg, precision: str | None) -> None:
                 also=("precision", "amp"))
 
 
+def sync_conflict(cfg, precision: str | None) -> None:
+    """Where sync.mode local_sgd / diloco cannot apply: ConfigValueError naming the key, why and the fix.
+    The one rule, checked like compression_conflict: by load_config, and by train once precision is decided."""
+    E, mode, key = ConfigValueError, cfg.sync.mode, "sync.mode"
+    if mode == "every_step":
+        return
+    if cfg.zero_stage != 0:
+        raise E(key, f"{key}={mode} needs zero_stage=0: it averages whole models, which ZeRO {cfg.zero_stage} "
+                     f"partitions across ranks; set zero_stage=0 or {key}=every_step", also=("zero_stage",))
+    if cfg.comm.compression != "none":
+        raise E(key, f"{key}={mode} sends no gradients between nodes after its warm-up, so "
+                     f"comm.compression={cfg.comm.compression} has nothing to act on; set comm.compression=none",
+                also=("comm.compression",))
+    if precision is not None and precision != "fp32":
+        from dscluster.train.precision import amp_dtype
+
+        if amp_dtype(cfg, precision) is None:
+            raise E(key, f"{key}={mode} averages the fp32 weights the optimizer steps; with precision={precision} "
+                         "and amp=false DeepSpeed keeps them inside its own optimizer; set amp=true",
+                    also=("amp", "precision"))
+
+
 def checkpoint_dir(cfg, run_dir: Path) -> Path:
     """Where checkpoints go: checkpoint.dir, else <run dir>/checkpoints."""
     from dscluster.rundir import layout

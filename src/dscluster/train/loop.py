@@ -31,10 +31,10 @@ from dscluster.fsutil import atomic_write_json, atomic_write_text
 from dscluster.plan import predicted
 from dscluster.rundir import layout
 from dscluster.rundir.writer import RunLog, RunRecord
-from dscluster.train import datacache, dist, evaluation, faults, guards
+from dscluster.train import datacache, dist, evaluation, faults, guards, localsgd
 from dscluster.train.checkpoint import Checkpointer, Position
 from dscluster.train.config import TrainConfig, to_yaml
-from dscluster.train.config_checks import ConfigValueError, compression_conflict
+from dscluster.train.config_checks import ConfigValueError, compression_conflict, sync_conflict
 from dscluster.train.logwindow import LogWindow
 from dscluster.train.optstep import StepBoundary
 from dscluster.train.precision import PrecisionDecision, decide_here
@@ -215,13 +215,14 @@ def decide_precision(cfg: TrainConfig, calibrate: bool, info, has_cuda: bool) ->
 
 
 def check_comm_here(cfg: TrainConfig, calibrate: bool, decision: PrecisionDecision) -> None:
-    """comm.compression against the precision this rank trains in: load_config could only check an
-    explicit precision, `auto` is decided here (the same on every rank of a job that `check` set up)."""
-    if cfg.comm.compression == "none":
+    """comm.compression and sync.mode against the precision this rank trains in: load_config could only
+    check an explicit precision, `auto` is decided here (the same on every rank of a job that `check` set up)."""
+    if cfg.comm.compression == "none" and cfg.sync.mode == "every_step":
         return
     precision = "fp16" if calibrate else decision.precision
     try:
         compression_conflict(cfg, precision)
+        sync_conflict(cfg, precision)
     except ConfigValueError as e:
         why = "loss-scale calibration" if calibrate else decision.reason
         raise UsageError(f"precision {precision} on this rank ({why}): {e}") from None
@@ -257,8 +258,14 @@ class Trainer:
         self.b = build(cfg, rank.info, rank.device, rank.precision, node_local_checkpoints=self.ckpt.node_local,
                        faults=fault_hook)
         self.boundary = StepBoundary(self.b.engine, cfg, rank.precision)
-        self.ckpt.attach(self.b, self.boundary)
         self.spe, self.total = self.b.sampler.steps_per_epoch, self.b.total_steps
+        if localsgd.local(cfg) and rank.info.world_size > 1:
+            from dscluster.train.setup_engine import bare_module
+
+            self.b.comm = localsgd.ModelAverager(bare_module(self.b.engine), cfg, rank.info.rank, rank.hosts,
+                                                 self.b.shares, steps_per_epoch=self.spe, total=self.total,
+                                                 split=self.b.split, scaler=self.boundary.scaler)
+        self.ckpt.attach(self.b, self.boundary)
         record.global_batch = sum(self.b.shares) * self.b.plan.grad_accum
         self.tta = evaluation.TimeToAccuracy(None if calibrate else cfg.target_accuracy, started, record.global_batch)
         self.write_run_files()
@@ -316,6 +323,8 @@ class Trainer:
         self.window = LogWindow(self.log, b.split, self.boundary, guard, self.record, self.run_length,
                                 scale_history=self.scale_history if calibrate else None)
         self.step = TrainStep(b.engine, b, cfg, rank.precision, self.boundary, device, b.split, gen)
+        if isinstance(b.comm, localsgd.ModelAverager):
+            self.step.averager = b.comm
         self.watch = SyncWatch(cfg.sync_debug if device.type == "cuda" and not calibrate else "off")
         if cfg.sync_debug != "off" and device.type != "cuda" and self.primary:
             console.err.print("[yellow]warning:[/yellow] sync_debug watches CUDA host syncs; this rank has no GPU, "
@@ -352,7 +361,7 @@ class Trainer:
         armed = self.steps_this_run >= WARMUP_STEPS
         self.watched += armed
         with self.watch.step(step, armed):
-            r = self.step.run(micro, log_step=step % cfg.log_every == 0)
+            r = self.step.run(micro, log_step=step % cfg.log_every == 0, step=step, step_in_epoch=step_in_epoch)
         self.steps_this_run += 1
         self.record.steps = step  # what a failed run's summary reports as reached
         self.window.add({"step": step, "epoch": epoch, "lr": float(self.b.engine.get_lr()[0]),
@@ -384,7 +393,7 @@ class Trainer:
         record.run_s, record.run_images_per_s = round(run_s, 3), out.run_images_per_s
         record.time_to_accuracy = self.tta.summary()
         if self.primary and not self.calibrate and self.start.global_step == 0:
-            self.tta.keep(self.cfg, compression=self.cfg.comm.compression, ranks=self.rank.info.world_size,
+            self.tta.keep(self.cfg, compression=localsgd.comm_label(self.cfg), ranks=self.rank.info.world_size,
                           run_id=record.run_id)
         if self.primary and not self.calibrate:
             plan_vs_measured(self.cfg, self.b, gb, self.rank.precision, self.rank.info, out, record, self.timed())
@@ -410,7 +419,7 @@ def plan_vs_measured(cfg: TrainConfig, b, gb: int, precision: str, info, out: Ou
     comparison, with a warning that names it."""
     try:
         cmp = predicted.compare(predicted.key(model=cfg.model.name, micro_batch=max(b.shares), global_batch=gb,
-                                              precision=precision, compression=cfg.comm.compression,
+                                              precision=precision, compression=localsgd.comm_label(cfg),
                                               ranks=info.world_size), out.images_per_s, run=run)
     except UsageError as e:
         console.err.print(f"[yellow]warning:[/yellow] no plan comparison: {e}")
@@ -419,7 +428,7 @@ def plan_vs_measured(cfg: TrainConfig, b, gb: int, precision: str, info, out: Ou
         record.plan = cmp
         console.err.print(f"dscluster train: {predicted.line(cmp)}")
         try:  # the next `plan` corrects itself by what this lab really did
-            predicted.record(cmp, model=cfg.model.name, precision=precision, compression=cfg.comm.compression,
+            predicted.record(cmp, model=cfg.model.name, precision=precision, compression=localsgd.comm_label(cfg),
                              ranks=info.world_size, global_batch=gb, run_id=record.run_id)
         except OSError as e:
             console.err.print(f"[yellow]warning:[/yellow] plan outcome not kept ({e})")

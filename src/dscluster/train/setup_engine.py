@@ -18,6 +18,7 @@ from dscluster.errors import UsageError
 from dscluster.train import autofit, datacache, dist
 from dscluster.train import data as data_mod
 from dscluster.train.config import TrainConfig
+from dscluster.train.localsgd import local
 from dscluster.train.ds_config import build_ds_config
 from dscluster.train.model import build_model, count_params
 from dscluster.train.precision import input_and_autocast, torch_dtype
@@ -47,7 +48,9 @@ class OverlapDDP(torch.nn.parallel.DistributedDataParallel):
 
 def overlaps_with_ddp(cfg: TrainConfig, world_size: int) -> bool:
     """ZeRO-0 with more than one rank and overlap_comm: DDP buckets instead of DeepSpeed's post-backward all-reduce."""
-    return cfg.zero_stage == 0 and world_size > 1 and bool(cfg.overlap_comm)
+    from dscluster.train.localsgd import local
+
+    return cfg.zero_stage == 0 and world_size > 1 and bool(cfg.overlap_comm) and not local(cfg)
 
 
 def wrap_for_overlap(model: torch.nn.Module, device: torch.device, bucket_mb: int) -> OverlapDDP:
@@ -80,7 +83,9 @@ class Built:
     ddp: OverlapDDP | None = None
     """Set when DDP synchronises gradients: non-boundary micro-steps run under ddp.no_sync()."""
     comm: object = None
-    """The DDP communication hook (comm.CommHook) where ddp is set."""
+    """The DDP communication hook (comm.CommHook) where ddp is set; with sync.mode local_sgd or diloco on
+    several ranks the model averager (localsgd.ModelAverager), set by the Trainer. Either keeps its
+    state in checkpoints."""
     split: object = None
     """The step's time split (split.StepSplit), marked by the step and by the hook."""
     data_cache: list[dict] = field(default_factory=list)
@@ -180,7 +185,8 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
         shape = resolve(cfg, info.world_size, replace(facts, shares=tuple(shares)))
     notes.extend(shape.notes)
     plan, shares = shape.batch, list(shape.shares)
-    if shape.per_rank:
+    syncs_less = local(cfg) and info.world_size > 1
+    if shape.per_rank and not syncs_less:  # local SGD weighs the ranks where it averages (localsgd.weights)
         from dscluster.train.balanced import loss_weight
 
         weight = loss_weight(shares[info.rank], info.world_size, sum(shares))
@@ -204,7 +210,8 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
     # pass nothing (device_rank=-1 would make DeepSpeed treat the job as a single process).
     ds_args = argparse.Namespace(device_rank=device.index or 0) if device.type == "cuda" else None
     ddp = wrap_for_overlap(model, device, cfg.ddp_bucket_mb) if overlaps_with_ddp(cfg, info.world_size) else None
-    split = StepSplit(device, "measured" if ddp is not None else "none" if info.world_size == 1 else "unmeasured")
+    split = StepSplit(device, "measured" if ddp is not None or syncs_less else
+                      "none" if info.world_size == 1 else "unmeasured", averages=syncs_less)
     hook = None
     if ddp is not None:
         from dscluster.train import comm
@@ -215,9 +222,10 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
                      "crosses a network")
     engine, _, _, _ = deepspeed.initialize(args=ds_args, model=ddp or model, optimizer=opt, lr_scheduler=sched,
                                            config=ds_cfg, dist_init_required=False)
-    if cfg.zero_stage == 0 and (info.world_size == 1 or ddp is not None):
+    if cfg.zero_stage == 0 and (info.world_size == 1 or ddp is not None or syncs_less):
         # DDP has reduced the gradients already; on one rank the all-reduce is the identity, but
         # DeepSpeed would still flatten, reduce and copy back every gradient after each backward.
+        # Local SGD reduces what it reduces itself (localsgd.ModelAverager).
         engine.enable_backward_allreduce = False
     dist.apply_timeout_everywhere(cfg.dist.timeout_s)
     if compiles(cfg.compile, device):

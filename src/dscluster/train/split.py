@@ -26,6 +26,10 @@ nothing. Host seconds would count it, and took it out of compute: 4 ranks of ViT
 grad_accum 4 read 0.099 s of data and 0.003 s of compute a step, where four micro-batches take
 the device about 0.11 s.
 
+With sync.mode local_sgd or diloco (localsgd.py) the gradients' all-reduce, where a step has one, is
+marked the same way around it, and the average of the models every H steps is timed on its own:
+`average_s`, part of comm (these records only).
+
 With one rank there is nothing to wait for: comm = 0. With several ranks but no DDP hook (ZeRO 1/2,
 overlap_comm false: DeepSpeed reduces on its own) comm is not measured: null, and compute holds it.
 """
@@ -48,6 +52,8 @@ class Marks:
     handed: object = None
     reduced: object = None
     end: object = None
+    avg_start: object = None
+    avg_end: object = None
     data_s: float = 0.0
     """Host seconds getting batches (CPU)."""
     data_events: list = field(default_factory=list)
@@ -60,10 +66,11 @@ class StepSplit:
     `comm`: "measured" (a DDP hook calls `bucket_handed`), "none" (one rank), "unmeasured" (several
     ranks reduced by DeepSpeed itself)."""
 
-    def __init__(self, device, comm: str, clock=time.perf_counter):
+    def __init__(self, device, comm: str, clock=time.perf_counter, *, averages: bool = False):
         if comm not in ("measured", "none", "unmeasured"):
             raise ValueError(comm)
         self.comm = comm
+        self.averages = averages  # sync.mode local_sgd / diloco: records carry average_s
         self.clock = clock
         self.cuda = getattr(device, "type", "cpu") == "cuda"
         self._free: list = []   # CUDA events whose times were read: reused
@@ -110,6 +117,14 @@ class StepSplit:
         if self.marks is not None and self.marks.handed is not None:
             self.marks.reduced = self._mark()
 
+    def average_started(self) -> None:
+        if self.marks is not None:
+            self.marks.avg_start = self._mark()
+
+    def average_done(self) -> None:
+        if self.marks is not None and self.marks.avg_start is not None:
+            self.marks.avg_end = self._mark()
+
     def end(self) -> Marks:
         m, self.marks = self.marks, None
         m.end = self._mark()
@@ -132,6 +147,11 @@ class StepSplit:
                 comm = None
             elif self.comm == "measured":
                 comm = max(0.0, self._seconds(m.handed, m.reduced)) if m.reduced is not None else 0.0
+            avg = max(0.0, self._seconds(m.avg_start, m.avg_end)) if m.avg_end is not None else 0.0
+            if self.averages:
+                rec["average_s"] = avg
+            if comm is not None:
+                comm += avg
             data = m.data_s
             if self.cuda and m.data_events:
                 data = sum(max(0.0, self._seconds(a, b)) for a, b in m.data_events)
@@ -140,7 +160,8 @@ class StepSplit:
             rec["compute_s"] = max(0.0, span - data - (comm or 0.0))
             spans.append(rec["data_s"] + rec["compute_s"] + (comm or 0.0))
             if self.cuda:
-                self._free += [e for e in (m.start, m.handed, m.reduced, m.end) if e is not None]
+                self._free += [e for e in (m.start, m.handed, m.reduced, m.avg_start, m.avg_end, m.end)
+                               if e is not None]
                 self._free += [e for pair in m.data_events for e in pair]
         other = max(0.0, window_s - sum(spans)) / len(records) if records else 0.0
         for rec in records:

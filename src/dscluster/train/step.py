@@ -49,8 +49,12 @@ class TrainStep:
         self.engine, self.b, self.cfg, self.precision = engine, built, cfg, precision
         self.boundary, self.device, self.split, self.gen = boundary, device, split, generator
         self.ddp = built.ddp
+        self.averager = None
+        """sync.mode local_sgd / diloco on several ranks: localsgd.ModelAverager (set by the Trainer)."""
 
-    def run(self, micro: list[list[int]], log_step: bool) -> StepResult:
+    def run(self, micro: list[list[int]], log_step: bool, step: int = 0, step_in_epoch: int = 0) -> StepResult:
+        """One optimizer step; `step` (global, 1-based) and `step_in_epoch` (0-based) place it in the
+        averager's period."""
         engine, b, cfg, boundary, split = self.engine, self.b, self.cfg, self.boundary, self.split
         split.start()
         step_loss = torch.zeros((), device=self.device)
@@ -65,6 +69,8 @@ class TrainStep:
                 loss = F.cross_entropy(engine(x).float(), y)
                 engine.backward(loss * b.loss_weight if b.loss_weight != 1.0 else loss)
             if boundary_step:
+                if self.averager is not None:
+                    self.averager.reduce_gradients(step)
                 split.reductions_done()  # DDP's finalize waited for the buckets' reductions
                 boundary.before_step(want_norm=log_step)  # gradients are all-reduced by now
                 if self.precision == "fp16" and not boundary.device_scale:
@@ -72,6 +78,8 @@ class TrainStep:
             engine.step()
             step_loss += loss.detach() / len(micro)
             samples += len(idx)
+        if self.averager is not None:
+            self.averager.after_step(step, step_in_epoch=step_in_epoch)
         overflow = False
         if self.precision == "fp16" and not boundary.device_scale:
             overflow = bool(getattr(engine.optimizer, "overflow", False))
