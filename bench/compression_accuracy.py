@@ -26,15 +26,10 @@ import time
 from pathlib import Path
 
 from dscluster import paths
-from dscluster.bench.runner import free_port
+from dscluster.bench.runner import as_node_argv, free_port
 from dscluster.fsutil import atomic_write_json
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-AS_NODE = ["unshare", "--uts", "bash", "-c", 'hostname "node$((OMPI_COMM_WORLD_RANK + 1))" && exec "$@"', "as-node"]
-"""Each rank its own host name (a UTS namespace; root): ranks on one machine that training takes for
-separate nodes, as sync.mode local_sgd / diloco needs to average anything across nodes."""
 
 
 def run_option(runs: Path, run_id: str, option: str, seed: int, ranks: int, extra: list[str], timeout: float,
@@ -50,7 +45,8 @@ def run_option(runs: Path, run_id: str, option: str, seed: int, ranks: int, extr
     for var in ("DSCLUSTER_RUNS", "DSCLUSTER_RUN_ID", "MASTER_PORT", "PYTHONUNBUFFERED",
                 *(("GLOO_SOCKET_IFNAME", "MASTER_ADDR") if as_nodes else ())):
         cmd += ["-x", var]
-    cmd += [*(AS_NODE if as_nodes else []), str(paths.venv_bin() / "dscluster"), "train", "--config", str(paths.preset("digits.yaml")),
+    cmd += [*(as_node_argv() if as_nodes else []),
+            str(paths.venv_bin() / "dscluster"), "train", "--config", str(paths.preset("digits.yaml")),
             "progress=false", "checkpoint.every_epochs=0", f"comm.compression={name}", f"seed={seed}",
             *[o for o in more.split("+") if o], *extra]
     t0 = time.time()
@@ -92,8 +88,9 @@ def main() -> int:
                     help="result file (default bench/results/<date>-cpu-digits-compression.json)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per option")
     ap.add_argument("--as-nodes", action="store_true",
-                    help="each rank its own host name (root: a UTS namespace per rank), so that sync.mode local_sgd "
-                         "or diloco averages across 'nodes'; e.g. --options none,none:sync.mode=local_sgd+sync.period=4")
+                    help="each rank its own host name (root: a UTS namespace per rank), so that sync.mode "
+                         "local_sgd or diloco averages across 'nodes'; e.g. "
+                         "--options none,none:sync.mode=local_sgd+sync.period=4")
     args = ap.parse_args()
     options = [o.strip() for o in args.options.split(",") if o.strip()]
     if "none" not in options:

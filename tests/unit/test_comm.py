@@ -14,10 +14,9 @@ import sys
 import pytest
 import torch
 import torch.distributed as tdist
-import torch.multiprocessing as mp
 from test_bad_input import ISOLATE, snapshot
 
-from dscluster.bench.runner import free_port
+from _spawn import spawn_ranks
 from dscluster.errors import UsageError
 from dscluster.train.comm import CommHook
 from dscluster.train.config import ConfigValueError, load_config
@@ -203,17 +202,7 @@ def _gather(value: str, world: int) -> list[str]:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("psgd"))
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_ddp_worker, args=(r, 2, port, tmp, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=180) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    return results, tmp
+    return spawn_ranks(_ddp_worker, 2, tmp), tmp
 
 
 def test_gloo_reduces_fp16_and_bf16_on_cpu(two_ranks):

@@ -34,6 +34,15 @@ def cell(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def as_node_argv(ranks_per_node: int = 1) -> list[str]:
+    """The prefix that runs an mpirun rank's program under its own host name (root: a UTS namespace),
+    node1, node2, ... with `ranks_per_node` consecutive ranks each: ranks on one machine that training
+    takes for separate nodes (sync.mode local_sgd / diloco averages across nodes, inside a node every
+    step). They still share loopback: export GLOO_SOCKET_IFNAME=lo and MASTER_ADDR=127.0.0.1 to them."""
+    name = f'node$((OMPI_COMM_WORLD_RANK / {int(ranks_per_node)} + 1))'
+    return ["unshare", "--uts", "bash", "-c", f'hostname "{name}" && exec "$@"', "as-node"]
+
+
 def torchrun_argv(nprocs: int, module_args: list[str], port: int, python: str = sys.executable) -> list[str]:
     """`python -m torch.distributed.run` with one process per slot on this host, running `-m MODULE ...`."""
     return [python, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nprocs),

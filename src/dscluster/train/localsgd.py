@@ -133,7 +133,7 @@ class ModelAverager:
             return
         if self.mode == "diloco" and self.start is None and step > self.warmup:
             with torch.no_grad():
-                self.start = _flatten_dense_tensors([p.data for p in self.params]).float()
+                self.start = _flatten_dense_tensors([p.data for p in self.params]).float().clone()  # one tensor: a view
         if step <= self.warmup:
             group, w = None, self.world_weight
         elif len(self.node_ranks) > 1:
@@ -169,7 +169,7 @@ class ModelAverager:
     def average(self) -> None:
         """Collective: the weighted mean of every rank's weights (local_sgd), or DiLoCo's outer step on it."""
         data = [p.data for p in self.params]
-        flat = _flatten_dense_tensors(data).float()
+        flat = _flatten_dense_tensors(data).float().clone()  # not a view of a lone parameter
         flat.mul_(self.world_weight)
         tdist.all_reduce(flat)
         if self.mode == "diloco":

@@ -18,8 +18,8 @@ from dscluster.errors import UsageError
 from dscluster.train import autofit, datacache, dist
 from dscluster.train import data as data_mod
 from dscluster.train.config import TrainConfig
-from dscluster.train.localsgd import local
 from dscluster.train.ds_config import build_ds_config
+from dscluster.train.localsgd import local
 from dscluster.train.model import build_model, count_params
 from dscluster.train.precision import input_and_autocast, torch_dtype
 from dscluster.train.sampler import BalancedStepSampler, StepSampler
