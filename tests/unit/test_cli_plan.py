@@ -292,8 +292,8 @@ def plan_2_nodes(lab, capsys, *extra):
     (lab / "two.txt").write_text("node1 slots=1\nnode2 slots=1\n")
     assert main(["plan", "--config", str(REPO / "configs/vit_base.yaml"), "--hostfile", str(lab / "two.txt"),
                  "--busbw", LAB_10GBIT["busbw"], "--compute-s", LAB_10GBIT["compute"],
-                 "--powersgd-s", LAB_10GBIT["powersgd"], "--json", "precision=fp16", "micro_batch=128",
-                 "global_batch=256", *extra]) == 0
+                 "--powersgd-s", LAB_10GBIT["powersgd"], "--json", "--every-step", "precision=fp16",
+                 "micro_batch=128", "global_batch=256", *extra]) == 0
     return json.loads(capsys.readouterr().out)
 
 

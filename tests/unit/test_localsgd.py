@@ -11,36 +11,41 @@ import torch
 import torch.distributed as tdist
 
 from _spawn import spawn_ranks
+from dscluster import syncmode
 from dscluster.errors import UsageError
 from dscluster.train import localsgd
 from dscluster.train.config import load_config
 
 
 def test_sync_points_are_step_numbers_every_rank_shares():
-    at = [s for s in range(1, 51) if localsgd.is_sync_point(s, period=8, step_in_epoch=(s - 1) % 22,
+    at = [s for s in range(1, 51) if syncmode.is_sync_point(s, period=8, step_in_epoch=(s - 1) % 22,
                                                                steps_per_epoch=22, total=50)]
     # every 8th step, each epoch's last (22, 44) and the run's last (50)
     assert at == [8, 16, 22, 24, 32, 40, 44, 48, 50]
-    with_saves = [s for s in range(1, 21) if localsgd.is_sync_point(s, period=8, step_in_epoch=s - 1,
+    with_saves = [s for s in range(1, 21) if syncmode.is_sync_point(s, period=8, step_in_epoch=s - 1,
                                                                      steps_per_epoch=100, total=100, every_steps=5)]
     assert with_saves == [5, 8, 10, 15, 16, 20]
 
 
 def test_nodes_and_weights_follow_hosts_and_shares():
     hosts = ["a", "a", "b", "c"]
-    assert localsgd.node_groups(hosts) == [[0, 1], [2], [3]]
-    inside, whole = localsgd.weights([30, 10, 40, 20], hosts)
+    assert syncmode.node_groups(hosts) == [[0, 1], [2], [3]]
+    inside, whole = syncmode.weights([30, 10, 40, 20], hosts)
     assert inside == [0.75, 0.25, 1.0, 1.0]  # each rank's share of its node's samples
     assert whole == [0.3, 0.1, 0.4, 0.2]
 
 
 def test_labels_key_plan_and_paste_back():
     cfg = load_config(None, ["sync.mode=diloco", "sync.period=16"])
-    assert localsgd.comm_label(cfg) == "diloco:16"
-    assert localsgd.parse_label("diloco:16") == ("diloco", 16)
-    assert localsgd.paste_args("diloco:16") == ["sync.mode=diloco", "sync.period=16"]
-    assert localsgd.comm_label(load_config(None, ["comm.compression=fp16"])) == "fp16"
-    assert localsgd.paste_args("fp16") == ["comm.compression=fp16"]
+    assert syncmode.label(cfg) == "diloco:16"
+    assert syncmode.parse_label("diloco:16") == ("diloco", 16)
+    assert syncmode.parse_label("powersgd") == ("every_step", 1)
+    assert syncmode.paste_args("diloco:16") == ["sync.mode=diloco", "sync.period=16"]
+    assert syncmode.paste_args("local_sgd:8", "fp16") == ["sync.mode=local_sgd", "sync.period=8",
+                                                          "comm.compression=none"]
+    assert syncmode.label(load_config(None, ["comm.compression=fp16"])) == "fp16"
+    assert syncmode.paste_args("fp16") == ["comm.compression=fp16"]
+    assert syncmode.paste_args("none", "local_sgd:8") == ["comm.compression=none", "sync.mode=every_step"]
 
 
 @pytest.mark.parametrize("overrides, words", [

@@ -57,9 +57,13 @@ def test_the_fractal_preset_ships_the_curve_its_gpu_run_measured(tmp_path):
     assert accuracy.reach(curves, 0.9, "none") == {"step": 546, "curves": 2, "reached": 2, "same": True}
     # the two PowerSGD runs were cut after epoch 6, 65-67 % where uncompressed runs had 86-88 %
     assert accuracy.reach(curves, 0.9, "powersgd") == {"step": None, "curves": 2, "reached": 0, "same": True}
-    # the preset's own 15 epochs make another schedule: no curve, and the note says how to get one
-    out = accuracy.predict(load_config(FRACTAL, []), 0.9, 512, {}, None, {}, env)
-    assert out["runs"] == {} and "train once with target_accuracy=0.9" in out["notes"][0]
+    # the preset's own 15 epochs are another schedule, with its own curves: local SGD's keyed by mode and H
+    curves, source = accuracy.curves_for(load_config(FRACTAL, []), 512, env)
+    assert len(curves) == 6 and "2026-11-28-2xh200-sync-local-sgd.json" in source
+    assert accuracy.reach(curves, 0.9, "none") == {"step": 702, "curves": 3, "reached": 3, "same": True}
+    assert accuracy.reach(curves, 0.9, "local_sgd:8") == {"step": 702, "curves": 2, "reached": 2, "same": True}
+    assert accuracy.reach(curves, 0.9, "local_sgd:16")["same"] is False  # no curve of its own: all stand in
+    assert accuracy.trailing(curves, "local_sgd:64") is None  # 0.5 points below at the end: within 1
 
 
 def test_a_damaged_curves_file_names_itself_and_the_fix(tmp_path):
@@ -238,8 +242,9 @@ def test_at_4_epochs_plan_leaves_out_the_compression_whose_8_epoch_curves_trail(
     def plan(*extra: str) -> dict:
         out = subprocess.run([sys.executable, "-m", "dscluster", "plan", "--config", FRACTAL, "--hostfile",
                               str(tmp_path / "hosts.txt"), "--busbw", "0.119", "--compute-s", "0.0278",
-                              "--powersgd-s", "0.0101", "precision=fp16", "epochs=4", "micro_batch=256", *extra,
-                              "--json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                              "--powersgd-s", "0.0101", "--every-step", "precision=fp16", "epochs=4",
+                              "micro_batch=256", *extra, "--json"],
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(out.stdout)
 
@@ -258,9 +263,11 @@ def test_at_4_epochs_plan_leaves_out_the_compression_whose_8_epoch_curves_trail(
                for n in speed["notes"])
 
 
-def plan_fractal_lab(tmp_path, env, *extra):
+def plan_fractal_lab(tmp_path, env, *extra, every_step: bool = True):
+    """plan of the 1+1+2 H100 lab at 10 Gbit; `every_step`: --every-step (compressions only, no local SGD)."""
     (tmp_path / "hosts.txt").write_text("node1 slots=1\nnode2 slots=1\nnode3 slots=2\n")
-    out = subprocess.run([sys.executable, "-m", "dscluster", "plan", "--config", FRACTAL, "--hostfile",
+    out = subprocess.run([sys.executable, "-m", "dscluster", "plan", *(["--every-step"] if every_step else []),
+                          "--config", FRACTAL, "--hostfile",
                           str(tmp_path / "hosts.txt"), "--busbw", "1.19", "--compute-s", "0.0226", "--powersgd-s",
                           "0.02", "precision=fp16", "epochs=8", "micro_batch=128", *extra, "--json"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -15,7 +15,9 @@ import pytest
 
 from dscluster.errors import UsageError
 from dscluster.plan import model
-from dscluster.plan.model import Node, Scenario, predict, recommend
+from dscluster.plan import recommend as recommending
+from dscluster.plan.model import Node, Scenario, predict
+from dscluster.plan.recommend import recommend
 
 VIT_B_PARAMS = 85_806_346
 H200_COMPUTE_S = 128 / 3000  # one GPU alone ~3,000 img/s at micro-batch 128
@@ -191,11 +193,13 @@ def test_1gbit_lab_powersgd_reaches_80_percent_where_fp16_cannot():
 
 
 def test_ladder_starts_at_the_configs_compression_and_keeps_only_what_training_allows():
-    assert model.ladder("none") == ("none", "fp16", "powersgd")
-    assert model.ladder("bf16") == ("bf16", "powersgd")
-    assert model.ladder("powersgd") == ("powersgd",)
-    assert model.ladder("none", allowed=lambda c: c != "fp16") == ("none", "powersgd")
-    assert model.ladder("none", allowed=lambda c: False) == ("none",)
+    local = ("local_sgd:4", "local_sgd:8", "local_sgd:16", "local_sgd:32", "local_sgd:64")
+    assert recommending.ladder("none") == ("none", "fp16", "powersgd", *local)
+    assert recommending.ladder("bf16") == ("bf16", "powersgd", *local)
+    assert recommending.ladder("powersgd") == ("powersgd", *local)
+    assert recommending.ladder("local_sgd:16") == local[2:]
+    assert recommending.ladder("none", allowed=lambda c: c != "fp16") == ("none", "powersgd", *local)
+    assert recommending.ladder("none", allowed=lambda c: False) == ("none",)
 
 
 def test_slowest_node_sets_the_pace():
@@ -366,3 +370,44 @@ def test_a_node_alone_is_priced_at_the_micro_batch_it_trains_at_alone():
     assert rec.choice.prediction.node_images_per_s == after.node_images_per_s
     with pytest.raises(UsageError, match="node3: alone micro-batch 256"):
         replace(own, nodes=(*own.nodes[:2], replace(own.nodes[2], alone_compute_s=0.0)))
+
+
+# --- local SGD every H steps (sync.mode; docs/ethernet-labs.md) -----------------------------------------
+
+VIT_S_GRAD_BYTES = model.gradient_bytes(21_743_000)  # fractal ViT-S/16, fp32: the weights averaged, too
+
+
+def vit_s_lab(busbw: float, nodes: int = 2, label: str = "none") -> Scenario:
+    """Two 1-GPU H200 nodes training the fractal preset: 0.0278 s a micro-batch of 256 (measured)."""
+    return Scenario(nodes=tuple(Node(name=f"node{i + 1}", compute_s=0.0278) for i in range(nodes)),
+                    micro_batch=256, grad_bytes=VIT_S_GRAD_BYTES, busbw_GBps=busbw, compression=label)
+
+
+def test_local_sgd_prices_one_blocking_average_of_the_weights_every_h_steps():
+    for busbw, measured_average_s in ((1.19, 0.071), (0.119, 0.730)):  # median average_s of the H200 runs
+        p = predict(vit_s_lab(busbw, label="local_sgd:8"))
+        assert p.hidden_s == 0  # the average blocks the step it ends
+        assert p.comm_s * 8 == pytest.approx(measured_average_s, rel=0.05)
+        assert p.step_s == pytest.approx(0.0278 + p.comm_s)
+    every = predict(vit_s_lab(1.19))
+    assert predict(vit_s_lab(1.19, label="diloco:8")).step_s == pytest.approx(
+        predict(vit_s_lab(1.19, label="local_sgd:8")).step_s)  # the same bytes, once a period
+    # the measured steady step between averages was 0.038 s at H=8 (10 Gbit), every-step's 0.099 s
+    assert predict(vit_s_lab(1.19, label="local_sgd:8")).step_s == pytest.approx(0.038, rel=0.05)
+    assert every.step_s == pytest.approx(0.099, rel=0.1)
+
+
+def test_the_recommendation_takes_the_shortest_period_that_scales_and_only_across_nodes():
+    fast = recommend(vit_s_lab(1.19))
+    assert fast.choice.compression == "local_sgd:16" and fast.reached and not fast.train_alone
+    assert "local sgd, the models averaged every 16 steps" in fast.summary
+    slow = recommend(vit_s_lab(0.119))
+    assert slow.choice.compression == "local_sgd:64" and not slow.train_alone
+    assert slow.choice.prediction.speedup > 1.3
+    # one node's ranks average every step anyway: never recommended there
+    one = Scenario(nodes=(Node(name="node1", ranks=2, compute_s=0.0278),), micro_batch=256,
+                   grad_bytes=VIT_S_GRAD_BYTES, busbw_GBps=0.119)
+    assert all(":" not in o for o in [recommend(one).choice.compression])
+    # compressions only, as plan --every-step asks
+    only = recommend(vit_s_lab(0.119), compressions=recommending.ladder("none", allowed=lambda c: c == "fp16"))
+    assert only.train_alone and ":" not in only.choice.compression

@@ -52,6 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-global-batch", type=int, default=None, metavar="N",
                    help=f"largest global batch to recommend (default: {model.MAX_GLOBAL_BATCH}; with target_accuracy "
                    "set, the config's own global batch)")
+    p.add_argument("--every-step", action="store_true",
+                   help="recommend only settings that synchronise every step (no sync.mode=local_sgd: for a model "
+                   "whose accuracy you have seen suffer from averaging)")
     p.add_argument("--probe-here", action="store_true",
                    help="measure compute on this machine only and give every node its figure (default: a probe "
                    "on each node over SSH, one per distinct GPU model, cached)")
@@ -65,7 +68,7 @@ def options(args: argparse.Namespace) -> PlanOptions:
     return PlanOptions(config=args.config, overrides=list(args.overrides), hostfile=args.hostfile, busbw=args.busbw,
                        compute_s=args.compute_s, powersgd_s=args.powersgd_s, calibrate=args.calibrate,
                        no_calibration=args.no_calibration, max_global_batch=args.max_global_batch,
-                       probe_here=args.probe_here)
+                       probe_here=args.probe_here, every_step=args.every_step)
 
 
 def plan_command(args: argparse.Namespace) -> int:

@@ -90,12 +90,50 @@ SHIPPED = (
             "PowerSGD rank 4 from step 30, two 1-GPU H100 nodes at 1 Gbit, seed 1, epochs 1-6 (cut there)",
             "bench/results/2026-11-27-2xh100-lab-1gbit-observe-tta.json", "powersgd"),
 )
+_FRACTAL15 = ("configs/vit_small_fractal.yaml", ())
+_SYNC_RESULTS = "bench/results/2026-11-28-2xh200-sync-local-sgd.json"
+SHIPPED += (
+    Shipped(*_FRACTAL15,
+            ((78, 0.0915), (156, 0.1308), (234, 0.186), (312, 0.5078), (390, 0.6359), (468, 0.7596), (546, 0.8532),
+             (624, 0.89), (702, 0.9095), (780, 0.9371), (858, 0.9481), (936, 0.9605), (1014, 0.9662), (1092, 0.9676),
+             (1170, 0.9672)),
+            "one H200 alone, fp16, compiled, seed 1", _SYNC_RESULTS),
+    Shipped(*_FRACTAL15,
+            ((78, 0.0781), (156, 0.1633), (234, 0.2098), (312, 0.1843), (390, 0.4997), (468, 0.6878), (546, 0.7626),
+             (624, 0.8253), (702, 0.8866), (780, 0.9025), (858, 0.9398), (936, 0.9525), (1014, 0.9623),
+             (1092, 0.9655), (1170, 0.9655)),
+            "one H200 alone, fp16, compiled, seed 2", _SYNC_RESULTS),
+    Shipped(*_FRACTAL15,
+            ((78, 0.0935), (156, 0.1281), (234, 0.2728), (312, 0.4801), (390, 0.5745), (468, 0.7311), (546, 0.8234),
+             (624, 0.8926), (702, 0.9112), (780, 0.9412), (858, 0.9522), (936, 0.9644), (1014, 0.9673),
+             (1092, 0.9683), (1170, 0.9687)),
+            "two 1-GPU H200 nodes at 10 Gbit, every step, seed 1", _SYNC_RESULTS),
+    Shipped(*_FRACTAL15,
+            ((78, 0.1036), (156, 0.2164), (234, 0.3353), (312, 0.5427), (390, 0.717), (468, 0.8215), (546, 0.8778),
+             (624, 0.9156), (702, 0.9232), (780, 0.9454), (858, 0.9513), (936, 0.964), (1014, 0.9651),
+             (1092, 0.9657), (1170, 0.9658)),
+            "local SGD every 8 steps, two 1-GPU H200 nodes at 10 Gbit, seed 1", _SYNC_RESULTS, "local_sgd:8"),
+    Shipped(*_FRACTAL15,
+            ((78, 0.0963), (156, 0.1249), (234, 0.267), (312, 0.4714), (390, 0.6327), (468, 0.7719), (546, 0.8665),
+             (624, 0.8834), (702, 0.9209), (780, 0.9321), (858, 0.9488), (936, 0.9559), (1014, 0.9632),
+             (1092, 0.9656), (1170, 0.9658)),
+            "local SGD every 8 steps, two 1-GPU H200 nodes at 10 Gbit, seed 2", _SYNC_RESULTS, "local_sgd:8"),
+    Shipped(*_FRACTAL15,
+            ((78, 0.0726), (156, 0.1691), (234, 0.2491), (312, 0.4516), (390, 0.6486), (468, 0.768), (546, 0.8358),
+             (624, 0.8816), (702, 0.9097), (780, 0.9309), (858, 0.9404), (936, 0.9541), (1014, 0.9612),
+             (1092, 0.9619), (1170, 0.9621)),
+            "local SGD every 64 steps, two 1-GPU H200 nodes at 1 Gbit, seed 1", _SYNC_RESULTS, "local_sgd:64"),
+)
 POWERSGD_EVIDENCE = ("PowerSGD rank 4 from step 30 reached 65.3 and 67.1 % after 6 epochs of fractal ViT-S (two 1-GPU "
                      "nodes at 1 Gbit; 1+1+2 H100s at 10 Gbit), where uncompressed runs reached 87.6 and 85.7 % "
                      "(bench/results/2026-11-27-2xh100-lab-1gbit-observe-tta.json, "
                      "2026-11-27-4xh100-tta-10gbit-1-1-2.json)")
 FP16_EVIDENCE = ("fp16 and bf16 gradients ended within 1 point of uncompressed ones on digits, 4-rank GPU lab, 4 "
                  "seeds (bench/results/2026-11-27-nvidia-h100-lab-1gbit-digits-accuracy.json)")
+SYNC_EVIDENCE = ("local SGD every 8 and every 64 steps reached 90 % at the step every-step training did (702) or "
+                 "sooner, fractal ViT-S on two H200 nodes (bench/results/2026-11-28-2xh200-sync-local-sgd.json); "
+                 "on digits, every 4 and 8 steps ended 0.7 and 0.8 points below every-step training, 5 seeds "
+                 "(bench/results/2026-11-28-cpu-digits-sync-modes.json)")
 TRAIL_POINTS = 0.01
 """A compression whose recorded curves end more than this below uncompressed ones at the same step
 (1 point) is left out of a recommendation made for time to accuracy."""
@@ -323,7 +361,10 @@ def predict(cfg, target: float, global_batch: int, runs: dict, alone: tuple[str,
         elif compression != "none" and not r["same"]:
             evidence = (f"not measured, and two measurements point the other way: {POWERSGD_EVIDENCE}"
                         if compression == "powersgd" else FP16_EVIDENCE)
-            out["notes"].append(f"time to accuracy with {compression}: the recorded curves did not compress, and "
+            what = "the recorded curves did not compress"
+            if ":" in compression:  # a sync label (syncmode.py): MODE:H
+                evidence, what = SYNC_EVIDENCE, f"no recorded curve averaged every {compression.split(':')[1]} steps"
+            out["notes"].append(f"time to accuracy with {compression}: {what}, and "
                                 f"{LABELS[name]} is priced as if it reached {target:.1%} at the same step; "
                                 + evidence)
     lab = [v["seconds"] for k, v in out["runs"].items() if k != "alone" and v["seconds"]]

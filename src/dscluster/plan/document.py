@@ -8,15 +8,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from dscluster.plan import accuracy, datafeed, model, predicted, wholerun
+from dscluster import syncmode
+from dscluster.plan import accuracy, datafeed, model, predicted, recommend, wholerun
 from dscluster.plan import calibrate as calibration_run
 from dscluster.plan import nodes as node_probe
-from dscluster.plan.inputs import COMPRESSION_KEY, PlanInputs, PlanOptions, figure_of
+from dscluster.plan.inputs import PlanInputs, PlanOptions, figure_of
 
 SCHEMA_VERSION = 1
 
 
-def overrides(cfg, current_global: int, option: model.Option | None, micro: int, start: int | None = None) -> list[str]:
+def overrides(cfg, current_global: int, option: recommend.Option | None, micro: int,
+              start: int | None = None) -> list[str]:
     """key=value for `./entry_cn.sh` / `dscluster train`: all three batch keys, so the trainer's
     check micro × accum × world = global holds whatever the preset says, the compression, and
     PowerSGD's start step where the rule moves it (`wholerun.start_for`)."""
@@ -26,18 +28,18 @@ def overrides(cfg, current_global: int, option: model.Option | None, micro: int,
                f"global_batch={option.prediction.global_batch}"]
         if cfg.optim.lr_reference_batch is None:
             out.append(f"optim.lr_reference_batch={current_global}")  # linear LR scaling, as DeiT's recipe
-    if option is not None and option.compression != cfg.comm.compression:
-        out.append(f"{COMPRESSION_KEY}={option.compression}")
+    if option is not None and option.compression != syncmode.label(cfg):
+        out += syncmode.paste_args(option.compression, syncmode.label(cfg))
     if option is not None and start is not None and start != wholerun.start_for(cfg, option.compression, 2,
                                                                                recommended=False):
         out.append(f"comm.powersgd_start_step={start}")
     return out
 
 
-def saved_entries(doc: dict, cfg, rec: model.Recommendation, opts: PlanOptions) -> dict[str, dict]:
+def saved_entries(doc: dict, cfg, rec: recommend.Recommendation, opts: PlanOptions) -> dict[str, dict]:
     """What `train` looks up at the end of a run (plan/predicted.py): the config as given and each
     recommended setting, keyed by what decides its figure, with its run costs (plan/phases.py)."""
-    settings = [("now", cfg.comm.compression, doc["prediction"], [])]
+    settings = [("now", syncmode.label(cfg), doc["prediction"], [])]
     for name in ("choice", "without_compression"):
         o = getattr(rec, name)
         if o is not None:
@@ -82,7 +84,7 @@ def scenario_of(inputs: PlanInputs, calibration: dict[str, dict]) -> model.Scena
                              **node_probe.alone_of(inputs.how, h.name)) for h in inputs.hostfile.hosts)
     return model.Scenario(nodes=nodes, micro_batch=inputs.micro, grad_accum=inputs.accum,
                           grad_bytes=model.gradient_bytes(inputs.params, model.FORMAT_BYTES[inputs.grad_format]),
-                          grad_format=inputs.grad_format, compression=cfg.comm.compression,
+                          grad_format=inputs.grad_format, compression=syncmode.label(cfg),
                           powersgd_rank=cfg.comm.powersgd_rank, matrices=inputs.matrices,
                           busbw_GBps=inputs.busbw, bucket_bytes=cfg.ddp_bucket_mb * 2**20,
                           latency_s=inputs.latency, powersgd_s=inputs.powersgd_s or 0.0,
@@ -91,13 +93,13 @@ def scenario_of(inputs: PlanInputs, calibration: dict[str, dict]) -> model.Scena
                           balanced=node_probe.uses_balanced(cfg))
 
 
-def uses_powersgd(cfg, rec: model.Recommendation, world: int) -> bool:
+def uses_powersgd(cfg, rec: recommend.Recommendation, world: int) -> bool:
     """The config or the recommendation sends PowerSGD factors across several ranks."""
     return world > 1 and (cfg.comm.compression == "powersgd"
                           or (rec.choice is not None and rec.choice.compression == "powersgd"))
 
 
-def notes_of(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict], rec: model.Recommendation,
+def notes_of(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict], rec: recommend.Recommendation,
              p: model.Prediction) -> list[str]:
     """What the reader should know about the inputs and the model's reach, one line each."""
     cfg, world, powersgd_s = inputs.cfg, inputs.world, inputs.powersgd_s
@@ -137,7 +139,8 @@ def notes_of(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict]
 
 
 def setting_runs(inputs: PlanInputs, scenario: model.Scenario, prediction: model.Prediction,
-                 rec: model.Recommendation, rec_scenario: model.Scenario) -> tuple[dict[str, dict | None], list[str]]:
+                 rec: recommend.Recommendation,
+                 rec_scenario: model.Scenario) -> tuple[dict[str, dict | None], list[str]]:
     """The whole-run prediction of the config as given ("now") and of each recommended setting (made
     from `rec_scenario`), and the notes on them (`wholerun`)."""
     cfg, world = inputs.cfg, inputs.world
@@ -192,7 +195,7 @@ def batch_limit(opts: PlanOptions, cfg, global_batch: int) -> tuple[int, str | N
 
 
 def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
-          runs: list[dict] | None = None) -> tuple[dict, model.Recommendation]:
+          runs: list[dict] | None = None) -> tuple[dict, recommend.Recommendation]:
     """The plan document from measured inputs and the calibration, saved for `train` to compare with."""
     cfg, world = inputs.cfg, inputs.world
     scenario = scenario_of(inputs, calibration)
@@ -203,9 +206,10 @@ def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
     curves, source = accuracy.curves_for(cfg, scenario.global_batch)  # read once for the whole plan
     family = accuracy.family_for(cfg, scenario.global_batch)
     slow_learners = learning_too_slowly(cfg, curves, family)
-    rec = model.recommend(rec_scenario, max_global_batch=limit,
-                          compressions=model.ladder(cfg.comm.compression,
-                                                    allowed=lambda c: inputs.allowed.get(c) and c not in slow_learners))
+    rec = recommend.recommend(rec_scenario, max_global_batch=limit,
+                          compressions=recommend.ladder(syncmode.label(cfg), allowed=lambda c: (
+                              inputs.allowed.get(c) and c not in slow_learners
+                              and not (opts.every_step and c in model.SYNC_LADDER))))
     whole, run_notes = setting_runs(inputs, scenario, prediction, rec, rec_scenario)
     choice_start = ((whole.get("choice") or {}).get("costs") or {}).get("start_step")
     doc = {
@@ -215,7 +219,8 @@ def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
                    "images_per_s": n.images_per_s(inputs.micro), "alone_micro": n.alone_micro,
                    "alone_compute_s": n.alone_compute_s} for n in scenario.nodes],
         "micro_batch": inputs.micro, "grad_accum": inputs.accum, "global_batch": scenario.global_batch,
-        "precision": inputs.precision, "compression": cfg.comm.compression, "grad_format": inputs.grad_format,
+        "precision": inputs.precision, "compression": cfg.comm.compression, "sync": syncmode.label(cfg),
+        "grad_format": inputs.grad_format,
         "grad_bytes": int(scenario.grad_bytes), "wire_bytes": int(scenario.wire_bytes),
         "busbw_GBps": inputs.busbw, "busbw_source": inputs.source, "compute": inputs.how,
         "latency_s": inputs.latency, "powersgd_s": inputs.powersgd_s, "calibration": calibration,
@@ -292,12 +297,12 @@ def learning_too_slowly(cfg, curves: list[dict], family: list[tuple[str, list[di
             for c, w in why.items() if w}
 
 
-def time_to_accuracy(cfg, global_batch: int, whole: dict, rec: model.Recommendation, p: model.Prediction,
+def time_to_accuracy(cfg, global_batch: int, whole: dict, rec: recommend.Recommendation, p: model.Prediction,
                      curves: tuple[list[dict], str]) -> dict:
     """plan/accuracy.py's prediction for the config as given, the recommendation (where it keeps the
     global batch the recorded curves were made at) and the fastest node alone, from `curves`
     (accuracy.curves_for's answer)."""
-    runs, compressions = {"now": whole.get("now")}, {"now": cfg.comm.compression}
+    runs, compressions = {"now": whole.get("now")}, {"now": syncmode.label(cfg)}
     choice = rec.choice
     if choice is not None and choice.prediction.global_batch == global_batch:
         runs["choice"], compressions["choice"] = whole.get("choice"), choice.compression

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dscluster import state
+from dscluster import state, syncmode
 from dscluster.check import checkfile
 from dscluster.check.checkfile import CheckFileError
 from dscluster.errors import UsageError
@@ -46,6 +46,8 @@ class PlanOptions:
     """Largest global batch to recommend; None: `batch_limit`'s rule."""
     probe_here: bool = False
     """Measure compute on this machine only and give every node its figure (default: on each node)."""
+    every_step: bool = False
+    """Recommend no local SGD (model.SYNC_LADDER): only settings that synchronise every step."""
 
     def __post_init__(self):
         if self.calibrate and self.no_calibration:
@@ -283,18 +285,21 @@ def planned_precision(cfg) -> tuple[str, str | None]:
 
 
 def allowed_compressions(cfg, precision: str) -> tuple[dict[str, bool], list[str]]:
-    """Which comm.compression values training accepts for this config, by training's own rule, and
-    why not where it refuses one."""
+    """Which comm.compression values (and local SGD settings, model.SYNC_LADDER) training accepts for this
+    config, by training's own rules, and why not where it refuses one."""
     import copy
 
-    from dscluster.train.config_checks import ConfigValueError, compression_conflict
+    from dscluster.train.config_checks import ConfigValueError, compression_conflict, sync_conflict
 
     ok, why = {}, {}
-    for comp in model.COMPRESSIONS:
+    for comp in (*model.COMPRESSIONS, *model.SYNC_LADDER):
+        mode, period = syncmode.parse_label(comp)
         trial = copy.deepcopy(cfg)
-        trial.comm.compression = comp
+        trial.comm.compression = comp if period == 1 else "none"
+        trial.sync.mode, trial.sync.period = mode, max(2, period)
         try:
             compression_conflict(trial, precision)
+            sync_conflict(trial, precision)
             ok[comp] = True
         except ConfigValueError as e:
             ok[comp] = False

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from dscluster.plan import alone, model, predicted
+from dscluster.plan import alone, model, predicted, recommend
 from dscluster.plan import calibrate as calibration_run
 from dscluster.plan.document import build, run_key, save, saved_entry, scenario_of, uses_powersgd
 from dscluster.plan.inputs import PlanInputs, PlanOptions, calibrations_with, measure
@@ -32,7 +32,7 @@ def calibration_of(opts: PlanOptions, inputs: PlanInputs) -> dict[str, dict]:
 
 
 def calibrate(opts: PlanOptions, inputs: PlanInputs, doc: dict,
-              rec: model.Recommendation) -> tuple[dict, model.Recommendation]:
+              rec: recommend.Recommendation) -> tuple[dict, recommend.Recommendation]:
     """--calibrate: where PowerSGD is in play on several ranks and no run here has measured it yet,
     one short PowerSGD run of this config on the hostfile's nodes (the README's mpirun of
     entry_cn.sh); `train` records it against the model's step like any run,

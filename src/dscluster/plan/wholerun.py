@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from dscluster import syncmode
 from dscluster.plan import datafeed, model, phases
 
 
@@ -22,7 +23,11 @@ def powersgd_start(cfg) -> int:
 def start_for(cfg, compression: str, world: int, *, recommended: bool) -> int | None:
     """PowerSGD's start step in a run of this setting (None: nothing starts late). A recommendation
     that compresses with PowerSGD pastes phases.POWERSGD_START_STEP where the config's start is later."""
-    if compression != "powersgd" or world <= 1:
+    if world <= 1:
+        return None
+    if syncmode.parse_label(compression)[1] > 1:  # local SGD: its warm-up steps all-reduce every step
+        return cfg.sync.warmup_steps or None
+    if compression != "powersgd":
         return None
     own = powersgd_start(cfg)
     return (phases.recommended_start(own) or own) if recommended else own
@@ -34,16 +39,20 @@ def costs(cfg, s: model.Scenario, p: model.Prediction, *, start: int | None, fac
     """The run costs of scenario `s` (predicted as `p`), whose steps after `start` are compressed;
     `uncalibrated`: the model's steps before calibration (what train's outcomes are measured against);
     `eval_s_per_image`: train's evaluation measured by the probe, else a third of rank 0's compute."""
-    plain = model.predict(replace(s, compression="none")) if s.compression == "powersgd" else p
+    period = s.sync_period
+    plain = model.predict(replace(s, compression="none")) if s.compression == "powersgd" or period > 1 else p
     pick = (lambda q: q.model_step_s) if uncalibrated else (lambda q: q.step_s)
+    spe = max(1, facts.train_n // s.global_batch)
+    # local SGD also averages at every epoch's end (syncmode.is_sync_point): spread over the epoch's steps
+    epoch_average = p.comm_s * period / spe if period > 1 and spe % period else 0.0
     rank0 = eval_s_per_image or s.nodes[0].compute_s / s.micro_batch * phases.FORWARD_SHARE  # rank 0 evaluates
     feed = facts.feed_step_s(s.micro_batch * s.grad_accum)
     every = cfg.checkpoint
     return phases.RunCosts(
-        plain_step_s=max(pick(plain), feed), step_s=max(pick(p), feed), start_step=start,
+        plain_step_s=max(pick(plain), feed), step_s=max(pick(p) + epoch_average, feed), start_step=start,
         warmup_extra_s=warmup_extra_s, eval_s=facts.eval_s(facts.holdout_n * rank0),
         save_s=params * phases.CHECKPOINT_BYTES_PER_PARAM / (phases.CHECKPOINT_WRITE_GBps * 1e9),
-        steps_per_epoch=max(1, facts.train_n // s.global_batch), eval_every_epochs=cfg.eval_every_epochs,
+        steps_per_epoch=spe, eval_every_epochs=cfg.eval_every_epochs,
         checkpoint_every_epochs=every.every_epochs, checkpoint_every_steps=every.every_steps,
         cache_fill_s=facts.fill_s(), cache_images=facts.cached_images, cache_workers=facts.workers)
 

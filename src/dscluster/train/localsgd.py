@@ -18,7 +18,7 @@ which DeepSpeed's engine steps with torch's AdamW. The inner optimizer state (Ad
 each rank's own, as in both papers. Rank weights follow the data: a rank's share of the global batch
 (balanced batching gives a slow node less), for the gradients within a node as for the models.
 
-Sync points (`is_sync_point`) are global step numbers, the same on every rank whatever each rank's
+Sync points (syncmode.is_sync_point) are global step numbers, the same on every rank whatever each rank's
 fp16 loss scaler did: a step an overflow made one rank skip is still a step of the period. At each
 average the loss scalers agree too (the smallest scale and growth count of any rank), so a rank that
 overflowed alone does not train on at another scale. Epoch ends are sync points as well (rank 0
@@ -39,8 +39,8 @@ import torch.distributed as tdist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from dscluster.fsutil import atomic_write_bytes
+from dscluster.syncmode import is_sync_point, node_groups, weights
 
-MODES = ("every_step", "local_sgd", "diloco")
 SYNC_DIR = "sync"
 """Per-rank averager state inside a checkpoint tag: sync/rank-R.pt."""
 
@@ -48,54 +48,6 @@ SYNC_DIR = "sync"
 def local(cfg) -> bool:
     """Whether the run synchronises less often than every step."""
     return cfg.sync.mode != "every_step"
-
-
-def comm_label(cfg) -> str:
-    """The run's communication setting as one word, for plan's keys and curves: comm.compression on
-    the every-step path, `MODE:H` (local_sgd:8, diloco:16) when synchronising every H steps."""
-    return cfg.comm.compression if not local(cfg) else f"{cfg.sync.mode}:{cfg.sync.period}"
-
-
-def parse_label(label: str) -> tuple[str, int]:
-    """`comm_label`'s inverse for the sync part: (mode, period); every_step and 1 for a compression."""
-    mode, _, h = label.partition(":")
-    if mode in MODES[1:] and h.isdigit():
-        return mode, int(h)
-    return "every_step", 1
-
-
-def paste_args(label: str) -> list[str]:
-    """The overrides that select `label` (what plan prints to paste)."""
-    mode, h = parse_label(label)
-    if mode == "every_step":
-        return [f"comm.compression={label}"]
-    return [f"sync.mode={mode}", f"sync.period={h}"]
-
-
-def is_sync_point(step: int, *, period: int, step_in_epoch: int, steps_per_epoch: int, total: int,
-                  every_steps: int = 0) -> bool:
-    """Whether global `step` (1-based) ends with an average across ranks: every `period` steps, at an
-    epoch's last step, at a checkpoint.every_steps save and at the run's last step."""
-    return (step % period == 0 or step_in_epoch + 1 >= steps_per_epoch or step >= total
-            or bool(every_steps and step % every_steps == 0))
-
-
-def node_groups(hosts: list[str]) -> list[list[int]]:
-    """Ranks grouped by host (hosts by rank), in the order the hosts first appear."""
-    groups: dict[str, list[int]] = {}
-    for rank, host in enumerate(hosts):
-        groups.setdefault(host, []).append(rank)
-    return list(groups.values())
-
-
-def weights(shares: list[int], hosts: list[str]) -> tuple[list[float], list[float]]:
-    """(each rank's weight inside its node, each rank's weight in the whole job): its share of the
-    samples of its node, and of all. Uniform batching: 1/ranks of the node, 1/world."""
-    total = sum(shares)
-    node_total = {}
-    for s, h in zip(shares, hosts, strict=True):
-        node_total[h] = node_total.get(h, 0) + s
-    return [s / node_total[h] for s, h in zip(shares, hosts, strict=True)], [s / total for s in shares]
 
 
 class ModelAverager:

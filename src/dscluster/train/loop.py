@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from dscluster import console, cpus, liveness
+from dscluster import console, cpus, liveness, syncmode
 from dscluster.errors import DsclusterError, UsageError
 from dscluster.fsutil import atomic_write_json, atomic_write_text
 from dscluster.plan import predicted
@@ -393,7 +393,7 @@ class Trainer:
         record.run_s, record.run_images_per_s = round(run_s, 3), out.run_images_per_s
         record.time_to_accuracy = self.tta.summary()
         if self.primary and not self.calibrate and self.start.global_step == 0:
-            self.tta.keep(self.cfg, compression=localsgd.comm_label(self.cfg), ranks=self.rank.info.world_size,
+            self.tta.keep(self.cfg, compression=syncmode.label(self.cfg), ranks=self.rank.info.world_size,
                           run_id=record.run_id)
         if self.primary and not self.calibrate:
             plan_vs_measured(self.cfg, self.b, gb, self.rank.precision, self.rank.info, out, record, self.timed())
@@ -419,7 +419,7 @@ def plan_vs_measured(cfg: TrainConfig, b, gb: int, precision: str, info, out: Ou
     comparison, with a warning that names it."""
     try:
         cmp = predicted.compare(predicted.key(model=cfg.model.name, micro_batch=max(b.shares), global_batch=gb,
-                                              precision=precision, compression=localsgd.comm_label(cfg),
+                                              precision=precision, compression=syncmode.label(cfg),
                                               ranks=info.world_size), out.images_per_s, run=run)
     except UsageError as e:
         console.err.print(f"[yellow]warning:[/yellow] no plan comparison: {e}")
@@ -428,7 +428,7 @@ def plan_vs_measured(cfg: TrainConfig, b, gb: int, precision: str, info, out: Ou
         record.plan = cmp
         console.err.print(f"dscluster train: {predicted.line(cmp)}")
         try:  # the next `plan` corrects itself by what this lab really did
-            predicted.record(cmp, model=cfg.model.name, precision=precision, compression=localsgd.comm_label(cfg),
+            predicted.record(cmp, model=cfg.model.name, precision=precision, compression=syncmode.label(cfg),
                              ranks=info.world_size, global_batch=gb, run_id=record.run_id)
         except OSError as e:
             console.err.print(f"[yellow]warning:[/yellow] plan outcome not kept ({e})")

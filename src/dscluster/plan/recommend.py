@@ -1,0 +1,145 @@
+"""plan's recommendation: the smallest change that makes the lab scale, searched over the model's
+predictions (plan/model.py): gradient accumulation (ACCUM_CHOICES), then the settings of LADDER at each
+(compressions, then local SGD every H steps on several nodes), the first that reaches the target
+efficiency within the global batch limit, else the fastest; and whether even that is slower than the
+fastest node alone. Pure arithmetic, no torch; docs/plan.md is the reference."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from dscluster import syncmode
+from dscluster.errors import UsageError
+from dscluster.plan.model import (
+    ACCUM_CHOICES,
+    LADDER,
+    MAX_GLOBAL_BATCH,
+    TARGET_EFFICIENCY,
+    Prediction,
+    Scenario,
+    predict,
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Option:
+    """One setting the recommendation tried, and its prediction."""
+
+    grad_accum: int
+    compression: str
+    prediction: Prediction
+
+    def to_dict(self) -> dict:
+        return {"grad_accum": self.grad_accum, "compression": self.compression,
+                "global_batch": self.prediction.global_batch, "prediction": self.prediction.to_dict()}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Recommendation:
+    target_efficiency: float
+    max_global_batch: int
+    reached: bool
+    """Some option within max_global_batch reaches target_efficiency."""
+    choice: Option | None
+    """The smallest change that reaches the target, else the fastest option within the limit;
+    None when not even the current micro-batch × ranks fits the limit."""
+    without_compression: Option | None
+    """When choice compresses: the same search without compression (what accumulation alone does)."""
+    needed: Option | None
+    """When nothing within the limit reaches the target: the smallest accumulation (a power of 2
+    up to 4096, the strongest compression tried) that would, beyond the limit; None if none does."""
+    train_alone: bool
+    """Even choice is slower than the fastest node alone: train there."""
+    summary: str
+
+    def to_dict(self) -> dict:
+        return {"target_efficiency": self.target_efficiency, "max_global_batch": self.max_global_batch,
+                "reached": self.reached, "train_alone": self.train_alone, "summary": self.summary,
+                **{k: (getattr(self, k).to_dict() if getattr(self, k) else None)
+                   for k in ("choice", "without_compression", "needed")}}
+
+
+def _options(s: Scenario, compressions: tuple[str, ...], accums, max_global_batch: int | None) -> list[Option]:
+    """Options in order of preference: the smallest global batch first (a larger one changes the
+    optimisation: learning rate, steps per epoch), then no compression before compression."""
+    out = []
+    for accum in accums:
+        for comp in compressions:
+            # a recommended setting states its batch in full: micro × accum × ranks, split evenly
+            trial = replace(s, grad_accum=accum, compression=comp, samples_per_step=None)
+            if max_global_batch is None or trial.global_batch <= max_global_batch:
+                out.append(Option(grad_accum=accum, compression=comp, prediction=predict(trial)))
+    return out
+
+
+def _first_reaching(options: list[Option], target: float) -> Option | None:
+    return next((o for o in options if o.prediction.efficiency >= target), None)
+
+
+def _best(options: list[Option]) -> Option | None:
+    # max() keeps the first of equals: the smaller batch, the uncompressed one
+    return max(options, key=lambda o: o.prediction.images_per_s) if options else None
+
+
+def ladder(current: str, allowed=None) -> tuple[str, ...]:
+    """The compressions worth trying from the config's own upward (LADDER, bf16 in fp16's place if
+    the config asks for bf16), those `allowed` (a predicate: training's rule, config_checks) only."""
+    rungs = tuple("bf16" if c == "fp16" and current == "bf16" else c for c in LADDER)
+    start = rungs.index(current) if current in rungs else 0
+    return tuple(c for c in rungs[start:] if allowed is None or c == current or allowed(c)) or (current,)
+
+
+def recommend(s: Scenario, *, target: float = TARGET_EFFICIENCY, max_global_batch: int = MAX_GLOBAL_BATCH,
+              compressions: tuple[str, ...] | None = None) -> Recommendation:
+    """The smallest gradient accumulation of ACCUM_CHOICES, with the smallest compression of
+    `compressions` (default: `ladder` from the scenario's), that reaches `target` efficiency within
+    `max_global_batch`; else the fastest within it."""
+    if not 0 < target <= 1:
+        raise UsageError(f"target efficiency {target} must be in (0, 1]")
+    if max_global_batch < 1:
+        raise UsageError(f"max global batch {max_global_batch} must be at least 1")
+    comps = compressions or ladder(s.compression, allowed=lambda c: c != "powersgd" or bool(s.matrices))
+    if len(s.nodes) < 2:  # one node's ranks average every step anyway (train/localsgd.py)
+        comps = tuple(c for c in comps if syncmode.parse_label(c)[1] == 1) or ("none",)
+    options = _options(s, comps, ACCUM_CHOICES, max_global_batch)
+    plain = [o for o in options if o.compression == "none"]
+    choice = _first_reaching(options, target)
+    reached = choice is not None
+    choice = choice or _best(options)
+    without = None
+    if choice is not None and choice.compression != "none":
+        without = _first_reaching(plain, target) or _best(plain)
+    needed = None
+    if not reached:
+        needed = _first_reaching(_options(s, comps[-1:], [2**k for k in range(13)], None), target)
+    train_alone = len(s.nodes) > 1 and (choice is None or choice.prediction.speedup < 1)
+    return Recommendation(target_efficiency=target, max_global_batch=max_global_batch, reached=reached,
+                          choice=choice, without_compression=without, needed=needed, train_alone=train_alone,
+                          summary=_summary(s, choice, reached, needed, train_alone, target, max_global_batch))
+
+
+def describe(o: Option) -> str:
+    comp = f" with {o.compression} gradient compression" if o.compression != "none" else ""
+    mode, h = syncmode.parse_label(o.compression)
+    if h > 1:
+        comp = f" with {mode.replace('_', ' ')}, the models averaged every {h} steps"
+    if o.compression == "powersgd":
+        comp = " with powersgd gradient compression (low-rank, error feedback)"
+    p = o.prediction
+    return (f"grad_accum {o.grad_accum} (global batch {p.global_batch:,}){comp}: {p.step_s:.2f} s/step, "
+            f"{p.images_per_s:,.0f} img/s, {p.efficiency:.0%} efficiency, {p.speedup:.1f}× {p.fastest_node} alone")
+
+
+def _summary(s, choice, reached, needed, train_alone, target, limit) -> str:
+    if choice is None:
+        return (f"micro_batch {s.micro_batch} × {s.world} ranks is already above the global batch limit "
+                f"{limit:,}: lower micro_batch")
+    if reached:
+        return f"reaches {target:.0%}: {describe(choice)}"
+    text = f"nothing within global batch {limit:,} reaches {target:.0%}; the best is {describe(choice)}"
+    if needed is not None:
+        text += f"; {target:.0%} would need {describe(needed)}"
+    if train_alone:
+        best = max(choice.prediction.node_images_per_s.items(), key=lambda kv: kv[1])
+        text += f". Train on {best[0]} alone ({best[1]:,.0f} img/s) until the network is faster"
+    return text
