@@ -71,3 +71,21 @@ def test_ranks_of_one_node_take_shades_of_its_colour_family(tmp_path):
     # as in the run's other plots: node1's two ranks two shades of its family, node2 another family
     assert colour[0] == shade(HOST_FAMILIES[0], 0, 2) and colour[1] == shade(HOST_FAMILIES[0], 1, 2)
     assert colour[2] == shade(HOST_FAMILIES[1], 0, 1) and len(set(colour.values())) == 3
+
+
+def test_local_sgd_shows_the_models_average_apart_from_compute(tmp_path):
+    """sync.mode local_sgd: average_s is part of comm_s; the split keeps it apart, never inside compute."""
+    run_dir = with_split(make_run(tmp_path, world=2, hosts=["node1", "node2"], steps=16), comm_s=0.01)
+    for path in (run_dir / "metrics").glob("rank-*.jsonl"):
+        recs = [json.loads(line) for line in path.read_text().splitlines()]
+        for r in recs:
+            if r["kind"] == "step":
+                r["average_s"] = 0.01 if r["step"] % 4 == 0 else 0.0
+                r["comm_s"] = r["average_s"]
+        path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    run = load_run(run_dir)
+    plot = plot_step_split(run, tmp_path / "plots")
+    for label in ("rank 0 (node1)", "rank 1 (node2)"):
+        compute, comm, _, _ = plot.series[f"split {label}"]["y"]
+        [average] = plot.series[f"average {label}"]["y"]
+        assert compute == 0.08 and 0 < average == comm  # every wait was the average, none went to compute

@@ -215,7 +215,8 @@ class RankSplit:
     steps: int
     """Steps averaged (after warm-up, when there are more)."""
     seconds: dict[str, float | None]
-    """Mean seconds per step of each SPLIT_PARTS entry; comm_s None where training could not measure it."""
+    """Mean seconds per step of each SPLIT_PARTS entry; comm_s None where training could not measure it;
+    with sync.mode local_sgd or diloco also average_s, the models' average, which comm_s includes."""
     step_s: float
     """Mean step_time over the same steps."""
 
@@ -239,6 +240,9 @@ def step_split(run: RunData) -> list[RankSplit]:
             values = [s.get(part) for s in steps]
             seconds[part] = (None if any(not isinstance(v, (int, float)) for v in values)
                              else statistics.fmean(values))
+        averages = [s.get("average_s") for s in steps]
+        if all(isinstance(v, (int, float)) for v in averages):  # sync.mode local_sgd / diloco: part of comm_s
+            seconds["average_s"] = statistics.fmean(averages)
         out.append(RankSplit(rank=rank, host=rm.host, steps=len(steps), seconds=seconds,
                              step_s=statistics.fmean(s["step_time"] for s in steps)))
     return out
