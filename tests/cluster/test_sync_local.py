@@ -76,14 +76,17 @@ def test_local_sgd_averages_on_the_period_and_resumes_on_it(tmp_path):
         assert after[-5:] == [24, 28, 32, 36, 40]
 
 
-def test_a_nodes_own_ranks_reduce_every_step(tmp_path):
-    """4 ranks on 2 'nodes' of 2: gradients meet inside the node every step (comm_s on every step), the
-    models across nodes every 8 steps."""
+def test_a_nodes_own_ranks_reduce_every_step_with_balanced_shares(tmp_path):
+    """4 ranks on 2 'nodes' of 2, with balanced batching's uneven shares: gradients meet inside the node every
+    step (comm_s on every step), the models across nodes every 8 steps, each rank on its own share."""
     runs = tmp_path / "runs"
-    train(runs, "hier", "sync.mode=local_sgd", "sync.period=8", "max_steps=10", np=4, per_node=2)
+    shares = [20, 12, 20, 12]
+    train(runs, "hier", "sync.mode=local_sgd", "sync.period=8", "max_steps=10", "batching=balanced",
+          f"shares=[{','.join(map(str, shares))}]", np=4, per_node=2)
     run = runs / "hier"
     for rank in range(4):
         recs = steps(run, rank)
         assert [s["step"] for s in recs if s["average_s"] > 0] == [8, 10]
         assert all(s["comm_s"] > 0 for s in recs)
+        assert {s["samples"] for s in recs} == {shares[rank]}
     assert {steps(run, r)[0]["host"] for r in range(4)} == {"node1", "node2"}
