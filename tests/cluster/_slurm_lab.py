@@ -106,10 +106,10 @@ def cgroup_mounts() -> str:
     node's own mount namespace (gone with it); Slurm is told to put nothing in them (linuxproc)."""
     if Path("/sys/fs/cgroup/cgroup.controllers").exists():  # cgroup v2 only (systemd hosts today)
         return "mount -t cgroup2 none /sys/fs/cgroup"
-    v1 = ("cpuset", "memory", "devices", "freezer")
+    v1 = {c: c for c in ("cpuset", "memory", "devices", "freezer")} | {"systemd": "none,name=systemd"}
     return "; ".join(["mount -t tmpfs -o mode=755 cgroup_root /sys/fs/cgroup",
-                      *(f"mkdir /sys/fs/cgroup/{c}; mount -t cgroup -o {c} cgroup /sys/fs/cgroup/{c}" for c in v1),
-                      "mkdir /sys/fs/cgroup/systemd; mount -t cgroup -o none,name=systemd cgroup /sys/fs/cgroup/systemd"])
+                      *(f"mkdir /sys/fs/cgroup/{c}; mount -t cgroup -o {o} cgroup /sys/fs/cgroup/{c}"
+                        for c, o in v1.items())])
 
 
 @dataclass

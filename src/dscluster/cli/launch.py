@@ -258,18 +258,23 @@ def _run_torchrun(args: argparse.Namespace, report: dict, plan: builders.LaunchP
             for c in commands:
                 print(redact.redact_text(f"ssh {shlex.quote(c.host)} {shlex.quote(c.shell)}"))
         return 0
-    from dscluster.launch.run import nodes_exit_code, run_over_ssh
+    from dscluster.launch.run import failed_first, nodes_exit_code, run_over_ssh
 
     key = Path.home() / ".ssh" / "id_ed25519"
     print(f"dscluster launch: run {report['run_id']} -> {report['run_dir']} "
           f"(torchrun on {len(commands)} nodes, rendezvous {plan.master_addr}:{plan.master_port})", file=sys.stderr)
     results = run_over_ssh(commands, known_hosts=out.state_dir / "known_hosts",
                            key_filename=str(key) if key.exists() else None)
-    bad = [r for r in results if r.rc != 0]
+    bad = failed_first(results)
     for r in bad:
         print(f"dscluster launch: {r.host}: " + (r.error or f"torchrun exited {r.rc}"), file=sys.stderr)
     if bad:
-        print(f"dscluster launch: torchrun failed on {', '.join(r.host for r in bad)}", file=sys.stderr)
+        # The first node to fail is where the job broke; torchrun's report above it names the rank.
+        then = f" (then {', '.join(r.host for r in bad[1:])})" if bad[1:] else ""
+        run_dir = report["run_dir"]
+        print(f"dscluster launch: torchrun failed on {bad[0].host} first{then}; "
+              f"per-rank logs and metrics are in {run_dir}; `dscluster diagnose {run_dir}` names the rank",
+              file=sys.stderr)
     return nodes_exit_code(results)
 
 
