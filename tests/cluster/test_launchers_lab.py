@@ -103,22 +103,56 @@ def test_slurm_script_trains_digits_on_every_node(lab2, slurm):
     assert_trained_everywhere(lab2, lab2.runs / f"slurm-{job}")
 
 
+def submit(lab2, run_id: str) -> tuple[object, Path, str]:
+    """`launch --launcher slurm --submit` (LONG) started in node1: (its process, its log, the job id)."""
+    log = lab2.work / f"{run_id}.log"
+    proc = lab2.popen(f"{DSCLUSTER} launch --launcher slurm --submit --run-id {run_id} --script {run_id}.sbatch "
+                      f"-- {' '.join(LONG)}", log)
+    found = wait_until(lambda: re.search(r"Slurm job (\d+), run", log.read_text()) or proc.poll() is not None, 60,
+                       "launch --submit naming the job", explain=lambda: log.read_text()[-3000:])
+    assert proc.poll() is None, log.read_text()[-3000:]
+    return proc, log, found.group(1)
+
+
+def ended(proc, log: Path) -> tuple[int, str]:
+    try:
+        return proc.wait(timeout=Deadline(TIMEOUT_S + 90).allowed), log.read_text(errors="replace")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def assert_gone_everywhere(lab2, run_id: str) -> None:
+    wait_until(lambda: not job_processes(lab2.lab, run_id), 30, f"every process of {run_id} gone",
+               explain=lambda: str(job_processes(lab2.lab, run_id)))
+
+
 def test_rank_killed_under_srun_ends_the_job_on_every_node_naming_the_rank(lab2, slurm):
-    job, out = sbatch(lab2, "kill", *LONG, wait=False)
-    run = lab2.runs / f"slurm-{job}"
-    host = kill_rank(lab2.lab, run, 1, 3, lambda: job_state(slurm, job) in ("PENDING", "RUNNING"))
+    proc, log, job = submit(lab2, "srun-kill")
+    run = lab2.runs / "srun-kill"
+    host = kill_rank(lab2.lab, run, 1, 3, lambda: proc.poll() is None)
     t0 = time.monotonic()
-    wait_until(lambda: job_state(slurm, job) not in ("PENDING", "RUNNING", "COMPLETING"), TIMEOUT_S + 60,
-               f"Slurm job {job} ending after rank 1 was killed", explain=lambda: out.read_text()[-3000:])
-    took = time.monotonic() - t0
-    print(f"rank 1 SIGKILLed under srun: job {job} {job_state(slurm, job)} after {took:.1f} s")
-    log = out.read_text(errors="replace")
-    assert job_state(slurm, job) == "FAILED", log[-3000:]
-    assert "task 1" in log and host in log, log[-3000:]   # srun: "error: node2: task 1: Killed"
-    wait_until(lambda: not job_processes(lab2.lab, run.name), 30, f"every process of {run.name} gone",
-               explain=lambda: str(job_processes(lab2.lab, run.name)))
+    rc, out = ended(proc, log)
+    print(f"rank 1 SIGKILLed under srun: launch --submit exited {rc} after {time.monotonic() - t0:.1f} s")
+    assert rc not in (0, None) and job_state(slurm, job) == "FAILED", out[-3000:]
+    assert f"srun: error: {host}: task 1: Exited with exit code 137" in out, out[-3000:]  # streamed by launch
+    assert f"dscluster launch: Slurm job {job} ended FAILED" in out, out[-3000:]
+    assert_gone_everywhere(lab2, run.name)
     rc, doc = diagnose(run)
     assert rc == 1 and [f["rank"] for f in doc["findings"] if f["kind"] == "rank_died"] == [1], doc["findings"]
+
+
+def test_scancel_ends_the_job_on_every_node_and_launch_says_so(lab2, slurm):
+    proc, log, job = submit(lab2, "scancel")
+    run = lab2.runs / "scancel"
+    wait_until(lambda: [r for r in records(run, 0, "step") if r["step"] >= 2] or proc.poll() is not None,
+               STARTUP_S, "rank 0 at step 2", explain=lambda: log.read_text()[-3000:])
+    assert lab2.sh(f"scancel {job}").returncode == 0
+    rc, out = ended(proc, log)
+    print(f"scancel: launch --submit exited {rc}")
+    assert rc == 1 and job_state(slurm, job) == "CANCELLED", out[-3000:]
+    assert f"dscluster launch: Slurm job {job} was cancelled (scancel); Slurm stopped every rank" in out
+    assert_gone_everywhere(lab2, run.name)
 
 
 # --- torchrun, one agent per node over SSH -------------------------------------------------------
@@ -148,7 +182,6 @@ def test_rank_killed_under_torchrun_ends_the_job_on_every_node_naming_the_rank(l
     assert f"dscluster launch: torchrun failed on {host} first" in out, out[-3000:]
     # torchrun's own failure report, from the node where the rank died
     assert re.search(rf"\[{host}\] +rank +: 1 \(local_rank: 0\)", out), out[-3000:]
-    wait_until(lambda: not job_processes(lab2.lab, "tr-kill"), 30, "every process of tr-kill gone",
-               explain=lambda: str(job_processes(lab2.lab, "tr-kill")))
+    assert_gone_everywhere(lab2, "tr-kill")
     rc, doc = diagnose(run)
     assert rc == 1 and [f["rank"] for f in doc["findings"] if f["kind"] == "rank_died"] == [1], doc["findings"]
