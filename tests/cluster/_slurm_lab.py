@@ -101,15 +101,12 @@ if [ -s "$f" ]; then echo "export CUDA_VISIBLE_DEVICES=$(cat "$f")"; fi
 
 
 def cgroup_mounts() -> str:
-    """Shell that gives a node the host's kind of cgroup tree: slurmd 22.05 will not start without one,
-    and `ip netns exec` mounted the node a fresh /sys with /sys/fs/cgroup empty. Mounted in the
-    node's own mount namespace (gone with it); Slurm is told to put nothing in them (linuxproc)."""
-    if Path("/sys/fs/cgroup/cgroup.controllers").exists():  # cgroup v2 only (systemd hosts today)
-        return "mount -t cgroup2 none /sys/fs/cgroup"
-    v1 = {c: c for c in ("cpuset", "memory", "devices", "freezer")} | {"systemd": "none,name=systemd"}
-    return "; ".join(["mount -t tmpfs -o mode=755 cgroup_root /sys/fs/cgroup",
-                      *(f"mkdir /sys/fs/cgroup/{c}; mount -t cgroup -o {o} cgroup /sys/fs/cgroup/{c}"
-                        for c, o in v1.items())])
+    """Shell that gives a node the cgroup tree slurmd 22.05 needs to start: `ip netns exec` mounted
+    the node a fresh /sys with /sys/fs/cgroup empty. A tmpfs with one named v1 hierarchy (no
+    controllers) is enough with proctrack/linuxproc and task/none, and it mounts on a cgroup v1,
+    hybrid or v2 host alike; it lives in the node's mount namespace and goes with it."""
+    return ("mount -t tmpfs -o mode=755 cgroup_root /sys/fs/cgroup; mkdir /sys/fs/cgroup/systemd; "
+            "mount -t cgroup -o none,name=systemd cgroup /sys/fs/cgroup/systemd")
 
 
 @dataclass
