@@ -10,7 +10,7 @@ so `sbatch`, `srun` and `sinfo` work in a node as on a real cluster, with no var
 Why a test helper and not `dscluster sim`: dscluster writes sbatch scripts for a cluster someone
 else runs; standing Slurm up is not something its users ask of it, and the daemon configuration
 would become a product contract to keep. The lab's GPU sim needs it only for a measurement, which
-`python tests/cluster/_slurm_lab.py LAB` starts by hand (and `sim down LAB` ends).
+`PYTHONPATH=tests python tests/cluster/_slurm_lab.py LAB` starts by hand (and `sim down LAB` ends).
 
     slurm = start_slurm(lab)      # returns once `sinfo` shows every node idle
     slurm.sinfo()
@@ -42,6 +42,10 @@ def gpu_indices(lab, node) -> list[str]:
     """The host GPUs the sim gave this node (its CUDA_VISIBLE_DEVICES), [] on a CPU lab."""
     visible = lab.env("root", node=node.name).get("CUDA_VISIBLE_DEVICES", "")
     return [g for g in visible.split(",") if g.strip()]
+
+
+def gpu_device(index: str) -> str:
+    return f"/dev/nvidia{index}"
 
 
 def node_line(lab, node) -> str:
@@ -160,7 +164,8 @@ def start_slurm(lab) -> Slurm:
                   "cat > /etc/slurm/slurm.conf")
         lab.run(node.name, script, user="root", input=conf, check=True)
         if gpu_indices(lab, node):
-            gres = f"NodeName={node.hostname} Name=gpu Count={len(gpu_indices(lab, node))}\n"
+            # gres/gpu counts device files (a Count alone registers 0 GPUs and the node goes INVAL).
+            gres = "".join(f"NodeName={node.hostname} Name=gpu File={gpu_device(i)}\n" for i in gpu_indices(lab, node))
             lab.run(node.name, "cat > /etc/slurm/gres.conf", user="root", input=gres, check=True)
         # --force: munged runs as root here (the node's passwd is the lab's, not the package's).
         _daemon(lab, node.name, ["munged", "--force", f"--key-file={key}", f"--socket={base}/munge/munge.socket",
@@ -182,8 +187,7 @@ def start_slurm(lab) -> Slurm:
 
 
 if __name__ == "__main__":
-    # By hand, e.g. on the GPU lab: python tests/cluster/_slurm_lab.py LAB (as root, lab already up).
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    # By hand, e.g. on the GPU lab (as root, the lab up): PYTHONPATH=tests python tests/cluster/_slurm_lab.py LAB
     from dscluster.sim import lab as sim
 
     running = sim.load(sys.argv[1])
