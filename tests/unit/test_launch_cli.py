@@ -161,6 +161,8 @@ def test_torchrun_exit_code_is_the_first_failed_nodes():
     assert nodes_exit_code([NodeResult("node1", 0), NodeResult("node2", 3), NodeResult("node3", 5)]) == 3
     assert nodes_exit_code([NodeResult("node1", None, "connection refused"), NodeResult("node2", 0)]) == 1
     assert nodes_exit_code([NodeResult("node1", -1)]) == 1  # the SSH server sent no exit status
+    # the node that failed first is where the job broke: its code, wherever it stands in the hostfile
+    assert nodes_exit_code([NodeResult("node1", 1, ended=2.0), NodeResult("node2", 137, ended=1.0)]) == 137
 
 
 # --- a launcher that does not end by itself (run_job's watch) -------------------------------------

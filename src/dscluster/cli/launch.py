@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import shlex
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ EPILOG = """examples:
   dscluster launch --launcher deepspeed                   # DeepSpeed's launcher (openmpi runner)
   dscluster launch --launcher torchrun                    # one torchrun agent per node over SSH
   dscluster launch --launcher slurm                       # write an sbatch script, print how to submit
+  dscluster launch --launcher slurm --submit              # ... and submit it, streaming the job's output
 """
 
 
@@ -60,6 +62,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="extra variable for every rank (repeatable), e.g. --env NCCL_DEBUG=INFO")
     p.add_argument("--run-id", help="run directory name under runs/ (default: launch-<date>-<time>)")
     p.add_argument("--script", help="slurm: where to write the sbatch script (default <state>/dscluster-train.sbatch)")
+    p.add_argument("--submit", action="store_true",
+                   help="slurm: submit the script with sbatch and follow the job (its output streamed, its exit "
+                   "code; Ctrl-C cancels it) instead of printing how to submit it")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then arguments for `dscluster train`")
     p.set_defaults(func=launch_command)
 
@@ -166,6 +171,9 @@ def build_plan(args: argparse.Namespace) -> tuple[builders.LaunchPlan, CheckOutp
 def launch_command(args: argparse.Namespace) -> int:
     if args.json and not args.dry_run:
         raise UsageError("--json describes the command without running it: add --dry-run")
+    if args.submit and args.launcher != "slurm":
+        raise UsageError(f"--submit submits a Slurm script: add --launcher slurm (--launcher {args.launcher} "
+                         "starts the job itself)")
     plan, out = build_plan(args)
     run_id = plan.exports["DSCLUSTER_RUN_ID"]
     run_dir = Path(plan.exports["DSCLUSTER_RUNS"]) / run_id
@@ -258,18 +266,23 @@ def _run_torchrun(args: argparse.Namespace, report: dict, plan: builders.LaunchP
             for c in commands:
                 print(redact.redact_text(f"ssh {shlex.quote(c.host)} {shlex.quote(c.shell)}"))
         return 0
-    from dscluster.launch.run import nodes_exit_code, run_over_ssh
+    from dscluster.launch.run import failed_first, nodes_exit_code, run_over_ssh
 
     key = Path.home() / ".ssh" / "id_ed25519"
     print(f"dscluster launch: run {report['run_id']} -> {report['run_dir']} "
           f"(torchrun on {len(commands)} nodes, rendezvous {plan.master_addr}:{plan.master_port})", file=sys.stderr)
     results = run_over_ssh(commands, known_hosts=out.state_dir / "known_hosts",
                            key_filename=str(key) if key.exists() else None)
-    bad = [r for r in results if r.rc != 0]
+    bad = failed_first(results)
     for r in bad:
         print(f"dscluster launch: {r.host}: " + (r.error or f"torchrun exited {r.rc}"), file=sys.stderr)
     if bad:
-        print(f"dscluster launch: torchrun failed on {', '.join(r.host for r in bad)}", file=sys.stderr)
+        # The first node to fail is where the job broke; torchrun's report above it names the rank.
+        then = f" (then {', '.join(r.host for r in bad[1:])})" if bad[1:] else ""
+        run_dir = report["run_dir"]
+        print(f"dscluster launch: torchrun failed on {bad[0].host} first{then}; "
+              f"per-rank logs and metrics are in {run_dir}; `dscluster diagnose {run_dir}` names the rank",
+              file=sys.stderr)
     return nodes_exit_code(results)
 
 
@@ -292,5 +305,30 @@ def _write_slurm(args: argparse.Namespace, report: dict, plan: builders.LaunchPl
         return 0
     atomic_write_text(path, script, mode=0o755)
     print(f"wrote {path}")
+    if args.submit:
+        return _submit_slurm(path, plan, report)
     print(f"submit with: {builders.display(builders.sbatch_argv(str(path)))}")
     return 0
+
+
+def _submit_slurm(path: Path, plan: builders.LaunchPlan, report: dict) -> int:
+    from dscluster.launch import slurmjob
+
+    argv = slurmjob.sbatch_submit_argv(str(path))
+    print(f"+ {builders.display(argv)}", file=sys.stderr, flush=True)
+    try:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    except FileNotFoundError:
+        print("dscluster launch: sbatch: command not found (run this on a Slurm login node)", file=sys.stderr)
+        return 127
+    job_id = res.stdout.strip().split(";")[0]
+    if res.returncode != 0 or not job_id.isdigit():
+        print(f"dscluster launch: sbatch exited {res.returncode}: {res.stderr.strip() or res.stdout.strip()}",
+              file=sys.stderr)
+        return res.returncode or 1
+    run_dir = Path(report["run_dir"].replace("<job id>", job_id))
+    print(f"dscluster launch: Slurm job {job_id}, run {run_dir.name} -> {run_dir}", file=sys.stderr, flush=True)
+    end, interrupted = slurmjob.follow(job_id, Path(plan.cwd) / slurmjob.OUTPUT.replace("%j", job_id))
+    code, message = slurmjob.job_report(end, run_dir, interrupted=interrupted)
+    print(f"dscluster launch: {message}", file=sys.stderr)
+    return code

@@ -240,6 +240,9 @@ class NodeResult:
     host: str
     rc: int | None
     error: str | None = None
+    ended: float = float("inf")
+    """time.monotonic() when the node's command ended: the first to fail is where the job broke
+    (the other nodes' ranks fail after it, when their collective times out or is torn down)."""
 
 
 def run_over_ssh(commands: list[NodeCommand], *, known_hosts: Path, key_filename: str | None,
@@ -264,7 +267,7 @@ def run_over_ssh(commands: list[NodeCommand], *, known_hosts: Path, key_filename
                                     timeout=connect_timeout)
         except Exception as e:  # noqa: BLE001 - reported per node
             with lock:
-                results[cmd.host] = NodeResult(cmd.host, None, str(e))
+                results[cmd.host] = NodeResult(cmd.host, None, str(e), time.monotonic())
             failed.set()
             return
         clients.append(client)
@@ -289,7 +292,7 @@ def run_over_ssh(commands: list[NodeCommand], *, known_hosts: Path, key_filename
             sys.stdout.write(f"[{cmd.host}] {buf.decode('utf-8', 'replace').rstrip()}\n")
         rc = chan.recv_exit_status()
         with lock:
-            results[cmd.host] = NodeResult(cmd.host, rc)
+            results[cmd.host] = NodeResult(cmd.host, rc, ended=time.monotonic())
         if rc != 0:
             failed.set()
 
@@ -318,10 +321,15 @@ def run_over_ssh(commands: list[NodeCommand], *, known_hosts: Path, key_filename
     return [results.get(c.host, NodeResult(c.host, None, "stopped: another node failed")) for c in commands]
 
 
+def failed_first(results: list[NodeResult]) -> list[NodeResult]:
+    """The nodes whose command failed, the first to end first (stopped ones last)."""
+    return sorted((r for r in results if r.rc != 0), key=lambda r: r.ended)
+
+
 def nodes_exit_code(results: list[NodeResult]) -> int:
     """The first failed node's own exit code; 1 when a node failed without one (no connection,
     stopped, or an SSH server that sent no status: Paramiko's -1)."""
-    for r in results:
+    for r in failed_first(results):
         if r.rc:
             return r.rc if r.rc > 0 else 1
     return 1 if any(r.rc is None for r in results) else 0

@@ -1,0 +1,189 @@
+"""The launchers that do not go through mpirun, for real on a 2-node lab: a Slurm script read by a
+real Slurm (slurmctld on node1, slurmd and munged on both; tests/cluster/_slurm_lab.py) and
+torchrun agents started over SSH on every node. After the real `setup` and `check`.
+
+Per launcher: one digits job that completes (one run directory, telemetry from every node, `plot`
+and `diagnose` read it) and one in which rank 1 is SIGKILLed, which must end the job on every
+node and name the rank. The model and data are shrunk so each job is start-up plus a few seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from _slurm_lab import slurm_skip_reason, start_slurm
+from test_faults import diagnose, job_processes, records
+from test_launch_lab import DSCLUSTER, explain, set_up
+
+from _wait import Deadline, wait_until
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+TIMEOUT_S = 20  # dist.timeout_s: how long a surviving rank waits for a dead one
+STARTUP_S = 240  # 2 ranks starting DeepSpeed on shared cores, load-scaled by Deadline
+SHRINK = ("--config", "configs/digits.yaml", "progress=false", "model.depth=2", "model.embed_dim=48",
+          "model.num_heads=3", "data.img_size=16", "micro_batch=8", "global_batch=16", "grad_accum=1",
+          "log_every=1", "eval_every_epochs=100", "checkpoint.every_epochs=0", f"dist.timeout_s={TIMEOUT_S}")
+SHORT = (*SHRINK, "data.limit=160", "epochs=1")     # 10 steps
+LONG = (*SHRINK, "data.limit=2048", "epochs=4")     # long enough to be killed at step 3
+
+
+@pytest.fixture(scope="module")
+def lab2(lab_factory):
+    c = set_up(lab_factory, "launcherslab", nodes=2)
+    check = c.sh(f"{DSCLUSTER} check --hostfile {c.hostfile}", timeout=300)
+    assert check.returncode == 0, explain(check)
+    return c
+
+
+@pytest.fixture(scope="module")
+def slurm(lab2):
+    reason = slurm_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    return start_slurm(lab2.lab)
+
+
+def sbatch(lab2, name: str, *train_args: str, wait: bool) -> tuple[str, Path]:
+    """`launch --launcher slurm` writes the script, `sbatch` submits it: (job id, its output file)."""
+    script = f"{name}.sbatch"
+    wrote = lab2.sh(f"{DSCLUSTER} launch --launcher slurm --script {script} -- {' '.join(train_args)}")
+    assert wrote.returncode == 0 and f"sbatch {script}" in wrote.stdout, explain(wrote)
+    res = lab2.sh(f"sbatch --parsable {'--wait ' if wait else ''}--output={name}-%j.out {script}",
+                  timeout=Deadline(STARTUP_S + 300).allowed)
+    job = res.stdout.strip().split(";")[0]
+    assert job.isdigit(), explain(res)
+    return job, lab2.work / f"{name}-{job}.out"
+
+
+def job_state(slurm, job: str) -> str:
+    out = slurm.sh(f"scontrol show job {job}").stdout
+    return next((w.split("=", 1)[1] for w in out.split() if w.startswith("JobState=")), "?")
+
+
+def kill_rank(lab, run: Path, rank: int, step: int, alive) -> str:
+    """SIGKILL `rank` inside its node once it has logged `step`; returns its host."""
+    deadline = Deadline(STARTUP_S)
+    while not [r for r in records(run, rank, "step") if r["step"] >= step]:
+        assert alive(), "the job ended before the rank reached the step"
+        assert not deadline.passed(), f"rank {rank} did not reach step {step} in {deadline.allowed:.0f} s"
+        time.sleep(0.2)
+    start = records(run, rank, "start")[-1]
+    node = next(n for n in lab.nodes if n.hostname == start["host"])
+    lab.run(node.name, ["kill", "-KILL", str(start["pid"])], user="root", check=True)
+    return node.name
+
+
+def assert_trained_everywhere(lab2, run: Path, *, plot: bool = False) -> None:
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "complete" and summary["world_size"] == 2, summary
+    hosts = sorted(n.hostname for n in lab2.lab.nodes)
+    assert sorted(p.stem for p in (run / "telemetry").glob("*.jsonl")) == hosts
+    assert sorted(json.loads((run / "env" / f"rank-{r}.json").read_text())["host"] for r in (0, 1)) == hosts
+    assert diagnose(run)[0] == 0
+    if plot:  # once per module: the plots read the same files whoever launched
+        res = lab2.sh(f"{DSCLUSTER} plot {run}", timeout=300)
+        assert res.returncode == 0 and list((run / "plots").glob("*.png")), explain(res)
+
+
+# --- Slurm ------------------------------------------------------------------------------------
+
+def test_slurm_script_trains_digits_on_every_node(lab2, slurm):
+    before = lab2.run_names()
+    job, out = sbatch(lab2, "ok", *SHORT, wait=True)
+    log = out.read_text(errors="replace")
+    assert job_state(slurm, job) == "COMPLETED", log[-3000:]
+    assert lab2.run_names() - before == {f"slurm-{job}"}, log[-3000:]  # one run directory, named by the job
+    assert f"run slurm-{job} on 2 nodes, head node1" in log
+    assert_trained_everywhere(lab2, lab2.runs / f"slurm-{job}", plot=True)
+
+
+def submit(lab2, run_id: str) -> tuple[object, Path, str]:
+    """`launch --launcher slurm --submit` (LONG) started in node1: (its process, its log, the job id)."""
+    log = lab2.work / f"{run_id}.log"
+    proc = lab2.popen(f"{DSCLUSTER} launch --launcher slurm --submit --run-id {run_id} --script {run_id}.sbatch "
+                      f"-- {' '.join(LONG)}", log)
+    found = wait_until(lambda: re.search(r"Slurm job (\d+), run", log.read_text()) or proc.poll() is not None, 60,
+                       "launch --submit naming the job", explain=lambda: log.read_text()[-3000:])
+    assert proc.poll() is None, log.read_text()[-3000:]
+    return proc, log, found.group(1)
+
+
+def ended(proc, log: Path) -> tuple[int, str]:
+    try:
+        return proc.wait(timeout=Deadline(TIMEOUT_S + 90).allowed), log.read_text(errors="replace")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def assert_gone_everywhere(lab2, run_id: str) -> None:
+    wait_until(lambda: not job_processes(lab2.lab, run_id), 30, f"every process of {run_id} gone",
+               explain=lambda: str(job_processes(lab2.lab, run_id)))
+
+
+def test_rank_killed_under_srun_ends_the_job_on_every_node_naming_the_rank(lab2, slurm):
+    proc, log, job = submit(lab2, "srun-kill")
+    run = lab2.runs / "srun-kill"
+    host = kill_rank(lab2.lab, run, 1, 3, lambda: proc.poll() is None)
+    t0 = time.monotonic()
+    rc, out = ended(proc, log)
+    print(f"rank 1 SIGKILLed under srun: launch --submit exited {rc} after {time.monotonic() - t0:.1f} s")
+    assert rc not in (0, None) and job_state(slurm, job) == "FAILED", out[-3000:]
+    assert f"srun: error: {host}: task 1: Exited with exit code 137" in out, out[-3000:]  # streamed by launch
+    assert f"dscluster launch: Slurm job {job} ended FAILED" in out, out[-3000:]
+    assert_gone_everywhere(lab2, run.name)
+    assert json.loads((run / "summary.json").read_text())["status"] == "failed"
+    rc, doc = diagnose(run)
+    assert rc == 1 and [f["rank"] for f in doc["findings"] if f["kind"] == "rank_died"] == [1], doc["findings"]
+
+
+def test_scancel_ends_the_job_on_every_node_and_launch_says_so(lab2, slurm):
+    proc, log, job = submit(lab2, "scancel")
+    run = lab2.runs / "scancel"
+    wait_until(lambda: [r for r in records(run, 0, "step") if r["step"] >= 2] or proc.poll() is not None,
+               STARTUP_S, "rank 0 at step 2", explain=lambda: log.read_text()[-3000:])
+    assert lab2.sh(f"scancel {job}").returncode == 0
+    rc, out = ended(proc, log)
+    print(f"scancel: launch --submit exited {rc}")
+    assert rc == 1 and job_state(slurm, job) == "CANCELLED", out[-3000:]
+    assert f"dscluster launch: Slurm job {job} was cancelled (scancel); Slurm stopped every rank" in out
+    assert_gone_everywhere(lab2, run.name)
+
+
+# --- torchrun, one agent per node over SSH -------------------------------------------------------
+
+def test_torchrun_trains_digits_on_every_node(lab2):
+    res = lab2.sh(f"{DSCLUSTER} launch --launcher torchrun --run-id tr-ok -- {' '.join(SHORT)}",
+                  timeout=Deadline(STARTUP_S + 300).allowed)
+    assert res.returncode == 0, explain(res)
+    assert_trained_everywhere(lab2, lab2.runs / "tr-ok")
+
+
+def test_rank_killed_under_torchrun_ends_the_job_on_every_node_naming_the_rank(lab2):
+    log = lab2.work / "tr-kill.log"
+    proc = lab2.popen(f"{DSCLUSTER} launch --launcher torchrun --run-id tr-kill -- {' '.join(LONG)}", log)
+    run = lab2.runs / "tr-kill"
+    try:
+        host = kill_rank(lab2.lab, run, 1, 3, lambda: proc.poll() is None)
+        t0 = time.monotonic()
+        rc = proc.wait(timeout=Deadline(TIMEOUT_S + 60).allowed)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    took = time.monotonic() - t0
+    out = log.read_text(errors="replace")
+    print(f"rank 1 SIGKILLed under torchrun: launch exited {rc} after {took:.1f} s")
+    assert rc not in (0, None), out[-3000:]
+    assert f"dscluster launch: torchrun failed on {host} first" in out, out[-3000:]
+    # torchrun's own failure report, from the node where the rank died
+    assert re.search(rf"\[{host}\] +rank +: 1 \(local_rank: 0\)", out), out[-3000:]
+    assert_gone_everywhere(lab2, "tr-kill")
+    rc, doc = diagnose(run)
+    assert rc == 1 and [f["rank"] for f in doc["findings"] if f["kind"] == "rank_died"] == [1], doc["findings"]
