@@ -335,9 +335,8 @@ def plot_gpu_health(run: RunData, out: Path) -> Plot:
 
 
 SPLIT_STYLE = {"compute_s": ("compute", 0.0, ""), "comm_s": ("waiting for the network", 0.35, "///"),
-               "data_s": ("waiting for data", 0.6, "..."),
-               "other_s": ("between steps (eval, checkpoints, logs)", 0.8, "xx"),
-               "average_s": ("averaging the models (sync.mode)", 0.2, "\\\\")}
+               "average_s": ("averaging the models (sync.mode)", 0.2, "\\\\"), "data_s": ("waiting for data", 0.6,
+               "..."), "other_s": ("between steps (eval, checkpoints, logs)", 0.8, "xx")}
 """Each part of a step: legend label, how much lighter than the rank's own shade, hatch."""
 SMOOTH = 10
 """Steps in the running mean of the network share over the run (single CPU steps are noisy)."""
@@ -363,13 +362,11 @@ def plot_step_split(run: RunData, out: Path) -> Plot:
     colours = host_colours(run)
     xs = list(range(len(splits)))
     bottoms = [0.0] * len(splits)
-    averaged = any("average_s" in s.seconds for s in splits)
-    parts = [*SPLIT_PARTS[:2], "average_s", *SPLIT_PARTS[2:]] if averaged else list(SPLIT_PARTS)
-    for part in parts:
+    averaged = all("average_s" in s.seconds for s in splits)  # sync.mode: drawn apart from the rest of comm
+    for part in [*SPLIT_PARTS[:2], "average_s", *SPLIT_PARTS[2:]] if averaged else SPLIT_PARTS:
         label, light, hatch = SPLIT_STYLE[part]
-        heights = [s.seconds.get(part) or 0.0 for s in splits]
-        if averaged and part == "comm_s":  # the models' average is drawn on its own, on top of the rest of comm
-            heights = [h - (s.seconds.get("average_s") or 0.0) for h, s in zip(heights, splits, strict=True)]
+        heights = [(s.seconds.get(part) or 0.0) - (s.seconds["average_s"] if averaged and part == "comm_s" else 0.0)
+                   for s in splits]
         faces = [_lighter(_rank_style(run, s.rank, colours)[0], light) for s in splits]
         ax_b.bar(xs, heights, bottom=bottoms, color=faces, hatch=hatch, edgecolor="#444444", linewidth=0.6)
         ax_b.bar([0], [0], color="#dddddd", hatch=hatch, edgecolor="#444444", label=label)  # legend swatch only
@@ -381,12 +378,9 @@ def plot_step_split(run: RunData, out: Path) -> Plot:
                       color=STRAGGLER_COLOUR if share is not None and share > COMM_BOUND_SHARE else "black")
         colour, _, label = _rank_style(run, s.rank, colours)
         plot.series[f"split {label}"] = {"x": list(SPLIT_PARTS), "y": [s.seconds.get(p) for p in SPLIT_PARTS],
-                                         "colour": [colour]}
-        if "average_s" in s.seconds:
-            plot.series[f"average {label}"] = {"x": ["average_s"], "y": [s.seconds["average_s"]]}
+                                         "colour": [colour], "average_s": s.seconds.get("average_s")}
     ax_b.set_xticks(xs, [f"r{s.rank}\n{s.host or '?'}" for s in splits], fontsize=8)
-    ax_b.set_ylabel("seconds per step (mean after warm-up)")
-    ax_b.set_ylim(0, max(bottoms) * 1.25 or 1)
+    ax_b.set(ylabel="seconds per step (mean after warm-up)", ylim=(0, max(bottoms) * 1.25 or 1))
     ax_b.grid(alpha=0.3, axis="y")
     ax_b.legend(fontsize=7, loc="upper left")
     for s in splits:
@@ -400,9 +394,7 @@ def plot_step_split(run: RunData, out: Path) -> Plot:
         plot.series[f"comm_share {label}"] = {"x": sx, "y": sy}
     ax_t.axhline(100 * COMM_BOUND_SHARE, color="#7f7f7f", ls="--", lw=1,
                  label=f"{COMM_BOUND_SHARE:.0%}: cannot scale 80%")
-    ax_t.set_xlabel("optimizer step")
-    ax_t.set_ylabel(f"waiting for the network (% of step, mean of {SMOOTH})")
-    ax_t.set_ylim(0, 100)
+    ax_t.set(xlabel="optimizer step", ylabel=f"waiting for the network (% of step, mean of {SMOOTH})", ylim=(0, 100))
     ax_t.grid(alpha=0.3)
     ax_t.legend(fontsize=7, loc="best")
     share = comm_share(splits)

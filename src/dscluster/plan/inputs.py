@@ -285,18 +285,16 @@ def planned_precision(cfg) -> tuple[str, str | None]:
 
 
 def allowed_compressions(cfg, precision: str) -> tuple[dict[str, bool], list[str]]:
-    """Which comm.compression values (and local SGD settings, model.SYNC_LADDER) training accepts for this
-    config, by training's own rules, and why not where it refuses one."""
+    """Which comm.compression values and local SGD settings training accepts here, by its rules, and why not."""
     import copy
 
     from dscluster.train.config_checks import ConfigValueError, compression_conflict, sync_conflict
 
     ok, why = {}, {}
     for comp in (*model.COMPRESSIONS, *model.SYNC_LADDER):
-        mode, period = syncmode.parse_label(comp)
-        trial = copy.deepcopy(cfg)
-        trial.comm.compression = comp if period == 1 else "none"
-        trial.sync.mode, trial.sync.period = mode, max(2, period)
+        (mode, period), trial = syncmode.parse_label(comp), copy.deepcopy(cfg)
+        trial.comm.compression, trial.sync.mode = comp if period == 1 else "none", mode
+        trial.sync.period = max(2, period)
         try:
             compression_conflict(trial, precision)
             sync_conflict(trial, precision)

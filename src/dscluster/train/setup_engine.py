@@ -186,14 +186,7 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
     notes.extend(shape.notes)
     plan, shares = shape.batch, list(shape.shares)
     syncs_less = local(cfg) and info.world_size > 1
-    if shape.per_rank and not syncs_less:  # local SGD weighs the ranks where it averages (localsgd.weights)
-        from dscluster.train.balanced import loss_weight
-
-        weight = loss_weight(shares[info.rank], info.world_size, sum(shares))
-        sampler = BalancedStepSampler(len(splits.train), shares, plan.grad_accum, info.rank, cfg.seed)
-    else:
-        weight = 1.0
-        sampler = StepSampler(len(splits.train), shares, plan.grad_accum, info.rank, cfg.seed)
+    sampler, weight = _sampler(cfg, info, shape.per_rank, shares, plan.grad_accum, len(splits.train), syncs_less)
     sampler = data_mod.with_loader(sampler, splits, cfg.data, device, info.local_world_size, notes)
 
     spe = sampler.steps_per_epoch
@@ -234,6 +227,18 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
                  ds_config=ds_cfg, dtype=dtype, params=count_params(model), total_steps=total,
                  autocast=autocast,
                  share_plan=share_plan, notes=notes, ddp=ddp, comm=hook, split=split, data_cache=cached)
+
+
+def _sampler(cfg, info, per_rank: bool, shares: list[int], accum: int, n: int, syncs_less: bool):
+    """(the step sampler, this rank's loss weight): balanced shares weigh each rank's mean loss so that the
+    ranks' average is the global batch's mean; local SGD weighs the ranks where it averages instead
+    (localsgd.weights), so each rank's loss is its own mean."""
+    if not per_rank:
+        return StepSampler(n, shares, accum, info.rank, cfg.seed), 1.0
+    from dscluster.train.balanced import loss_weight
+
+    weight = 1.0 if syncs_less else loss_weight(shares[info.rank], info.world_size, sum(shares))
+    return BalancedStepSampler(n, shares, accum, info.rank, cfg.seed), weight
 
 
 def peak_lr(cfg: TrainConfig, global_batch: int) -> float:
