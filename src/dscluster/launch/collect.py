@@ -73,6 +73,8 @@ def pull(run_dir: str | Path, hostfile: str, user: str | None = None, timeout: f
             ours = manifest.scan_here(manifest.request(root, None, hash=False))
             need = to_bring(theirs, ours)
             results[t.name].files = need
+            if not need:  # nothing to bring (or the node is this machine: its files are these)
+                return
             results[t.name].bytes = transfer.sftp_get(client, root, root, need)
         finally:
             client.close()
