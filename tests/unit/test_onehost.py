@@ -21,6 +21,7 @@ def one_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("DSCLUSTER_RUNS", str(tmp_path / "runs"))
     monkeypatch.delenv("DSCLUSTER_SSH_PASSWORD", raising=False)
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))  # check writes the node's ~/.prte/mca-params.conf
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text("localhost slots=1\n")
     return hostfile, state
