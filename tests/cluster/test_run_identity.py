@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import subprocess
 
-import pytest
 from _local_mpirun import DSCLUSTER, ROOT, require_mpirun, train_command
 
 from _wait import scaled
