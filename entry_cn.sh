@@ -96,10 +96,9 @@ export DSCLUSTER_LOCAL_RANK="$LOCAL_RANK_ID"
 # --- one run directory for every rank: mpirun passes DSCLUSTER_RUN_ID/DSCLUSTER_RUNS only to the ranks on
 # its own node; a job whose ranks would write apart stops here (exit 2, rank 0 names the fix), before
 # this script exports the id it resolves.
-if [ -n "$GLOBAL_RANK" ]; then
-  python -m dscluster.rundir.agree || exit 2
-  export DSCLUSTER_RUN_AGREED=1
-fi
+# Rank 0 then sets an earlier run's summary.json aside (summary.previous-N.json).
+python -m dscluster.rundir.agree || exit 2
+export DSCLUSTER_RUN_AGREED=1
 
 # --- run id and run directory: every rank of a job must agree without talking ----------------
 # resolve_run_id's rule (DSCLUSTER_RUN_ID > PMIX_NAMESPACE > ... > timestamp) in one python start,

@@ -449,3 +449,20 @@ def test_sigterm_to_the_whole_process_group_still_records_the_programs_exit(rig)
     assert proc.returncode == 143, err
     rec = json.loads((_only_run(rig) / "process" / "rank-0.json").read_text())
     assert (rec["exit_code"], rec["status"]) == (143, "failed") and rec["end_t"] is not None, (rec, err)
+
+
+def test_a_rerun_into_a_failed_runs_directory_tells_its_own_story(rig):
+    """The same run id again after a failure: the new run's exit 0 is the summary, the failure kept aside."""
+    write_node_env(rig, "export GLOO_SOCKET_IFNAME='eth0'\n")
+    prog = write_program(rig)
+    first = run_entry(rig, prog, extra={**under_mpirun(), "DSCLUSTER_RUN_ID": "plain40", "FAKE_PROGRAM_RC": "1"})
+    assert first.returncode == 1
+    run = rig["tmp"] / "runs" / "plain40"
+    assert json.loads((run / "summary.json").read_text())["status"] == "failed"
+    again = run_entry(rig, prog, extra={**under_mpirun(), "DSCLUSTER_RUN_ID": "plain40"})
+    assert again.returncode == 0, again.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["status"], summary["exit_code"]) == ("complete", 0)
+    earlier = json.loads((run / "summary.previous-1.json").read_text())
+    assert (earlier["status"], earlier["exit_code"]) == ("failed", 1)
+    assert "held an earlier run: its summary is kept as summary.previous-1.json" in again.stderr

@@ -6,8 +6,9 @@ launcher's id instead: a run split in two directories, each missing a rank. entr
 `python -m dscluster.rundir.agree` on every rank of an OpenMPI job before the sampler or the run
 directory start: rank 0 listens at the job's rendezvous address, every other rank tells it its run
 id, runs folder and host, and rank 0 answers every rank with one verdict. A split stops every rank
-with exit 2 and the fix. `dscluster train` asks the same question (`disagreement`) over its process
-group, for ranks started without entry_cn.sh.
+with exit 2 and the fix. `dscluster train` asks the same (`require_one_run_dir`) where entry_cn.sh
+did not. Once they agree, rank 0 sets an earlier run's summary.json aside (`begin`), so the summary
+always tells the last run's story; checkpoints stay, and a `dscluster train` resume still resumes.
 
 The port is the rendezvous one (MASTER_PORT, else the launcher job's default: not the run id's,
 which is what may differ); the listener is closed before training binds it, and each rank closes
@@ -21,6 +22,7 @@ import os
 import socket
 import sys
 import time
+from pathlib import Path
 
 from dscluster.rundir.layout import resolve_run_id, runs_root
 
@@ -104,11 +106,14 @@ def _accept_hellos(srv: socket.socket, world: int, job: str, deadline: float) ->
 
 
 def serve(addr: str, port: int, world: int, me: dict, job: str, deadline: float) -> tuple[str | None, list[int]]:
-    """Rank 0: collect every rank's identity, answer each with the verdict; (message or None, ranks missing)."""
+    """Rank 0: collect every rank's identity, answer each with the verdict; (message or None, ranks missing).
+    An agreed run directory is opened (`begin`) before any rank hears so."""
     with socket.create_server((addr, port)) as srv:  # SO_REUSEADDR: training binds the port next
         got = _accept_hellos(srv, world, job, deadline)
     missing = [r for r in range(1, world) if r not in got]
     message = disagreement([me, *(hello for _, hello in got.values())])
+    if message is None:
+        begin(me)
     for conn, _ in got.values():
         try:
             conn.sendall(_line({"ok": message is None, "message": message or ""}))
@@ -159,6 +164,16 @@ def rendezvous(info, env: dict) -> tuple[str, int, str] | None:
     return probe["MASTER_ADDR"], int(probe["MASTER_PORT"]), job
 
 
+def begin(me: dict) -> None:
+    """Rank 0, the run directory agreed: an earlier run's summary there is set aside, and said so."""
+    from dscluster.rundir.writer import set_aside_summary
+
+    run_dir = os.path.join(me["runs"], me["run_id"])
+    if (aside := set_aside_summary(Path(run_dir))) is not None:
+        print(f"dscluster: {run_dir} held an earlier run: its summary is kept as {aside.name}; summary.json "
+              "will tell this run's story", file=sys.stderr)
+
+
 def settle(env: dict | None = None, timeout_s: float = AGREE_TIMEOUT_S) -> str | None:
     """Ask (rank 0: answer) whether every rank has this run directory: None when they agree or there is
     nothing to ask, else the message that stops this rank. Warnings go to stderr. Raises UsageError where
@@ -168,10 +183,12 @@ def settle(env: dict | None = None, timeout_s: float = AGREE_TIMEOUT_S) -> str |
     env = dict(os.environ if env is None else env)
     info = detect_ranks(env)
     where = rendezvous(info, env)
+    me, deadline = identity(info.rank, env), time.monotonic() + timeout_s
     if where is None:
+        if info.rank == 0:
+            begin(me)
         return None
     addr, port, job = where
-    me, deadline = identity(info.rank, env), time.monotonic() + timeout_s
     if info.rank != 0:
         reply = ask(addr, port, me, job, deadline)
         if reply is None:
