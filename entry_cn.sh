@@ -190,8 +190,11 @@ if [ "${1#-}" = "$1" ] && ! [[ "$1" =~ ^[A-Za-z_][A-Za-z0-9_.]*= ]]; then
   eval "$exports"
   # Each rank's start, end, exit code, host and GPU, so a script without userlog still says how it ended.
   python -m dscluster.rankrecord start -- "$@" && PROGRAM_RECORD=1
+  # Its stderr also goes to process/rank-R.stderr, so diagnose can read how it died (a DeepSpeed op build).
+  ERR_FILE="$RUN_DIR/process/rank-${GLOBAL_RANK:-0}.stderr"
+  mkdir -p "$RUN_DIR/process" 2>/dev/null && : > "$ERR_FILE" 2>/dev/null || ERR_FILE=/dev/null
   # Not exec: the traps above must outlive the program to stop the sampler.
-  "$@" &
+  "$@" 2> >(tee -a "$ERR_FILE" >&2) &
   TRAIN_PID=$!
 else
   # Not exec: the traps above must outlive training to stop the sampler.

@@ -21,6 +21,7 @@ from typing import Any
 
 from dscluster.analysis.gpusplit import busy_but_waiting_words, gpu_views
 from dscluster.analysis.load import RunData
+from dscluster.analysis.opbuild import op_build_cause
 from dscluster.analysis.stats import COMM_BOUND_SHARE, comm_share, rank_stats, step_split
 from dscluster.rankrecord import exit_text
 
@@ -324,6 +325,19 @@ def not_here_findings(run: RunData, findings: list[Finding], hosts: list[str]) -
                            f"run `dscluster collect {run.path}`", host=h) for h in absent]
 
 
+def op_build_findings(run: RunData) -> list[Finding]:
+    """Ranks that died building a DeepSpeed JIT op (analysis/opbuild.py): the cause and its fix."""
+    out = []
+    for r, rm in sorted(run.ranks.items()):
+        texts = [(rm.end or {}).get("error"), (rm.process or {}).get("stderr_tail")]
+        hit = next((h for t in texts if (h := op_build_cause(t))), None)
+        if hit is not None:
+            cause, line = hit
+            out.append(Finding("error", "op_build_failed", f"rank {r} on {rm.host or '?'} died building a DeepSpeed "
+                               f"op: {cause.what} ({line}). Fix: {cause.fix}", rank=r, host=rm.host))
+    return out
+
+
 def busy_waiting_findings(run: RunData) -> list[Finding]:
     """NVML says the GPUs are busy while the step split says they wait for the network."""
     words = busy_but_waiting_words(gpu_views(run))
@@ -333,8 +347,8 @@ def busy_waiting_findings(run: RunData) -> list[Finding]:
 def diagnose(run: RunData, unshared_hosts: list[str] = ()) -> dict[str, Any]:
     """Everything found, as the stable `--json` document. `unshared_hosts`: the job's hosts when
     check found that they do not share the run directory."""
-    findings = (vanished_findings(run, progress_findings(run)) + env_findings(run) + comm_findings(run)
-                + busy_waiting_findings(run))
+    findings = (op_build_findings(run) + vanished_findings(run, progress_findings(run)) + env_findings(run)
+                + comm_findings(run) + busy_waiting_findings(run))
     findings = data_path_findings(run) + not_here_findings(run, findings, list(unshared_hosts))
     tfind, traces = trace_findings(run)
     findings += tfind
