@@ -24,6 +24,7 @@ from dscluster.analysis.load import RunData
 from dscluster.analysis.opbuild import op_build_cause
 from dscluster.analysis.stats import COMM_BOUND_SHARE, comm_share, rank_stats, step_split
 from dscluster.rankrecord import exit_text
+from dscluster.rundir.agree import split_here, split_message
 
 STOPPED_CODES = (130, 137, 143)
 """Exit codes of a rank the launcher (or the user) stopped: SIGINT, SIGKILL, SIGTERM."""
@@ -318,11 +319,17 @@ def not_here_findings(run: RunData, findings: list[Finding], hosts: list[str]) -
     (`hosts`, from check.json) with no file here is not a dead node, and its ranks are not dead ranks."""
     here = {rm.host for rm in run.ranks.values()} | set(run.telemetry) | {e.get("host") for e in run.env.values()}
     absent = [h for h in hosts if h not in here]
+    short = len(run.ranks) < (run.world_size or 0)
+    if (absent or short) and (split := split_here(run.path)):  # this job's other ranks, under another run id
+        kept = [f for f in findings if f.kind != "rank_missing"]
+        return kept + [Finding("error", "split_run", split_message(", ".join(absent) or "the missing ranks", split,
+                                                                   run.path))]
     if not absent:
         return findings
     kept = [f for f in findings if not (f.kind == "rank_missing" and f.host in (None, *absent))]
     return kept + [Finding("error", "files_not_here", f"{h}'s files are not here (no shared filesystem): "
-                           f"run `dscluster collect {run.path}`", host=h) for h in absent]
+                           f"run `dscluster collect {run.path}` (it also finds ranks of this job that wrote under "
+                           "another run id)", host=h) for h in absent]
 
 
 def op_build_findings(run: RunData) -> list[Finding]:

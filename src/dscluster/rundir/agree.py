@@ -236,3 +236,57 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# --------------------------------------------------------------------------- a split run, after the fact
+# Ranks started without the agreement (no live PMIx server, an older run) may still have written apart.
+# Every rank's records name the launcher's job (env/rank-R.json PMIX_NAMESPACE, process/rank-R.json
+# launcher_job): a sibling directory whose records name this run's job holds its missing ranks.
+
+def run_job(run_dir: Path) -> str | None:
+    """The launcher's job id this run's records name, or None."""
+    for sub, key in (("env", "PMIX_NAMESPACE"), ("process", "launcher_job")):
+        for f in sorted((Path(run_dir) / sub).glob("rank-*.json")):
+            try:
+                value = json.loads(f.read_text()).get(key)
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(value, str) and value:
+                return value
+    return None
+
+
+def split_command(run_dir: Path, job: str) -> str:
+    """Shell command for a node: the run directories beside `run_dir` whose records name `job`."""
+    import shlex
+
+    root = shlex.quote(str(Path(run_dir).absolute().parent))
+    return (f"cd {root} 2>/dev/null && grep -l -F -- {shlex.quote(job)} */env/rank-*.json */process/rank-*.json "
+            "2>/dev/null | cut -d/ -f1 | sort -u")
+
+
+def split_dirs(run_dir: Path, listing: str) -> list[str]:
+    """`split_command`'s output as absolute directories other than `run_dir` itself."""
+    parent, name = Path(run_dir).absolute().parent, Path(run_dir).name
+    return [str(parent / d) for d in listing.split() if d and d != name]
+
+
+def split_here(run_dir: Path) -> list[str]:
+    """Sibling run directories on this machine holding ranks of the same job as `run_dir`."""
+    job = run_job(run_dir)
+    if not job:
+        return []
+    parent = Path(run_dir).absolute().parent
+    found = sorted({f.parts[-3] for sub in ("env", "process") for f in parent.glob(f"*/{sub}/rank-*.json")
+                    if job in f.read_text(errors="replace")})
+    return split_dirs(run_dir, " ".join(found))
+
+
+def split_message(node: str, dirs: list[str], run_dir: Path) -> str:
+    """What `collect` and `diagnose` say of a node whose ranks of this job wrote elsewhere."""
+    return (f"{node}: a split run: its ranks of this job wrote under {', '.join(dirs)}, not {run_dir} "
+            "(DSCLUSTER_RUN_ID or DSCLUSTER_RUNS did not reach them: mpirun passes them only to the ranks "
+            "on its own node). Its files are there, not lost (on another node "
+            f"`dscluster collect {dirs[0]}` brings them). Next time export them to every rank "
+            "(`mpirun -x DSCLUSTER_RUN_ID -x DSCLUSTER_RUNS`) or use `dscluster launch --run-id`; "
+            "entry_cn.sh now stops such a job before training")
