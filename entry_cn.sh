@@ -8,7 +8,8 @@
 #    would pick a wrong interface and hang, so a missing file stops the rank (exit 2);
 # 3. leaves the node's GPUs visible to every rank (train picks the local rank's own);
 # 4. checks what it will run (the program exists and is executable, or train's arguments parse and
-#    the config loads): bad input stops the rank (exit 2) before the sampler or the run directory start;
+#    the config loads) and that every rank has one run directory (dscluster.rundir.agree): either
+#    failing stops the rank (exit 2) before the sampler or the run directory start;
 #    then local rank 0 starts this node's one telemetry sampler and stops it when training ends;
 # 5. runs `dscluster train "$@"` (default: --config configs/digits.yaml), or a user's program
 #    (`./entry_cn.sh python my_train.py`), recording each rank's exit in process/rank-R.json.
@@ -91,6 +92,13 @@ export DSCLUSTER_LOCAL_RANK="$LOCAL_RANK_ID"
 # torchrun and DeepSpeed's launcher; `dscluster train` takes the local-rank-th visible one. Narrowing
 # CUDA_VISIBLE_DEVICES per rank here broke DeepSpeed, which binds the process group to
 # cuda:$LOCAL_RANK, on every node with two GPUs.
+
+# --- one run directory for every rank: mpirun passes DSCLUSTER_RUN_ID/DSCLUSTER_RUNS only to the ranks on
+# its own node; a job whose ranks would write apart stops here (exit 2, rank 0 names the fix), before
+# this script exports the id it resolves.
+# Rank 0 then sets an earlier run's summary.json aside (summary.previous-N.json).
+python -m dscluster.rundir.agree || exit 2
+export DSCLUSTER_RUN_AGREED=1
 
 # --- run id and run directory: every rank of a job must agree without talking ----------------
 # resolve_run_id's rule (DSCLUSTER_RUN_ID > PMIX_NAMESPACE > ... > timestamp) in one python start,
@@ -182,8 +190,11 @@ if [ "${1#-}" = "$1" ] && ! [[ "$1" =~ ^[A-Za-z_][A-Za-z0-9_.]*= ]]; then
   eval "$exports"
   # Each rank's start, end, exit code, host and GPU, so a script without userlog still says how it ended.
   python -m dscluster.rankrecord start -- "$@" && PROGRAM_RECORD=1
+  # Its stderr also goes to process/rank-R.stderr, so diagnose can read how it died (a DeepSpeed op build).
+  ERR_FILE="$RUN_DIR/process/rank-${GLOBAL_RANK:-0}.stderr"
+  mkdir -p "$RUN_DIR/process" 2>/dev/null && : > "$ERR_FILE" 2>/dev/null || ERR_FILE=/dev/null
   # Not exec: the traps above must outlive the program to stop the sampler.
-  "$@" &
+  "$@" 2> >(tee -a "$ERR_FILE" >&2) &
   TRAIN_PID=$!
 else
   # Not exec: the traps above must outlive training to stop the sampler.

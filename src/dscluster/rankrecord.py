@@ -73,12 +73,18 @@ def rank_gpu(local_rank: int, env: dict[str, str]) -> dict[str, Any] | None:
             pass
 
 
+def launcher_job(env: dict[str, str]) -> str | None:
+    """The launcher's own id of this job, alike on every rank whatever DSCLUSTER_RUN_ID they got: how
+    `collect` and `diagnose` find the ranks of a split run."""
+    return env.get("PMIX_NAMESPACE") or env.get("OMPI_MCA_ess_base_jobid") or env.get("SLURM_JOB_ID") or None
+
+
 def start(run_dir: Path, argv: list[str], env: dict[str, str], now: float | None = None) -> dict[str, Any]:
     info = detect_ranks(env)
     rec = {"rank": info.rank, "local_rank": info.local_rank, "world_size": info.world_size,
            "host": os.uname().nodename, "entry_pid": os.getppid(), "argv": argv,
            "gpu": rank_gpu(info.local_rank, env), "start_t": time.time() if now is None else now,
-           "end_t": None, "exit_code": None, "status": "running"}
+           "end_t": None, "exit_code": None, "status": "running", "launcher_job": launcher_job(env)}
     atomic_write_json(record_path(run_dir, info.rank), rec)
     return rec
 

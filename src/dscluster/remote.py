@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable
 
 import paramiko
 
+from dscluster import thishost
 from dscluster.errors import DsclusterError
 from dscluster.hostkeys import fingerprint, known_hosts_name, load_known_hosts, pin_host_key
 
@@ -172,8 +173,7 @@ def classify(exc: BaseException, target: Target, timeout: float | None = None) -
             "login disabled: check 'PasswordAuthentication yes' in the node's sshd_config)",
         )
     if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError):
-        errors = list(exc.errors.values())
-        if errors and all(isinstance(e, ConnectionRefusedError) for e in errors):
+        if (errors := list(exc.errors.values())) and all(isinstance(e, ConnectionRefusedError) for e in errors):
             return RemoteError(
                 "refused", host,
                 f"{name}: connection refused by {host}:{port} (is sshd running and listening on port {port}?)",
@@ -228,15 +228,18 @@ def connect(
     password: str | None = None,
     key_filename: str | None = None,
     trust_new_hosts: bool = False,
-    timeout: float = 10,
-    pin_new: bool = True,
+    timeout: float = 10, pin_new: bool = True, here: bool = True,
 ) -> paramiko.SSHClient:
     """Open one authenticated session, verifying the host key against the project's known_hosts.
 
     No retries and no agent/default keys: the credentials used are exactly the ones given, so
     an auth failure means what it says. With trust_new_hosts an unknown key is pinned in
     `known_hosts` (pin_new=False: accepted for this session only, for dry runs). Raises RemoteError.
+    This machine on port 22, as this user, gets a `thishost.LocalClient` instead (no sshd, no pinned
+    key) unless here=False (setup, which installs this machine's own keys over SSH).
     """
+    if here and target.port == 22 and thishost.runs_here(target.host, target.user):
+        return thishost.LocalClient(target)  # type: ignore[return-value]  # Paramiko's part we use
     client = paramiko.SSHClient()
     # Only the project's own known_hosts, never ~/.ssh/known_hosts implicitly.
     client.get_host_keys().update(load_known_hosts(known_hosts))
@@ -267,8 +270,7 @@ def connect(
 
 
 def _target_of(client: paramiko.SSHClient) -> Target:
-    t = getattr(client, "dscluster_target", None)
-    if t is not None:
+    if (t := getattr(client, "dscluster_target", None)) is not None:
         return t
     transport = client.get_transport()
     host = transport.getpeername()[0] if transport is not None else "?"

@@ -62,10 +62,36 @@ def test_check_warns_per_node_never_errors():
     good = NodeFacts(name="node1", python=PythonFacts(torch_cuda="12.8", ds_ops=facts()), gpus=[gpu])
     bad = NodeFacts(name="node2", python=PythonFacts(torch_cuda="12.8", ds_ops=facts(torch_cuda_arch_list="9.0a")),
                     gpus=[gpu])
-    findings = rule_ds_ops({"node1": good, "node2": bad})
-    assert [(f.node, f.severity) for f in findings] == [("node2", "warning")]
-    assert "FusedAdam cannot build" in findings[0].what and "9.0a" in findings[0].what
-    assert "TORCH_CUDA_ARCH_LIST" in findings[0].fix
+    worse = NodeFacts(name="node3", python=PythonFacts(torch_cuda="12.8", ds_ops=facts(torch_cuda_arch_list="sm_90")),
+                      gpus=[gpu])
+    findings = rule_ds_ops({"node1": good, "node2": bad, "node3": worse})
+    assert [(f.node, f.severity) for f in findings] == [("node2", "info"), ("node3", "warning")]
+    assert "TORCH_CUDA_ARCH_LIST='9.0a' would crash" in findings[0].what and "'9.0'" in findings[0].what
+    assert "FusedAdam cannot build" in findings[1].what and "sm_90" in findings[1].what
+    assert "TORCH_CUDA_ARCH_LIST" in findings[1].fix
+
+
+def test_check_writes_a_usable_arch_list_into_the_nodes_env_file_where_the_inherited_one_would_crash():
+    from dscluster.check.rules import evaluate, node_envs
+    from dscluster.hosts import parse_hostfile_text
+
+    gpu = Gpu(index=0, name="NVIDIA H200", uuid="GPU-1", compute_capability="9.0", memory_total_mb=143771,
+              driver="580", ecc_uncorrected=0)
+    nodes = {n: NodeFacts(name=n, python=PythonFacts(torch_cuda="12.8", ds_ops=facts(torch_cuda_arch_list=arch)),
+                          gpus=[gpu]) for n, arch in (("node1", "9.0a"), ("node2", "8.6;9.0"), ("node3", None))}
+    ev = evaluate(nodes, parse_hostfile_text("node1 slots=1\nnode2 slots=1\nnode3 slots=1\n"))
+    per_node, cluster = node_envs(ev, nodes, master_port=29500, created=0, hostfile_sha256="x")
+    assert per_node["node1"]["TORCH_CUDA_ARCH_LIST"] == "9.0"
+    assert "TORCH_CUDA_ARCH_LIST" not in per_node["node2"] and "TORCH_CUDA_ARCH_LIST" not in per_node["node3"]
+    assert "TORCH_CUDA_ARCH_LIST" not in cluster  # one node's own value, never the whole cluster's
+
+
+def test_usable_arch_list_drops_only_the_letter_suffix():
+    from dscluster.check.dsops import usable_arch_list
+
+    assert usable_arch_list("9.0a") == "9.0" and usable_arch_list("8.6;9.0a+PTX") == "8.6;9.0+PTX"
+    assert usable_arch_list("7.5 9.0a 9.0") == "7.5;9.0" and usable_arch_list("10.0f;12.0a") == "10.0;12.0"
+    assert usable_arch_list("9.0") is None and usable_arch_list("sm_90") is None and usable_arch_list(None) is None
 
 
 def test_facts_of_this_machine_and_the_env_line(capsys, monkeypatch):

@@ -449,3 +449,41 @@ def test_sigterm_to_the_whole_process_group_still_records_the_programs_exit(rig)
     assert proc.returncode == 143, err
     rec = json.loads((_only_run(rig) / "process" / "rank-0.json").read_text())
     assert (rec["exit_code"], rec["status"]) == (143, "failed") and rec["end_t"] is not None, (rec, err)
+
+
+def test_a_rerun_into_a_failed_runs_directory_tells_its_own_story(rig):
+    """The same run id again after a failure: the new run's exit 0 is the summary, the failure kept aside."""
+    write_node_env(rig, "export GLOO_SOCKET_IFNAME='eth0'\n")
+    prog = write_program(rig)
+    first = run_entry(rig, prog, extra={**under_mpirun(), "DSCLUSTER_RUN_ID": "plain40", "FAKE_PROGRAM_RC": "1"})
+    assert first.returncode == 1
+    run = rig["tmp"] / "runs" / "plain40"
+    assert json.loads((run / "summary.json").read_text())["status"] == "failed"
+    again = run_entry(rig, prog, extra={**under_mpirun(), "DSCLUSTER_RUN_ID": "plain40"})
+    assert again.returncode == 0, again.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["status"], summary["exit_code"]) == ("complete", 0)
+    earlier = json.loads((run / "summary.previous-1.json").read_text())
+    assert (earlier["status"], earlier["exit_code"]) == ("failed", 1)
+    assert "held an earlier run: its summary is kept as summary.previous-1.json" in again.stderr
+
+
+def test_a_rank_that_died_building_a_deepspeed_op_is_diagnosed_with_the_fix(rig):
+    """The op builder's real traceback (TORCH_CUDA_ARCH_LIST=9.0a, tests/data/opbuild) on the program's stderr:
+    entry_cn.sh keeps it, and diagnose says which rank died building an op, and how to mend it."""
+    from dscluster.analysis import load_run
+    from dscluster.analysis.diagnose import diagnose
+
+    recorded = ROOT / "tests" / "data" / "opbuild" / "fused_adam_arch_9.0a.txt"
+    prog = rig["work"] / "ds_adam.sh"
+    prog.write_text(f"#!/bin/sh\ncat {recorded} >&2\nexit 1\n")
+    prog.chmod(0o755)
+    out = run_entry(rig, "./ds_adam.sh", extra={"DSCLUSTER_RUN_ID": "adam"})
+    assert out.returncode == 1 and "invalid literal for int() with base 10: '0a'" in out.stderr  # still shown
+    run = rig["tmp"] / "runs" / "adam"
+    assert json.loads((run / "summary.json").read_text())["error"] == "exit 1 on rank 0"
+    found = [f for f in diagnose(load_run(run))["findings"] if f["kind"] == "op_build_failed"]
+    assert len(found) == 1 and found[0]["rank"] == 0
+    said = found[0]["message"]
+    assert "died building a DeepSpeed op" in said and "TORCH_CUDA_ARCH_LIST" in said and "'0a'" in said
+    assert "dscluster check" in said and "9.0 for 9.0a" in said

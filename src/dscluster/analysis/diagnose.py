@@ -21,8 +21,10 @@ from typing import Any
 
 from dscluster.analysis.gpusplit import busy_but_waiting_words, gpu_views
 from dscluster.analysis.load import RunData
+from dscluster.analysis.opbuild import op_build_cause
 from dscluster.analysis.stats import COMM_BOUND_SHARE, comm_share, rank_stats, step_split
 from dscluster.rankrecord import exit_text
+from dscluster.rundir.agree import split_here, split_message
 
 STOPPED_CODES = (130, 137, 143)
 """Exit codes of a rank the launcher (or the user) stopped: SIGINT, SIGKILL, SIGTERM."""
@@ -317,11 +319,30 @@ def not_here_findings(run: RunData, findings: list[Finding], hosts: list[str]) -
     (`hosts`, from check.json) with no file here is not a dead node, and its ranks are not dead ranks."""
     here = {rm.host for rm in run.ranks.values()} | set(run.telemetry) | {e.get("host") for e in run.env.values()}
     absent = [h for h in hosts if h not in here]
+    short = len(run.ranks) < (run.world_size or 0)
+    if (absent or short) and (split := split_here(run.path)):  # this job's other ranks, under another run id
+        kept = [f for f in findings if f.kind != "rank_missing"]
+        return kept + [Finding("error", "split_run", split_message(", ".join(absent) or "the missing ranks", split,
+                                                                   run.path))]
     if not absent:
         return findings
     kept = [f for f in findings if not (f.kind == "rank_missing" and f.host in (None, *absent))]
     return kept + [Finding("error", "files_not_here", f"{h}'s files are not here (no shared filesystem): "
-                           f"run `dscluster collect {run.path}`", host=h) for h in absent]
+                           f"run `dscluster collect {run.path}` (it also finds ranks of this job that wrote under "
+                           "another run id)", host=h) for h in absent]
+
+
+def op_build_findings(run: RunData) -> list[Finding]:
+    """Ranks that died building a DeepSpeed JIT op (analysis/opbuild.py): the cause and its fix."""
+    out = []
+    for r, rm in sorted(run.ranks.items()):
+        texts = [(rm.end or {}).get("error"), (rm.process or {}).get("stderr_tail")]
+        hit = next((h for t in texts if (h := op_build_cause(t))), None)
+        if hit is not None:
+            cause, line = hit
+            out.append(Finding("error", "op_build_failed", f"rank {r} on {rm.host or '?'} died building a DeepSpeed "
+                               f"op: {cause.what} ({line}). Fix: {cause.fix}", rank=r, host=rm.host))
+    return out
 
 
 def busy_waiting_findings(run: RunData) -> list[Finding]:
@@ -333,8 +354,8 @@ def busy_waiting_findings(run: RunData) -> list[Finding]:
 def diagnose(run: RunData, unshared_hosts: list[str] = ()) -> dict[str, Any]:
     """Everything found, as the stable `--json` document. `unshared_hosts`: the job's hosts when
     check found that they do not share the run directory."""
-    findings = (vanished_findings(run, progress_findings(run)) + env_findings(run) + comm_findings(run)
-                + busy_waiting_findings(run))
+    findings = (op_build_findings(run) + vanished_findings(run, progress_findings(run)) + env_findings(run)
+                + comm_findings(run) + busy_waiting_findings(run))
     findings = data_path_findings(run) + not_here_findings(run, findings, list(unshared_hosts))
     tfind, traces = trace_findings(run)
     findings += tfind

@@ -18,6 +18,7 @@ import yaml
 
 from dscluster import redact
 from dscluster.analysis.monitor import read_monitor
+from dscluster.analysis.opbuild import read_tail
 from dscluster.errors import UsageError
 from dscluster.filemodel import NUMBER, validate
 from dscluster.fsutil import read_jsonl
@@ -276,7 +277,9 @@ def load_run(path: str | Path) -> RunData:
         m = _RANK_FILE.match(f.name)
         data = _read_json(f, problems)
         if m and isinstance(data, dict):
-            run.ranks.setdefault(int(m.group(1)), RankMetrics(rank=int(m.group(1)))).process = data
+            tail = read_tail(f.with_suffix(".stderr"))  # the program's last words (analysis/opbuild.py)
+            run.ranks.setdefault(int(m.group(1)), RankMetrics(rank=int(m.group(1)))).process = (
+                {**data, "stderr_tail": tail} if tail else data)
     for f in sorted((path / ENV_DIR).glob("rank-*.json")):
         m = _RANK_FILE.match(f.name)
         data = _read_json(f, problems)

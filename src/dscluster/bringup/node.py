@@ -167,6 +167,7 @@ def contact(node: NodeState, opts: SetupOptions) -> None:
     client = remote.connect(
         t, known_hosts=opts.known_hosts, password=opts.password, key_filename=opts.key_filename,
         trust_new_hosts=opts.trust_new_hosts, timeout=opts.timeout, pin_new=not opts.dry_run,
+        here=False,  # this machine too: the other nodes reach it over SSH with the keys set up here
     )
     node.client = client
     node.host_key = client.dscluster_host_key

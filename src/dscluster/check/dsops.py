@@ -73,6 +73,48 @@ def arch_list_problem(value: str | None) -> str | None:
             "cannot parse (it reads X.Y or X.Y+PTX; an 'a' suffix such as 9.0a makes it raise ValueError)")
 
 
+_SUFFIX = re.compile(r"^(\d+\.\d+)[A-Za-z]+(\+PTX)?$")
+
+
+def usable_arch_list(value: str | None) -> str | None:
+    """An arch list DeepSpeed's builder can parse, for a `value` it cannot: each entry's letter suffix
+    dropped ('9.0a' -> '9.0', '10.0f+PTX' -> '10.0+PTX'), in order, once each. None where `value` is
+    fine, or where an entry is not a suffixed X.Y (nothing safe to guess)."""
+    if not arch_list_problem(value):
+        return None
+    out: list[str] = []
+    for e in (e for e in re.split(r"[;\s]+", (value or "").strip()) if e):
+        m = _ARCH_ENTRY.match(e) and e or ((g := _SUFFIX.match(e)) and g.group(1) + (g.group(2) or ""))
+        if not m:
+            return None
+        out += [m] if m not in out else []
+    return ";".join(out) or None
+
+
+def arch_env(facts: dict | None) -> dict[str, str]:
+    """What `dscluster check` writes into a node's env file (entry_cn.sh exports it) where the
+    TORCH_CUDA_ARCH_LIST the node's ranks inherit would crash DeepSpeed's op builder; {} elsewhere."""
+    usable = usable_arch_list((facts or {}).get("torch_cuda_arch_list"))
+    return {"TORCH_CUDA_ARCH_LIST": usable} if usable else {}
+
+
+def node_ops_findings(facts: dict | None, torch_cuda: str | None, on_gpu: bool) -> list[tuple[str, str, str]]:
+    """(severity, what, fix) for one node: the arch list check mends (info), then what is still missing."""
+    out = []
+    mended = arch_env(facts)
+    if mended:
+        inherited = (facts or {}).get("torch_cuda_arch_list")
+        out.append(("info", f"TORCH_CUDA_ARCH_LIST={inherited!r} would crash DeepSpeed's op builder (invalid literal "
+                    f"for int(): the letter suffix); the node's env file sets "
+                    f"TORCH_CUDA_ARCH_LIST={mended['TORCH_CUDA_ARCH_LIST']!r} for its ranks",
+                    "nothing to do: entry_cn.sh exports it (outside entry_cn.sh, export it yourself)"))
+    verdict = ops_verdict({**facts, "torch_cuda_arch_list": mended["TORCH_CUDA_ARCH_LIST"]} if mended and facts
+                          else facts, torch_cuda, on_gpu)
+    if verdict is not None and not verdict.ok:
+        out.append(("warning", *ops_message(verdict)))
+    return out
+
+
 @dataclass
 class OpsVerdict:
     ops: dict[str, str]

@@ -13,7 +13,7 @@ import ipaddress
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 
-from dscluster.check.dsops import ops_message, ops_verdict
+from dscluster.check.dsops import arch_env, node_ops_findings
 from dscluster.check.facts import NodeFacts
 from dscluster.hosts import Hostfile
 from dscluster.netif import NetworkPlan, is_excluded, plan_network
@@ -359,12 +359,8 @@ def rule_resources(facts: dict[str, NodeFacts]) -> list[Finding]:
 
 def rule_ds_ops(facts: dict[str, NodeFacts]) -> list[Finding]:
     """DeepSpeed ops a user's script may need that this node can neither load nor build (check/dsops.py)."""
-    out = []
-    for name, f in facts.items():
-        verdict = ops_verdict(f.python.ds_ops, f.python.torch_cuda, on_gpu=bool(f.gpus))
-        if verdict is not None and not verdict.ok:
-            out.append(Finding("warning", name, "versions", *ops_message(verdict)))
-    return out
+    return [Finding(sev, name, "versions", what, fix) for name, f in facts.items()
+            for sev, what, fix in node_ops_findings(f.python.ds_ops, f.python.torch_cuda, on_gpu=bool(f.gpus))]
 
 
 def evaluate(facts: dict[str, NodeFacts], hostfile: Hostfile, *, unreachable: dict[str, str] | None = None,
@@ -424,7 +420,7 @@ def node_envs(ev: Evaluation, facts: dict[str, NodeFacts], *, master_port: int, 
             env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = plan.iface[name]
         if ev.p2p_disable.get(name):
             env["NCCL_P2P_DISABLE"] = "1"
-        per_node[name] = env
+        per_node[name] = {**env, **arch_env(facts[name].python.ds_ops)}
     return per_node, cluster
 
 

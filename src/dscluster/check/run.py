@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from dscluster import paths, remote, state
+from dscluster import paths, remote, state, thishost
 from dscluster.check.facts import NodeFacts
 from dscluster.check.layout import layout_findings, probe_layout
 from dscluster.check.nccltune import SOCKS, THREADS, decide_socket_tuning, grid_envs, grid_point, why_not_tuned
@@ -341,7 +341,7 @@ def run_check(opts: CheckOptions) -> CheckRun:
     if not 0 < opts.master_port < 65536:
         raise UsageError(f"--master-port {opts.master_port}: expected a TCP port 1-65535")
     known_hosts = state.known_hosts_path()
-    if not known_hosts.exists():
+    if not known_hosts.exists() and not thishost.all_this_machine(h.name for h in hf.hosts):
         raise UsageError(f"{known_hosts}: no pinned host keys yet; "
                          f"run `dscluster setup --hostfile {opts.hostfile}` first "
                          "(or set DSCLUSTER_STATE to the state directory setup used)")
@@ -353,7 +353,10 @@ def run_check(opts: CheckOptions) -> CheckRun:
     targets, sessions, facts, unreachable = probe_all(hf, opts, settings)
     try:
         ev = evaluate(facts, hf, unreachable=unreachable, allow_deprecated_fp16=opts.allow_deprecated_fp16)
-        findings = list(ev.findings)
+        findings = list(ev.findings) + [
+            Finding("info", n, "reach", "this machine: probed here without SSH",
+                    "nothing to do: no sshd or `dscluster setup` needed for it") for n in facts
+            if thishost.is_this_machine(n)]
         layout: dict = {}
         links = links_summary([])
         if facts:

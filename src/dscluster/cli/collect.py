@@ -55,6 +55,7 @@ def _runs_not_shared(path: str) -> bool:
 def collect_command(args: argparse.Namespace) -> int:
     from dscluster.errors import UsageError
     from dscluster.launch.collect import push, timed_pull
+    from dscluster.rundir.agree import split_message
 
     if args.push:
         if args.check_json and not _runs_not_shared(args.check_json):
@@ -74,9 +75,11 @@ def collect_command(args: argparse.Namespace) -> int:
                           "nodes": [r.to_dict() for r in results]}, indent=2))
     else:
         for r in results:
+            if r.split_into:
+                console.out.print(f"[red]✗[/] {split_message(r.node, r.split_into, Path(args.run_dir))}", markup=False)
             if r.error:
                 console.out.print(f"[red]✗[/] {r.node}: {r.error}")
             else:
                 console.out.print(f"[green]✓[/] {r.node}: {len(r.files)} file(s), {r.bytes} bytes")
         console.out.print(f"collected in {seconds:.2f} s into {args.run_dir}")
-    return 1 if any(r.error for r in results) else 0
+    return 1 if any(r.error or r.split_into for r in results) else 0

@@ -22,6 +22,7 @@ from pathlib import Path
 from dscluster import manifest, paths, remote, transfer
 from dscluster.errors import UsageError
 from dscluster.hosts import parse_hostfile
+from dscluster.rundir import agree
 
 
 @dataclass
@@ -30,10 +31,12 @@ class Collected:
     files: list[str] = field(default_factory=list)
     bytes: int = 0
     error: str | None = None
+    split_into: list[str] = field(default_factory=list)
+    """Other run directories on the node whose records name this run's launcher job (a split run)."""
 
     def to_dict(self) -> dict:
         return {"node": self.node, "files": len(self.files), "bytes": self.bytes, "first": self.files[:5],
-                "error": self.error}
+                "error": self.error, "split_into": self.split_into}
 
 
 def to_bring(src: manifest.Scan, dst: manifest.Scan) -> list[str]:
@@ -64,15 +67,22 @@ def pull(run_dir: str | Path, hostfile: str, user: str | None = None, timeout: f
     hf = parse_hostfile(hostfile)
     results = {h.name: Collected(h.name) for h in hf.hosts}
 
+    job = agree.run_job(Path(root))
+
     def work(t: remote.Target) -> None:
         client = transfer.connect_node(t)
         try:
+            if job:  # a split run: this job's ranks on the node wrote under another run directory
+                listing = remote.run(client, agree.split_command(Path(root), job), timeout=60).stdout
+                results[t.name].split_into = agree.split_dirs(Path(root), listing)
             theirs = _scan_remote(client, root, t.name)
             if not theirs.exists:
                 return
             ours = manifest.scan_here(manifest.request(root, None, hash=False))
             need = to_bring(theirs, ours)
             results[t.name].files = need
+            if not need:  # nothing to bring (or the node is this machine: its files are these)
+                return
             results[t.name].bytes = transfer.sftp_get(client, root, root, need)
         finally:
             client.close()

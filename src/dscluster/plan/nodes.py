@@ -177,9 +177,9 @@ def member_figure(probed: dict, probed_on: str, alone: int | None) -> dict:
 
 def is_here(names: list[str]) -> bool:
     """Whether the hostfile's nodes are all this machine (a one-machine plan measures in-process)."""
-    import socket
+    from dscluster import thishost
 
-    return all(n in ("localhost", "127.0.0.1", socket.gethostname()) for n in names)
+    return thishost.all_this_machine(names)
 
 
 def cache_key(cfg, node: str, micro: int, precision: str, fault: int, alone: int | None = None) -> str:

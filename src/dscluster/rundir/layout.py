@@ -49,6 +49,7 @@ def run_dir(env: dict[str, str] | None = None) -> Path:
 CONFIG_FILE = "config.yaml"
 DS_CONFIG_FILE = "ds_config.json"
 SUMMARY_FILE = "summary.json"
+PREVIOUS_SUMMARY = "summary.previous-{n}.json"  # an earlier run's summary, set aside when a run starts again
 METRICS_DIR = "metrics"          # metrics/rank-R.jsonl, one writer per rank
 TELEMETRY_DIR = "telemetry"      # telemetry/<host>.jsonl, one sampler per node
 ENV_DIR = "env"                  # env/rank-R.json, each rank's effective environment

@@ -89,6 +89,20 @@ def write_summary(run_dir: Path, summary: dict, *, only_if_absent_or_not_failed:
     atomic_write_json(path, redact.redact_doc(summary, values=redact.secret_values() if secrets is None else secrets))
 
 
+def set_aside_summary(run_dir: Path) -> Path | None:
+    """A new run starting in `run_dir`: an earlier run's summary.json moves to summary.previous-N.json
+    (N the next free number), so summary.json tells only this run's story (a rank-0 exit 0 keeps a
+    summary already there, and an earlier failure would stay). Returns where it went, or None."""
+    path = Path(run_dir) / layout.SUMMARY_FILE
+    if not path.is_file():
+        return None
+    n = 1
+    while (aside := path.with_name(layout.PREVIOUS_SUMMARY.format(n=n))).exists():
+        n += 1
+    os.replace(path, aside)
+    return aside
+
+
 def summary_record(**fields) -> dict:
     keys = ("status", "run_id", "world_size", "hosts", "precision", "model", "dataset", "epochs", "steps",
             "global_batch", "images_per_s", "accuracy", "wall_s", "overflow_steps", "failed_rank", "failed_host",

@@ -11,12 +11,13 @@ its hostname and NCCL/GLOO_SOCKET_IFNAME; without check.json, the hostfile name 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dscluster import remote, state
+from dscluster import remote, state, thishost
 from dscluster.check import checkfile
 from dscluster.check.probe import default_key
 from dscluster.hosts import Hostfile
@@ -56,7 +57,9 @@ def node_places(hostfile: Hostfile, check_json: Path | None = None) -> list[Node
     out = []
     for h in hostfile.hosts:
         node = recorded.get(h.name)
-        out.append(NodePlace(h.name, (node.hostname if node and node.hostname else h.name),
+        # A sampler names its file by the hostname: `localhost` reads this machine's own.
+        here = socket.gethostname() if thishost.is_this_machine(h.name) else h.name
+        out.append(NodePlace(h.name, (node.hostname if node and node.hostname else here),
                              job_interface(node.env) if node else None))
     return out
 

@@ -29,7 +29,7 @@ from dscluster import console, cpus, liveness, syncmode
 from dscluster.errors import DsclusterError, UsageError
 from dscluster.fsutil import atomic_write_json, atomic_write_text
 from dscluster.plan import predicted
-from dscluster.rundir import layout
+from dscluster.rundir import agree, layout
 from dscluster.rundir.writer import RunLog, RunRecord
 from dscluster.train import datacache, dist, evaluation, faults, guards, localsgd
 from dscluster.train.checkpoint import Checkpointer, Position
@@ -70,6 +70,7 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
     decision = decide_precision(cfg, calibrate, info, has_cuda)
     check_comm_here(cfg, calibrate, decision)
     datacache.refuse_unfit(cfg.data, local_ranks=info.local_world_size, primary=info.rank == 0)
+    agree.require_one_run_dir()  # every rank one run directory, before any writes there
     run_id = layout.resolve_run_id()
     rdir = layout.run_dir()
     traces = StackTraces(rdir, info.rank)
