@@ -411,3 +411,12 @@ def test_the_recommendation_takes_the_shortest_period_that_scales_and_only_acros
     # compressions only, as plan --every-step asks
     only = recommend(vit_s_lab(0.119), compressions=recommending.ladder("none", allowed=lambda c: c == "fp16"))
     assert only.train_alone and ":" not in only.choice.compression
+
+
+def test_one_rank_is_never_told_to_compress_or_average():
+    """One GPU has no all-reduce: whatever its step costs beyond the model, no compression can save it."""
+    one = Scenario(nodes=(Node(name="node1", compute_s=0.0278),), micro_batch=256, grad_bytes=VIT_S_GRAD_BYTES,
+                   busbw_GBps=0.119, calibration=(("none", 0.014),), matrices=((384, 384),))
+    rec = recommend(one)
+    assert rec.choice.compression == "none" and rec.without_compression is None
+    assert "compression" not in rec.summary and "local sgd" not in rec.summary

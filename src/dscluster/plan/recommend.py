@@ -99,7 +99,9 @@ def recommend(s: Scenario, *, target: float = TARGET_EFFICIENCY, max_global_batc
     if max_global_batch < 1:
         raise UsageError(f"max global batch {max_global_batch} must be at least 1")
     comps = compressions or ladder(s.compression, allowed=lambda c: c != "powersgd" or bool(s.matrices))
-    if len(s.nodes) < 2:  # one node's ranks average every step anyway (train/localsgd.py)
+    if s.world < 2:  # one rank sends nothing: no compression and no averaging to recommend
+        comps = ("none",)
+    elif len(s.nodes) < 2:  # one node's ranks average every step anyway (train/localsgd.py)
         comps = tuple(c for c in comps if syncmode.parse_label(c)[1] == 1) or ("none",)
     options = _options(s, comps, ACCUM_CHOICES, max_global_batch)
     plain = [o for o in options if o.compression == "none"]
