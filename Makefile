@@ -27,11 +27,13 @@ lint: venv
 	$(VENV)/bin/ruff check src tests analysis setup examples bench
 	$(VENV)/bin/mypy
 
+# make test (what CI runs) runs every test; make unit is the developer's quick loop: the unit tests
+# without those marked slow (real training processes, real kills: CONTRIBUTING.md lists them).
 test: lint
 	$(PY) -m pytest -q
 
 unit: venv
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q tests/unit -m 'not slow'
 
 cluster: venv
 	$(PY) -m pytest -q tests/cluster

@@ -22,7 +22,9 @@ from test_launch_lab import Cluster, explain
 from dscluster.analysis.monitor import read_csv_series
 from dscluster.fsutil import read_jsonl
 
-pytestmark = pytest.mark.cluster
+# Slow, and must stay so: unmodified DeepSpeed scripts under entry_cn.sh on a 2-node lab, one mpirun
+# each.
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = REPO / ".venv" / "bin"

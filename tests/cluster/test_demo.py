@@ -12,7 +12,8 @@ import pytest
 
 from dscluster.sim import lab as sim
 
-pytestmark = pytest.mark.cluster
+# Slow, and must stay so: the whole `make demo` journey, a 30-epoch digits run on 3 ranks included.
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 LAB = "demotest"

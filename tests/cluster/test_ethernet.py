@@ -21,7 +21,9 @@ import pytest
 from _wait import scaled
 from dscluster.sim.netfaults import SECOND_NIC, NetFaults, repair_argv
 
-pytestmark = pytest.mark.cluster
+# Slow, and must stay so: a lab per fault, `check` with its active tests twice (before and after the
+# fix), then the README command.
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 DSCLUSTER = f"{REPO}/.venv/bin/dscluster"

@@ -16,7 +16,8 @@ import pytest
 
 from _install import build_wheel, installed_venv
 
-pytestmark = pytest.mark.cluster
+# Slow, and must stay so: builds and installs the wheel, then sets up, checks and trains on the lab.
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 LAB = "installlab"

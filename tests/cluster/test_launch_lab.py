@@ -24,7 +24,9 @@ from _wait import Deadline, scaled, wait_until
 from dscluster.fsutil import read_jsonl
 from dscluster.sim.ns import netns_pids, pid_is_zombie
 
-pytestmark = pytest.mark.cluster
+# Slow, and must stay so: each test trains digits on a 3-node lab; the literal mpirun trains the
+# preset's 30 epochs because it asserts 90% held-out.
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 DSCLUSTER = f"{REPO}/.venv/bin/dscluster"

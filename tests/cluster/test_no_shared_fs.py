@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.cluster
+# Slow, and must stay so: the README mpirun on 3 nodes that share no files, with top watching it, then
+# a killed rank and the same command resuming on every node.
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 DSCLUSTER = f"{REPO}/.venv/bin/dscluster"

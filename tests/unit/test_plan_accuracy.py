@@ -3,6 +3,7 @@ to the target with the whole-run model, for the lab and for its fastest node alo
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -76,22 +77,50 @@ def test_a_damaged_curves_file_names_itself_and_the_fix(tmp_path):
         accuracy.curves_for(load_config(FRACTAL, []), 512, env)
 
 
-def test_a_finished_run_leaves_its_curve_and_the_next_plan_prices_the_time_to_reach_it(tmp_path):
+def _cli_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of a one-process `dscluster train` or `plan` whose runs and state live in tmp_path."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "RANK", "DSCLUSTER_"))}
-    env.update(DSCLUSTER_RUNS=str(tmp_path / "runs"), DSCLUSTER_STATE=str(tmp_path / "state"), DSCLUSTER_RUN_ID="r1",
-               OMP_NUM_THREADS="1")
-    words = ["epochs=3", "checkpoint.every_epochs=0"]
-    train = subprocess.run([sys.executable, "-m", "dscluster", "train", "--config", "configs/digits.yaml", *words,
-                            "progress=false"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert train.returncode == 0, train.stderr[-3000:]
-    evals = [(r["step"], r["accuracy"]) for r in read_jsonl(tmp_path / "runs" / "r1" / "metrics" / "rank-0.jsonl")
+    env.update(DSCLUSTER_RUNS=str(tmp_path / "runs"), DSCLUSTER_STATE=str(tmp_path / "state"), OMP_NUM_THREADS="1")
+    return env
+
+
+DIGITS_TWO_EPOCHS = ["--config", "configs/digits.yaml", "epochs=2", "checkpoint.every_epochs=0", "progress=false"]
+
+
+def _train(env: dict[str, str], run_id: str, *extra: str) -> subprocess.CompletedProcess:
+    res = subprocess.run([sys.executable, "-m", "dscluster", "train", *DIGITS_TWO_EPOCHS, *extra], cwd=REPO,
+                         env={**env, "DSCLUSTER_RUN_ID": run_id}, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory) -> Path:
+    """One finished 2-epoch digits run on one process, its curve recorded: the runs and state folders
+    that each test below copies and goes on from (one training process instead of one per test)."""
+    root = tmp_path_factory.mktemp("first-run")
+    _train(_cli_env(root), "first")
+    return root
+
+
+def _from_first_run(first_run: Path, tmp_path: Path) -> dict[str, str]:
+    for name in ("runs", "state"):
+        shutil.copytree(first_run / name, tmp_path / name)
+    return _cli_env(tmp_path)
+
+
+@pytest.mark.slow  # real `dscluster train` processes (torch and DeepSpeed start-ups, digits epochs)
+def test_a_finished_run_leaves_its_curve_and_the_next_plan_prices_the_time_to_reach_it(first_run, tmp_path):
+    env = _from_first_run(first_run, tmp_path)
+    words = DIGITS_TWO_EPOCHS[2:-1]
+    evals = [(r["step"], r["accuracy"]) for r in read_jsonl(tmp_path / "runs" / "first" / "metrics" / "rank-0.jsonl")
              if r["kind"] == "eval"]
-    assert len(evals) == 3
+    assert len(evals) == 2
     [curve] = json.loads((tmp_path / "state" / "curves.json").read_text())["curves"]
-    assert [tuple(p) for p in curve["points"]] == evals and curve["run_id"] == "r1"
+    assert [tuple(p) for p in curve["points"]] == evals and curve["run_id"] == "first"
     assert "global_batch=64" in curve["key"] and curve["compression"] == "none"
 
-    target = round(evals[1][1] - 0.005, 3)  # reached at the second evaluation or before
+    target = round(evals[0][1] - 0.005, 3)  # reached at the first evaluation, before the end of the run
     step = next(s for s, a in evals if a >= target)
     (tmp_path / "hosts.txt").write_text("node1 slots=1\nnode2 slots=1\n")
     plan = subprocess.run([sys.executable, "-m", "dscluster", "plan", "--config", "configs/digits.yaml", *words,
@@ -126,20 +155,12 @@ def test_plan_with_a_damaged_curves_file_exits_2_and_writes_nothing(tmp_path, mo
     assert (tmp_path / "state" / "curves.json").read_text() == bad
 
 
-def test_train_holds_its_time_to_accuracy_against_plans_prediction(tmp_path):
+@pytest.mark.slow  # real `dscluster train` processes (torch and DeepSpeed start-ups, digits epochs)
+def test_train_holds_its_time_to_accuracy_against_plans_prediction(first_run, tmp_path):
     # one process, as plan for `localhost slots=1` predicts it: a first run records the curve, plan
     # prices the target with it, and the second run's end line and summary.json compare the two
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "RANK", "DSCLUSTER_"))}
-    env.update(DSCLUSTER_RUNS=str(tmp_path / "runs"), DSCLUSTER_STATE=str(tmp_path / "state"), OMP_NUM_THREADS="1")
-    words = ["--config", "configs/digits.yaml", "epochs=2", "checkpoint.every_epochs=0", "progress=false"]
-
-    def train(run_id: str, *extra: str) -> subprocess.CompletedProcess:
-        res = subprocess.run([sys.executable, "-m", "dscluster", "train", *words, *extra], cwd=REPO,
-                             env={**env, "DSCLUSTER_RUN_ID": run_id}, capture_output=True, text=True, timeout=600)
-        assert res.returncode == 0, res.stderr[-3000:]
-        return res
-
-    train("first")
+    env = _from_first_run(first_run, tmp_path)
+    words = DIGITS_TWO_EPOCHS
     evals = [r["accuracy"] for r in read_jsonl(tmp_path / "runs" / "first" / "metrics" / "rank-0.jsonl")
              if r["kind"] == "eval"]
     target = round(evals[0] - 0.005, 3)  # the first evaluation got there
@@ -149,7 +170,7 @@ def test_train_holds_its_time_to_accuracy_against_plans_prediction(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert plan.returncode == 0, plan.stderr[-3000:]
     predicted = json.loads(plan.stdout)["time_to_accuracy"]["runs"]["now"]["seconds"]
-    second = train("second", f"target_accuracy={target}")
+    second = _train(env, "second", f"target_accuracy={target}")
     summary = json.loads((tmp_path / "runs" / "second" / "summary.json").read_text())
     reached = summary["time_to_accuracy"]
     assert reached is not None and 0 < reached["training_seconds"] < reached["seconds"]  # start-up left out
@@ -304,6 +325,7 @@ def test_for_time_to_accuracy_plan_recommends_no_compression_that_learned_too_sl
     assert not any("is left out" in n for n in again["notes"])
 
 
+@pytest.mark.slow  # real `dscluster train` processes (torch and DeepSpeed start-ups, digits epochs)
 def test_the_printed_command_for_the_node_alone_trains_there(tmp_path):
     # localhost is the fast node and node2 a slow one behind a slow link: plan says train on localhost alone
     work = tmp_path / "work"

@@ -31,6 +31,9 @@ from dscluster.check.checkfile import CheckFile, NodeResult
 from dscluster.plan import predicted
 from dscluster.train import checkpoint
 
+# Slow, and must stay so: 200 real SIGKILLs of a writer per file kind (more on a loaded machine).
+pytestmark = pytest.mark.slow
+
 ITERATIONS = 200
 
 
