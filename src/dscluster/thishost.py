@@ -72,6 +72,11 @@ class LocalChannel:
         self._out, self._err = bytearray(), bytearray()
         self._lock = threading.Lock()
         self._eof = {"out": False, "err": False}
+        self._pty = False
+
+    def get_pty(self, *_args, **_kwargs) -> None:
+        """As a Paramiko pty does: stderr comes on stdout. (Hang-up on close: close ends the process group.)"""
+        self._pty = True
 
     def settimeout(self, seconds: float | None) -> None:
         self.timeout = seconds
@@ -79,9 +84,11 @@ class LocalChannel:
     def exec_command(self, command: str) -> None:
         # Its own process group, so closing the channel ends the command and its children (a listener).
         self.proc = subprocess.Popen(["/bin/sh", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, start_new_session=True)
+                                     stderr=subprocess.STDOUT if self._pty else subprocess.PIPE, start_new_session=True)
+        self._eof["err"] = self._pty  # merged into stdout: no stream of its own
         for key, pipe in (("out", self.proc.stdout), ("err", self.proc.stderr)):
-            threading.Thread(target=self._drain, args=(key, pipe), daemon=True).start()
+            if pipe is not None:
+                threading.Thread(target=self._drain, args=(key, pipe), daemon=True).start()
 
     def _drain(self, key: str, pipe) -> None:
         buf = self._out if key == "out" else self._err

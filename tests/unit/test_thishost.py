@@ -39,6 +39,14 @@ def test_connect_to_localhost_needs_no_sshd_and_no_known_hosts(tmp_path):
         with pytest.raises(remote.RemoteError) as slow:
             remote.run(client, "sleep 30", timeout=0.3)
         assert slow.value.kind == "timeout"
+        # as launch's per-node pump reads a session (torchrun): with a pty, stderr comes on stdout
+        chan = client.get_transport().open_session()
+        chan.get_pty()
+        chan.exec_command("echo out; echo err >&2; exit 4")
+        got = b""
+        while data := chan.recv(65536):
+            got += data
+        assert sorted(got.decode().split()) == ["err", "out"] and chan.recv_exit_status() == 4
     finally:
         client.close()
     assert not kh.exists()
