@@ -254,20 +254,16 @@ def test_a_curves_file_from_before_families_still_loads_and_counts_for_its_own_k
     assert [length for length, _ in accuracy.family_for(four, 64, env)] == ["epochs=8"]
 
 
-def test_at_4_epochs_plan_leaves_out_the_compression_whose_8_epoch_curves_trail(tmp_path):
+def test_at_4_epochs_plan_leaves_out_the_compression_whose_8_epoch_curves_trail(tmp_path, monkeypatch, plan_json):
     # bench/results/2026-11-27-2xh200-lab-1gbit-1-1-fp16-powersgd.json: two 1-GPU nodes at 1 Gbit, the
     # fractal preset at epochs=4; plan recommended PowerSGD, and the run ended at 45.4 % after 4 epochs
-    env = {**os.environ, "DSCLUSTER_STATE": str(tmp_path / "state"), "OMP_NUM_THREADS": "1"}
+    monkeypatch.setenv("DSCLUSTER_STATE", str(tmp_path / "state"))
     (tmp_path / "hosts.txt").write_text("node1 slots=1\nnode2 slots=1\n")
 
     def plan(*extra: str) -> dict:
-        out = subprocess.run([sys.executable, "-m", "dscluster", "plan", "--config", FRACTAL, "--hostfile",
-                              str(tmp_path / "hosts.txt"), "--busbw", "0.119", "--compute-s", "0.0278",
-                              "--powersgd-s", "0.0101", "--every-step", "precision=fp16", "epochs=4",
-                              "micro_batch=256", *extra, "--json"],
-                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return json.loads(out.stdout)
+        return plan_json("--config", FRACTAL, "--hostfile", str(tmp_path / "hosts.txt"), "--busbw", "0.119",
+                         "--compute-s", "0.0278", "--powersgd-s", "0.0101", "--every-step", "precision=fp16",
+                         "epochs=4", "micro_batch=256", *extra)
 
     doc = plan()  # the preset's target_accuracy 0.9
     assert "comm.compression=powersgd" not in doc["recommendation"]["overrides"]
@@ -284,22 +280,19 @@ def test_at_4_epochs_plan_leaves_out_the_compression_whose_8_epoch_curves_trail(
                for n in speed["notes"])
 
 
-def plan_fractal_lab(tmp_path, env, *extra, every_step: bool = True):
-    """plan of the 1+1+2 H100 lab at 10 Gbit; `every_step`: --every-step (compressions only, no local SGD)."""
+def plan_fractal_lab(plan_json, tmp_path, *extra):
+    """plan (--every-step: compressions only, no local SGD) of the 1+1+2 H100 lab at 10 Gbit."""
     (tmp_path / "hosts.txt").write_text("node1 slots=1\nnode2 slots=1\nnode3 slots=2\n")
-    out = subprocess.run([sys.executable, "-m", "dscluster", "plan", *(["--every-step"] if every_step else []),
-                          "--config", FRACTAL, "--hostfile",
-                          str(tmp_path / "hosts.txt"), "--busbw", "1.19", "--compute-s", "0.0226", "--powersgd-s",
-                          "0.02", "precision=fp16", "epochs=8", "micro_batch=128", *extra, "--json"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout)
+    return plan_json("--every-step", "--config", FRACTAL, "--hostfile", str(tmp_path / "hosts.txt"), "--busbw", "1.19",
+                     "--compute-s", "0.0226", "--powersgd-s", "0.02", "precision=fp16", "epochs=8", "micro_batch=128",
+                     *extra)
 
 
-def test_for_time_to_accuracy_plan_recommends_no_compression_that_learned_too_slowly(tmp_path):
-    env = {**os.environ, "DSCLUSTER_STATE": str(tmp_path / "state"), "OMP_NUM_THREADS": "1"}
+def test_for_time_to_accuracy_plan_recommends_no_compression_that_learned_too_slowly(tmp_path, monkeypatch,
+                                                                                    plan_json):
+    monkeypatch.setenv("DSCLUSTER_STATE", str(tmp_path / "state"))
     # 10 Gbit, 1+1+2 GPUs: for speed alone PowerSGD is the only setting that scales
-    speed = plan_fractal_lab(tmp_path, env, "target_accuracy=null")
+    speed = plan_fractal_lab(plan_json, tmp_path, "target_accuracy=null")
     assert speed["recommendation"]["choice"]["compression"] == "powersgd"
     assert speed["recommendation"]["choice"]["global_batch"] == 2048
     [note] = [n for n in speed["notes"] if n.startswith("comm.compression=powersgd is recommended for images/s, but "
@@ -307,7 +300,7 @@ def test_for_time_to_accuracy_plan_recommends_no_compression_that_learned_too_sl
     assert note.endswith("set target_accuracy=<held-out accuracy> and plan weighs it")
     # the curves are at the config's batch; the note says the recommendation's is another
     assert "recorded at global batch 512; the recommendation trains at 2048, which no recorded run measured" in note
-    doc = plan_fractal_lab(tmp_path, env)  # the preset's target_accuracy 0.9: the shipped curves decide
+    doc = plan_fractal_lab(plan_json, tmp_path)  # the preset's target_accuracy 0.9: the shipped curves decide
     rec = doc["recommendation"]
     assert rec["choice"]["compression"] != "powersgd" and "comm.compression=powersgd" not in rec["overrides"]
     assert any(n.startswith("comm.compression=powersgd is left out") and "67.1% at step 468" in n
@@ -320,7 +313,7 @@ def test_for_time_to_accuracy_plan_recommends_no_compression_that_learned_too_sl
     cfg = load_config(FRACTAL, ["epochs=8", "precision=fp16"])
     accuracy.record_curve(cfg, 512, [(78, 0.09), (468, 0.87), (546, 0.905)], compression="powersgd", ranks=4,
                           run_id="mine", env={"DSCLUSTER_STATE": str(tmp_path / "state")})
-    again = plan_fractal_lab(tmp_path, env)
+    again = plan_fractal_lab(plan_json, tmp_path)
     assert again["recommendation"]["choice"]["compression"] == "powersgd"
     assert not any("is left out" in n for n in again["notes"])
 

@@ -9,14 +9,22 @@ treatment, must be caught torn, so the harness is shown to land kills inside wri
 The files live in memory (/dev/shm, where there is one): what a SIGKILL can tear is the same there,
 and the writers' fsyncs (which are what makes the rename survive a real power loss) cost nothing, so
 1,400 kills take seconds instead of a minute.
+
+Each case runs in a fresh interpreter that imports only the writers (`in_a_small_process`): a fork costs
+what the parent has mapped, and a pytest that other tests have made import torch and DeepSpeed forks in
+about 17 ms instead of 0.2 ms (with the kill and the wait, 37 ms against 0.4 ms). In the whole suite the
+1,400 kills took 97 s that way; alone, 10 s.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,6 +43,23 @@ from dscluster.train import checkpoint
 pytestmark = pytest.mark.slow
 
 ITERATIONS = 200
+_CHILD = "DSCLUSTER_POWER_LOSS_CASE"
+
+
+def in_a_small_process(test):
+    """Run `test` in a fresh pytest that imports only this module, so that its forks are cheap."""
+
+    @functools.wraps(test)
+    def run(tmp_path):
+        if os.environ.get(_CHILD) == test.__name__:
+            return test(tmp_path)
+        env = dict(os.environ, **{_CHILD: test.__name__})
+        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::{test.__name__}"]
+        p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
+        assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+        assert "1 passed" in p.stdout, p.stdout[-2000:]
+
+    return run
 
 
 @pytest.fixture
@@ -93,6 +118,7 @@ def assert_hit_mid_write(stats: dict) -> None:
     assert stats["interrupted"] > 0, f"no kill landed inside a write: {stats}"
 
 
+@in_a_small_process
 def test_check_json(tmp_path):
     path = tmp_path / "check.json"
     docs = [CheckFile(ok=v == 0, hostfile=f"hosts-{v}.txt", np=200,
@@ -103,6 +129,7 @@ def test_check_json(tmp_path):
     assert_hit_mid_write(stats)
 
 
+@in_a_small_process
 def test_node_env_file(tmp_path):
     path = tmp_path / "env" / "ws1.env"
     values = [{f"DSCLUSTER_K{i}": f"value-{v}-{i}" for i in range(500)} for v in (0, 1)]
@@ -111,6 +138,7 @@ def test_node_env_file(tmp_path):
     assert_hit_mid_write(stats)
 
 
+@in_a_small_process
 def test_deepspeed_env(tmp_path):
     path = tmp_path / ".deepspeed_env"
     path.write_text("".join(f"USER_K{i}=mine{i}\n" for i in range(500)))  # the user's own lines, kept
@@ -125,6 +153,7 @@ def test_deepspeed_env(tmp_path):
     assert_hit_mid_write(stats)
 
 
+@in_a_small_process
 def test_known_hosts(tmp_path):
     path = tmp_path / "known_hosts"
     keys = [paramiko.RSAKey.generate(1024), paramiko.RSAKey.generate(1024)]
@@ -141,6 +170,7 @@ def test_known_hosts(tmp_path):
     assert_hit_mid_write(stats)
 
 
+@in_a_small_process
 def test_plans_json(tmp_path):
     env = {"DSCLUSTER_STATE": str(tmp_path)}
     path = predicted.path(env)
@@ -155,6 +185,7 @@ def test_plans_json(tmp_path):
     assert_hit_mid_write(stats)
 
 
+@in_a_small_process
 def test_checkpoint_latest(tmp_path):
     path = tmp_path / checkpoint.LATEST
     tags = ["epoch0000-step00000010", "epoch0001-step00000020"]
@@ -165,6 +196,7 @@ def test_checkpoint_latest(tmp_path):
     assert sum(stats["seen"].values()) == ITERATIONS  # `latest` is tiny: kills rarely land inside its write
 
 
+@in_a_small_process
 def test_control_a_plain_write_is_caught_torn(tmp_path):
     """The harness can fail: an ordinary open-truncate-write of the same size is seen half-written."""
     path = tmp_path / "plain.json"

@@ -57,7 +57,7 @@ def mixed_shares(cfg, world: int) -> list[str]:
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_plan_and_train_agree_on_the_run_shape(state, capsys, preset):
+def test_plan_and_train_agree_on_the_run_shape(state, capsys, preset, probes_once):
     """For every preset on 1-5 ranks, as configured and with mixed balanced shares: the micro-batch,
     accumulation and global batch plan predicts are those train runs (train/shape.py with what a
     CPU rank knows: no memory limit), and plan's saved prediction is found under train's key."""

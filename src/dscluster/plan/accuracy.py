@@ -31,6 +31,7 @@ curves count for their own key only.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import statistics
@@ -203,16 +204,25 @@ def first_reach(points, target: float) -> int | None:
     return next((int(s) for s, a in points if a >= target), None)
 
 
+@functools.lru_cache(maxsize=None)
+def _shipped_config(config, overrides: tuple[str, ...]):
+    """A shipped curve's preset with its overrides, loaded once a process (a plan reads every one of
+    them for each key it prices); None where it no longer loads."""
+    from dscluster.train.config import load_config
+
+    try:
+        return load_config(config, list(overrides))
+    except (UsageError, OSError):
+        return None
+
+
 def _shipped(global_batch: int) -> list[tuple[Shipped, dict]]:
     """The shipped curves as stored ones, each with the key, family and length its preset and overrides
     resolve to (at `global_batch` where the preset leaves it open)."""
-    from dscluster.train.config import load_config
-
     out = []
     for s in SHIPPED:
-        try:
-            ref = load_config(s.config, list(s.overrides))
-        except (UsageError, OSError):
+        ref = _shipped_config(s.config, tuple(s.overrides))
+        if ref is None:
             continue
         gb = ref.global_batch or global_batch
         out.append((s, {"key": trajectory_key(ref, gb), "family": family_key(ref, gb), "length": run_length(ref),
