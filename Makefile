@@ -29,11 +29,14 @@ lint: venv
 
 # make test (what CI runs) runs every test; make unit is the developer's quick loop: the unit tests
 # without those marked slow (real training processes, real kills: CONTRIBUTING.md lists them).
+# Two pytest-xdist workers, each taking whole files (a file's lab and fixtures are built once);
+# tests/conftest.py starts the longest files first. The 30 slowest tests are listed at the end.
+XDIST := -n 2 --dist loadfile
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST) --durations=30
 
 unit: venv
-	$(PY) -m pytest -q tests/unit -m 'not slow'
+	$(PY) -m pytest -q $(XDIST) tests/unit -m 'not slow'
 
 cluster: venv
 	$(PY) -m pytest -q tests/cluster

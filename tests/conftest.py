@@ -41,3 +41,27 @@ def pytest_runtest_makereport(item, call):
     ):
         report.outcome = "failed"
         report.longrepr = f"cluster test skipped on CI (CI=true makes a skip a failure): {report.longrepr}"
+
+
+# `make test` runs two pytest-xdist workers that each take whole files (--dist loadfile), in collection
+# order. The files that take minutes go first, longest first (CONTRIBUTING.md's table), so that no
+# worker is left alone with one of them at the end while the other has finished.
+LONG_FILES_FIRST = (
+    "cluster/test_faults.py", "cluster/test_launch_lab.py", "cluster/test_train_local.py",
+    "cluster/test_no_shared_fs.py", "cluster/test_launchers_lab.py", "cluster/test_comm_local.py",
+    "cluster/test_sync_local.py", "cluster/test_ethernet.py", "unit/test_plan_accuracy.py",
+    "unit/test_bench_cpu.py", "cluster/test_byo_script.py", "cluster/test_plan_lab.py", "cluster/test_demo.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    order = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
+
+    def rank(item) -> int:
+        path = Path(str(item.fspath)).resolve()
+        try:
+            return order.get(path.relative_to(ROOT / "tests").as_posix(), len(order))
+        except ValueError:
+            return len(order)
+
+    items.sort(key=rank)  # stable: the tests of a file keep their order
