@@ -203,10 +203,19 @@ def ensure_single_process_group() -> None:
 
     if ds_comm.is_initialized():
         return
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(free_port())}.items():
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
         os.environ.setdefault(k, v)
-    deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
+    # The rendezvous address is this group's alone: its store keeps listening on the port, so a
+    # training started from this process must not inherit it (it failed with EADDRINUSE).
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    added = [k for k in rendezvous if k not in os.environ]
+    os.environ.update({k: rendezvous[k] for k in added})
+    skip_cpu_shm_build()  # as training does: the op is for inference and took minutes to build
+    try:
+        deepspeed.init_distributed("gloo", auto_mpi_discovery=False, verbose=False)
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 # What a surviving rank sees when a peer died or never joined: the error is about the peer,
