@@ -69,7 +69,8 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
     # bad input: exit 2 before anything is written
     decision = decide_precision(cfg, calibrate, info, has_cuda)
     check_comm_here(cfg, calibrate, decision)
-    datacache.refuse_unfit(cfg.data, local_ranks=info.local_world_size, primary=info.rank == 0)
+    datacache.refuse_unfit(cfg.data, local_ranks=info.local_world_size,
+                           primary=evaluation.evaluates(cfg, info.rank == 0))
     agree.require_one_run_dir()  # every rank one run directory, before any writes there
     run_id = layout.resolve_run_id()
     rdir = layout.run_dir()
