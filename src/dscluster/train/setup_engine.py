@@ -19,7 +19,6 @@ from dscluster.train import autofit, datacache, dist
 from dscluster.train import data as data_mod
 from dscluster.train.config import TrainConfig
 from dscluster.train.ds_config import build_ds_config
-from dscluster.train.evaluation import evaluates
 from dscluster.train.localsgd import local
 from dscluster.train.model import build_model, count_params
 from dscluster.train.precision import input_and_autocast, torch_dtype
@@ -166,18 +165,19 @@ def compiles(setting: str, device: torch.device) -> bool:
     return setting == "true"
 
 
-def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision: str,
+def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision: str, *, evaluates: bool,
           node_local_checkpoints: bool = False, faults=None) -> Built:
-    """`node_local_checkpoints`: no shared filesystem, every node saves the model states (train/nodelocal.py);
-    `faults`: this rank's test-only fault hook (faults.FaultHook), None for none."""
+    """`evaluates`: this rank runs the held-out forwards (train/evaluation.evaluates), so the data cache holds the
+    held-out split here; `node_local_checkpoints`: no shared filesystem, every node saves the model states
+    (train/nodelocal.py); `faults`: this rank's test-only fault hook (faults.FaultHook), None for none."""
     import deepspeed
 
     notes: list[str] = []
     torch.manual_seed(cfg.seed)  # identical init everywhere (DeepSpeed also broadcasts rank 0's weights)
     splits = data_mod.load(cfg.data, device, seed=cfg.seed)
     # before the probes (their prefixes read the cache) and before the loader's workers fork
-    cached = datacache.cache_splits(splits, cfg.data, local_ranks=info.local_world_size,
-                                    primary=evaluates(cfg, info.rank == 0), notes=notes)
+    cached = datacache.cache_splits(splits, cfg.data, local_ranks=info.local_world_size, primary=evaluates,
+                                    notes=notes)
     model = build_model(cfg.model, in_chans=splits.train.in_chans, num_classes=splits.train.num_classes,
                         img_size=cfg.data.img_size).to(device)
     # channels_last applies to the input batches only: DeepSpeed broadcasts parameters as byte
