@@ -50,8 +50,9 @@ def test_every_run_is_compared_with_stage_0_on_as_many_gpus_and_the_table_shows_
     assert runs[2]["saved_mb"] is None  # no stage-0 run on 2 GPUs in this call: no baseline from elsewhere
     assert runs[3]["saved_mb"] is None
     lines = zero_memory.table({"runs": runs}).splitlines()
-    assert lines[3] == "| zero3-offload | 1 | 6000 | 25 % | 5000 | 300 |"
-    assert lines[5] == "| zero1 | 1 | - | - | - | - |"
+    assert lines[0] == "| GPUs | zero0 | zero1 | zero2 | zero3 | zero3-offload |"
+    assert lines[2] == ("| 1 | 8,000 MiB, 400 img/s | timeout | - | - | 6,000 MiB (-25 %), 300 img/s |")
+    assert lines[3] == "| 2 | - | - | - | 5,000 MiB, 700 img/s | - |"
 
 
 def test_more_gpus_than_the_host_has_is_refused(capsys):

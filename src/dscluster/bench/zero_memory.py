@@ -182,12 +182,20 @@ def run_all(opts: Options) -> tuple[dict, Path | None]:
 
 
 def table(doc: dict) -> str:
-    """The result as the markdown rows docs/training-config.md keeps (peak MiB, saved %, img/s)."""
-    rows = ["| setting | GPUs | peak_mem_mb | saved vs zero0 | peak_host_mb | img/s |", "|---|---|---|---|---|---|"]
-    for r in doc["runs"]:
-        saved = "-" if r.get("saved_percent") is None else f"{r['saved_percent']:.0f} %"
-        rows.append(f"| {r['name']} | {r['gpus']} | {runner.cell(r.get('peak_mem_mb'), '.0f')} | {saved} | "
-                    f"{runner.cell(r.get('peak_host_mb'), '.0f')} | {runner.cell(r.get('images_per_s'), '.0f')} |")
+    """The result as docs/training-config.md keeps it: a row per GPU count, a column per setting; each cell
+    the peak MiB (the largest rank's), what it saves against zero0 of that row, and img/s."""
+    names = [name for name, _, _ in SETTINGS]
+    rows = ["| GPUs | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for gpus in sorted({r["gpus"] for r in doc["runs"]}):
+        by_name = {r["name"]: r for r in doc["runs"] if r["gpus"] == gpus}
+        cells = []
+        for name in names:
+            r = by_name.get(name, {})
+            saved = "" if not r.get("saved_percent") else f" (-{r['saved_percent']:.0f} %)"
+            cells.append(f"{runner.cell(r.get('peak_mem_mb'), ',.0f')} MiB{saved}, "
+                         f"{runner.cell(r.get('images_per_s'), ',.0f')} img/s" if r.get("peak_mem_mb") else
+                         r.get("status", "-"))
+        rows.append(f"| {gpus} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
