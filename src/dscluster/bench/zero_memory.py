@@ -191,7 +191,7 @@ def table(doc: dict) -> str:
         cells = []
         for name in names:
             r = by_name.get(name, {})
-            saved = "" if not r.get("saved_percent") else f" (-{r['saved_percent']:.0f} %)"
+            saved = "" if not r.get("saved_percent") else f" ({-r['saved_percent']:+.0f} %)"  # -25 %: a quarter less
             cells.append(f"{runner.cell(r.get('peak_mem_mb'), ',.0f')} MiB{saved}, "
                          f"{runner.cell(r.get('images_per_s'), ',.0f')} img/s" if r.get("peak_mem_mb") else
                          r.get("status", "-"))
