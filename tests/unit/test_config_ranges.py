@@ -31,6 +31,7 @@ COMPANIONS = {
     "model.embed_dim": ["model.num_heads=1"],
     "data.img_size": ["model.patch_size=1"],
     "data.dataset": ["data.path=data"],
+    "offload_optimizer": ["zero_stage=2"],
 }
 
 

@@ -162,7 +162,7 @@ zero_stage: 2
 deepspeed:
   tensorboard: {enabled: true, output_path: tb, job_name: vit}
   zero_optimization:
-    offload_optimizer: {device: cpu, pin_memory: true}
+    round_robin_gradients: true
     reduce_bucket_size: 5000000
   wall_clock_breakdown: true
 """
@@ -179,7 +179,7 @@ def test_deepspeed_section_is_merged_last_over_ours(tmp_path):
         "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
                               "reduce_bucket_size": 5000000,                # theirs, beside ours
                               "allgather_bucket_size": 200_000_000, "reduce_scatter": True,
-                              "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+                              "round_robin_gradients": True},
         "tensorboard": {"enabled": True, "output_path": "tb", "job_name": "vit"},
         "comms_logger": {"enabled": True},                                  # from the override
     }

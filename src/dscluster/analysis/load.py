@@ -179,8 +179,8 @@ SUMMARY_TYPES: dict[str, tuple[type, ...]] = {
     "precision": (str,), "model": (str,), "dataset": (str,), "epochs": (int,), "steps": (int,),
     "global_batch": (int,), "images_per_s": NUMBER, "accuracy": NUMBER, "wall_s": NUMBER, "overflow_steps": (int,),
     "failed_rank": (int,), "failed_host": (str,), "error": (str,), "failed_ranks": (list,), "failed_ranks[]": (int,),
-    "vanished_hosts": (list,), "vanished_hosts[]": (str,), "peak_mem_mb": NUMBER, "plan": (dict,),
-    "run_images_per_s": NUMBER, "run_s": NUMBER,
+    "vanished_hosts": (list,), "vanished_hosts[]": (str,), "peak_mem_mb": NUMBER, "peak_host_mb": NUMBER,
+    "plan": (dict,), "run_images_per_s": NUMBER, "run_s": NUMBER,
 }
 
 

@@ -5,7 +5,8 @@ CPUAdam under ZeRO-Offload) at `deepspeed.initialize`. A pip-installed DeepSpeed
 built: they are compiled on first use, which needs ninja, an nvcc whose CUDA major version matches
 torch's, and a TORCH_CUDA_ARCH_LIST DeepSpeed's builder can parse. Its parser reads every entry as
 numbers ("8.6", "9.0+PTX"); "9.0a" (a form torch itself accepts) makes it raise ValueError before
-anything compiles. `dscluster train` needs none of these ops, so a gap here is a warning with the fix.
+anything compiles. `dscluster train` needs none of these ops but CPUAdam, and that only with
+offload_optimizer=cpu, so a gap here is a warning with the fix.
 
 `ds_op_facts()` runs on each node inside check's probe (its source is sent with the probe script:
 standard library only, no import of torch or DeepSpeed) and in `dscluster env`; `ops_verdict()`
@@ -177,7 +178,7 @@ def ops_message(verdict: OpsVerdict) -> tuple[str, str]:
     """(what, fix) for check's finding and `dscluster env`'s line."""
     what = (f"DeepSpeed ops: {verdict.line()}: " + "; ".join(verdict.problems) +
             ". A script whose DeepSpeed config uses DeepSpeed's Adam/Lamb (or ZeRO-Offload) fails at "
-            "deepspeed.initialize; dscluster train does not need them")
+            "deepspeed.initialize; dscluster train needs none of them but CPUAdam with offload_optimizer=cpu")
     fix = "; ".join(dict.fromkeys(verdict.fixes)) + (
         " (or prebuild: DS_BUILD_FUSED_ADAM=1 DS_BUILD_FUSED_LAMB=1 pip install deepspeed --no-build-isolation)")
     return what, fix

@@ -46,7 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="N runs 1..N GPUs; a list such as 1,4 runs those; on --device cpu, processes")
     v.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default=None,
                    help="default bf16 on GPU, fp32 on CPU")
-    v.add_argument("--zero", type=int, choices=[0, 1, 2], default=0, help="DeepSpeed ZeRO stage")
+    v.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="DeepSpeed ZeRO stage")
     v.add_argument("--compile", action="store_true", help="compile the model in dscluster's path")
     v.add_argument("--micro-batch", default="auto", help="'auto' (largest that fits) or N images per GPU")
     v.add_argument("--memory-cap-gb", type=float, default=None, help="cap each process's GPU memory (e.g. 8)")

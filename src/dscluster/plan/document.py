@@ -107,9 +107,15 @@ def notes_of(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict]
     if inputs.check_world and inputs.check_world != world:
         notes.append(f"check measured the all-reduce over {inputs.check_world} ranks, this plan has {world}: if the "
                      f"hostfile changed, run `dscluster check --hostfile {opts.hostfile}` again")
-    if cfg.zero_stage:
+    if cfg.zero_stage in (1, 2):
         notes.append(f"zero_stage {cfg.zero_stage}: reduce-scatter + all-gather move about what ZeRO-0's "
                      "all-reduce moves; the estimate is the same")
+    elif cfg.zero_stage == 3:
+        notes.append("zero_stage 3: the weights are all-gathered again for every forward and backward, about 1.5x "
+                     "the bytes of ZeRO-0's all-reduce; the estimate counts ZeRO-0's")
+    if cfg.offload_optimizer != "none":
+        notes.append(f"offload_optimizer={cfg.offload_optimizer}: the optimizer steps on the CPU and its states "
+                     "cross PCIe every step; the estimate leaves both out")
     for comp, c in calibration.items():
         more, act = ("more", "add") if c["extra_s"] >= 0 else ("less", "take off")
         notes.append(f"calibrated by {c['runs']} earlier run(s) of this model on {world} rank(s): {comp} steps took "

@@ -131,6 +131,8 @@ class RunRecord:
     images_per_s: float | None = None
     accuracy: float | None = None
     peak_mem_mb: float | None = None
+    peak_host_mb: float | None = None
+    """Rank 0's peak resident host memory (train/memory.py)."""
     timed_steps: int | None = None
     timed_s: float | None = None
     run_images_per_s: float | None = None

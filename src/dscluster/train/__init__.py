@@ -6,7 +6,8 @@ The modules by role:
   autofit.py, loader.py, data.py, fractal.py;
 - step: step.py, optstep.py, comm.py, losscale.py, precision.py, guards.py, split.py, timing.py,
   syncwatch.py;
-- record: logwindow.py, progress.py, traces.py, evaluation.py (the run directory itself: dscluster.rundir);
+- record: logwindow.py, progress.py, traces.py, evaluation.py, memory.py (the run directory itself:
+  dscluster.rundir);
 - dist: dist.py, nodelocal.py;
 - components of the loop: checkpoint.py (the Checkpointer), faults.py (the test-only fault hook),
   model.py, setup_engine.py.

@@ -230,15 +230,21 @@ class TrainConfig:
     """Samples per optimizer step over all ranks; must equal micro_batch × grad_accum × world."""
     precision: str = field(default="auto", metadata={"choices": ("auto", "bf16", "fp16", "fp32")})
     """auto: DSCLUSTER_PRECISION from `dscluster check`, else what the local GPU supports, CPU fp32."""
-    zero_stage: int = field(default=0, metadata={"choices": (0, 1, 2)})
-    """DeepSpeed ZeRO stage. Not 3: held-out evaluation runs on rank 0 alone, and under ZeRO-3 its
-    forward would wait for the other ranks to all-gather the partitioned parameters."""
+    zero_stage: int = field(default=0, metadata={"choices": (0, 1, 2, 3)})
+    """DeepSpeed ZeRO stage: what each rank keeps only its 1/world share of. 1: the optimizer states;
+    2: and the gradients; 3: and the parameters (each layer's are all-gathered for its forward and
+    backward; every rank then runs the held-out evaluation's forwards, rank 0 records it)."""
+    offload_optimizer: str = field(default="none", metadata={"choices": ("none", "cpu")})
+    """ZeRO-Offload: cpu keeps this rank's share of the optimizer states and fp32 master weights in host
+    memory (pinned on a GPU) and steps them there with DeepSpeed's CPUAdam (compiled once on first use);
+    the GPU keeps the weights the forward runs with, the gradients and the activations. Needs
+    zero_stage 1, 2 or 3."""
     deepspeed: dict[str, Any] | None = None
     """DeepSpeed config merged last over dscluster's (mappings key by key, yours winning): monitors,
-    comms_logger, flops_profiler, zero_optimization.offload_optimizer, ... Refused, naming the key to
-    use: what dscluster derives (batch sizes, zero_optimization.stage, fp16/bf16/torch_autocast,
-    gradient_clipping) and keys DeepSpeed does not know (it would ignore a typo). One value: an
-    override deepspeed.tensorboard.enabled=true."""
+    comms_logger, flops_profiler, zero_optimization.stage3_param_persistence_threshold, ... Refused,
+    naming the key to use: what dscluster derives (batch sizes, zero_optimization.stage and
+    offload_optimizer.device, fp16/bf16/torch_autocast, gradient_clipping) and keys DeepSpeed does not
+    know (it would ignore a typo). One value: an override deepspeed.tensorboard.enabled=true."""
     compile: str = field(default="false", metadata={"choices": ("auto", "true", "false")})
     """Compile the model through DeepSpeed's engine.compile() (torch.compile). auto: on GPUs that
     torch.compile's Triton kernels support (compute capability 7.0 and newer: not Pascal), where it
@@ -272,7 +278,7 @@ class TrainConfig:
     shares: list[int] | None = field(default=None, metadata=limits(ge=1))
     """Per-rank micro-batch sizes for balanced batching (sum = global micro batch)."""
     overlap_comm: bool = True
-    """Overlap gradient reduction with backward: ZeRO 1/2 through DeepSpeed's overlap_comm; ZeRO-0 on
+    """Overlap gradient reduction with backward: ZeRO 1-3 through DeepSpeed's overlap_comm; ZeRO-0 on
     several ranks through torch DDP's bucketed all-reduce inside the engine (DeepSpeed's own ZeRO-0
     all-reduce starts after backward: 4x H200 ViT-B/16 lost 9% to it)."""
     bucket_size_mb: int = field(default=200, metadata=limits(ge=1))

@@ -169,6 +169,8 @@ DEEPSPEED_DERIVED = {
     ("torch_autocast",): "precision and amp",
     ("gradient_clipping",): "optim.grad_clip",
     ("zero_optimization", "stage"): "zero_stage",
+    ("zero_optimization", "offload_optimizer", "device"): "offload_optimizer (which also hands DeepSpeed the CPUAdam "
+                                                          "that ZeRO-Offload steps with)",
     ("optimizer",): "optim.* (dscluster hands DeepSpeed its own AdamW, and DeepSpeed then ignores this section)",
 }
 
@@ -224,6 +226,7 @@ def check_relations(cfg) -> None:
     if cfg.target_accuracy is not None and cfg.data.dataset == "synthetic":
         raise E("target_accuracy", "target_accuracy needs a held-out set; data.dataset=synthetic has none (use "
                 "fractal, digits, cifar10 or imagefolder, or leave target_accuracy unset)", also=("data.dataset",))
+    offload_conflict(cfg)
     power = cfg.fp16.initial_scale_power
     if cfg.fp16.min_loss_scale > 2.0 ** power:
         raise E("fp16.min_loss_scale",
@@ -231,6 +234,21 @@ def check_relations(cfg) -> None:
                 f"(fp16.initial_scale_power={power}): the guard would stop the run at once; lower "
                 "fp16.min_loss_scale or raise fp16.initial_scale_power",
                 also=("fp16.initial_scale_power",))
+
+
+def offload_conflict(cfg) -> None:
+    """Where offload_optimizer cannot apply: ConfigValueError naming the key, why and the fix."""
+    E, off, key = ConfigValueError, cfg.offload_optimizer, "offload_optimizer"
+    if off == "none":
+        return
+    if cfg.zero_stage == 0:
+        raise E(key, f"{key}={off} needs zero_stage 1, 2 or 3: ZeRO-Offload moves the optimizer states ZeRO "
+                     "partitions, and zero_stage=0 partitions none; set zero_stage=2 (optimizer states and "
+                     f"gradients) or zero_stage=3 (the weights too), or {key}=none", also=("zero_stage",))
+    if cfg.optim.fused == "true":
+        raise E("optim.fused", f"optim.fused=true asks for torch's fused AdamW on the GPU, but with {key}={off} "
+                               f"DeepSpeed's CPUAdam steps on the CPU; set optim.fused=auto or {key}=none",
+                also=(key,))
 
 
 # DeepSpeed's communication-compressing optimizers, by their config names. Why none can run here (their

@@ -10,7 +10,7 @@ the uncached path makes. The training loader's persistent workers fork after the
 tensor copy-on-write; evaluation on rank 0 is an index into it and a GPU pass.
 
 `choose` is the one rule (train and plan both call it): the training split on every rank, the held-out
-split on rank 0 alone (only rank 0 evaluates).
+split where the rank evaluates (`primary`: rank 0, every rank under ZeRO-3, train/evaluation.evaluates).
   auto   a split is cached when the rank's cached bytes stay within its budget: SHARE_OF_AVAILABLE of
          the node's MemAvailable divided by its local ranks (each rank holds its own copy), at most
          MAX_BYTES_PER_RANK; the training split first, then the held-out split if it still fits.

@@ -20,7 +20,8 @@ from dscluster.train.shape import BatchPlan
 
 def build_ds_config(cfg: TrainConfig, plan: BatchPlan, precision: str, *, on_gpu: bool,
                     initial_scale_power: int | None = None) -> dict:
-    """DeepSpeed JSON config. The optimizer is passed as a client optimizer (fused AdamW on GPU).
+    """DeepSpeed JSON config. The optimizer is passed as a client optimizer (fused AdamW on GPU; DeepSpeed's
+    CPUAdam with offload_optimizer, train/setup_engine.py).
     The user's `deepspeed:` section is merged last (config_checks refused the keys built here)."""
     bucket = int(cfg.bucket_size_mb) * 1_000_000
     ds: dict = {
@@ -44,6 +45,10 @@ def build_ds_config(cfg: TrainConfig, plan: BatchPlan, precision: str, *, on_gpu
             "allgather_bucket_size": bucket,
             "reduce_scatter": True,
         })
+    if cfg.offload_optimizer != "none":
+        # DeepSpeed recommends page-locked host memory for the offloaded states (faster copies both ways);
+        # a CPU rank has no device to copy to, and pinning needs CUDA.
+        ds["zero_optimization"]["offload_optimizer"] = {"device": cfg.offload_optimizer, "pin_memory": on_gpu}
     amp = amp_dtype(cfg, precision)
     if amp is not None:
         # fp32 parameters and optimizer; the engine runs forward under torch.autocast(amp). fp16 gets

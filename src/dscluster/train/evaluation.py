@@ -1,10 +1,12 @@
-"""Held-out evaluation: rank 0 alone, between two barriers, on the bare model; and time to accuracy.
+"""Held-out evaluation: rank 0, between two barriers, on the bare model; and time to accuracy.
 
 Rank 0 evaluates while the others wait at a barrier instead of racing into the next epoch's
 collectives; it runs the model itself (setup_engine.bare_module), never the DDP wrapper, whose
-forward may broadcast buffers to ranks that are not there. With `target_accuracy` set, the first
-evaluation that reaches it is the run's time to accuracy: the `target` record, `time_to_accuracy`
-in summary.json.
+forward may broadcast buffers to ranks that are not there. Under ZeRO-3 no rank holds the whole
+model: each layer's forward all-gathers its parameters from every rank, so every rank runs the same
+forwards over the same batches (`evaluates`), and rank 0 alone records what it measured. With
+`target_accuracy` set, the first evaluation that reaches it is the run's time to accuracy: the
+`target` record, `time_to_accuracy` in summary.json.
 """
 
 from __future__ import annotations
@@ -104,17 +106,25 @@ class TimeToAccuracy:
         return {"target_accuracy": self.target, "time_to_accuracy": self.reached}
 
 
+def evaluates(cfg, primary: bool) -> bool:
+    """Whether this rank runs the held-out forwards: rank 0 (`primary`), and under ZeRO-3 every rank (module
+    docstring). The data cache holds the held-out split where this is true (train/datacache.py)."""
+    return primary or cfg.zero_stage == 3
+
+
 def held_out(engine, built, cfg, device, *, primary: bool, log, progress, epoch: int, step: int,
              tta: TimeToAccuracy | None = None) -> float | None:
-    """Collective: every rank calls it; rank 0 evaluates, records it and returns the accuracy."""
+    """Collective: every rank calls it; rank 0 (with every rank under ZeRO-3) evaluates, records it and
+    returns the accuracy."""
     accuracy = None
     dist.barrier()
-    if primary:
+    if evaluates(cfg, primary):
         t0 = time.perf_counter()
         acc, eloss, n = evaluate(engine, built.splits.holdout, built.dtype, device, cfg.channels_last,
                                  autocast=built.autocast)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+    if primary:
         accuracy = acc
         rec = log.record("eval", epoch=epoch, step=step, accuracy=acc, loss=eloss, samples=n,
                          seconds=round(time.perf_counter() - t0, 3))

@@ -36,6 +36,7 @@ from dscluster.train.checkpoint import Checkpointer, Position
 from dscluster.train.config import TrainConfig, to_yaml
 from dscluster.train.config_checks import ConfigValueError, compression_conflict, sync_conflict
 from dscluster.train.logwindow import LogWindow
+from dscluster.train.memory import note_peaks
 from dscluster.train.optstep import StepBoundary
 from dscluster.train.precision import PrecisionDecision, decide_here
 from dscluster.train.progress import ProgressBar
@@ -69,7 +70,8 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
     # bad input: exit 2 before anything is written
     decision = decide_precision(cfg, calibrate, info, has_cuda)
     check_comm_here(cfg, calibrate, decision)
-    datacache.refuse_unfit(cfg.data, local_ranks=info.local_world_size, primary=info.rank == 0)
+    datacache.refuse_unfit(cfg.data, local_ranks=info.local_world_size,
+                           primary=evaluation.evaluates(cfg, info.rank == 0))
     agree.require_one_run_dir()  # every rank one run directory, before any writes there
     run_id = layout.resolve_run_id()
     rdir = layout.run_dir()
@@ -88,14 +90,12 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
         rank = join(cfg, info, device, decision, calibrate, record)
         out = Trainer(cfg, rank, log, rdir, record, faults.FaultHook(info.rank), calibrate=calibrate,
                       started=t0).fit()
-        record.peak_mem_mb = peak_mem_mb(device)
-        log.record("end", status="complete", error=None, peak_mem_mb=record.peak_mem_mb)
+        log.record("end", status="complete", error=None, **note_peaks(record, device))
         if primary and not calibrate:
             log.write_summary(record.summary(status="complete", wall_s=round(time.time() - t0, 3)))
         return out
     except guards.TrainingAborted as e:
-        record.peak_mem_mb = peak_mem_mb(device)
-        log.record("end", status="failed", error=str(e), peak_mem_mb=record.peak_mem_mb)
+        log.record("end", status="failed", error=str(e), **note_peaks(record, device))
         if primary:
             log.write_summary(record.summary(status="failed", wall_s=round(time.time() - t0, 3),
                                              failed_rank=e.failed_ranks[0], failed_host=e.failed_hosts[0],
@@ -105,7 +105,7 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
         # Before anything else touches the broken group: what every rank's collectives were.
         dist.dump_flight_recorder(rdir / layout.NCCL_TRACE_DIR, info.rank)
         traces.exception()
-        record_crash(e, log, record, rdir, peak_mem_mb(device), primary=primary, wall_s=round(time.time() - t0, 3))
+        record_crash(e, log, record, rdir, device, primary=primary, wall_s=round(time.time() - t0, 3))
         raise
     finally:
         ProgressBar.stop_all()
@@ -182,7 +182,7 @@ def join(cfg: TrainConfig, info, device, decision: PrecisionDecision, calibrate:
     return Rank(info, device, precision, hosts)
 
 
-def record_crash(e: BaseException, log: RunLog, record: RunRecord, rdir: Path, peak: float | None, *,
+def record_crash(e: BaseException, log: RunLog, record: RunRecord, rdir: Path, device: torch.device | None, *,
                  primary: bool, wall_s: float) -> None:
     """The `end` record and, where this rank knows the story, a failed summary.json."""
     msg = f"{type(e).__name__}: {e}" if not isinstance(e, DsclusterError) else str(e)
@@ -198,8 +198,7 @@ def record_crash(e: BaseException, log: RunLog, record: RunRecord, rdir: Path, p
             failed_host = record.vanished_hosts[0]
         msg = (f"a collective failed: another rank died or never joined (`dscluster diagnose {rdir}` "
                f"names it){liveness.vanished_text(record.vanished_hosts, host)}: {msg}")
-    record.peak_mem_mb = peak
-    log.record("end", status="failed", error=msg, peak_mem_mb=peak)
+    log.record("end", status="failed", error=msg, **note_peaks(record, device))
     log.write_summary(record.summary(status="failed", wall_s=wall_s, failed_rank=failed_rank, failed_host=failed_host,
                                      error=msg), only_if_absent_or_not_failed=not primary)
 
@@ -229,16 +228,6 @@ def check_comm_here(cfg: TrainConfig, calibrate: bool, decision: PrecisionDecisi
         raise UsageError(f"precision {precision} on this rank ({why}): {e}") from None
 
 
-def peak_mem_mb(device: torch.device | None) -> float | None:
-    """Peak GPU memory this process allocated (MiB); None on CPU, where there is no device pool."""
-    if device is None or device.type != "cuda":
-        return None
-    try:
-        return round(torch.cuda.max_memory_allocated() / 2**20, 1)
-    except Exception:
-        return None
-
-
 class Trainer:
     """One rank's run: its components built once (engine, Checkpointer, step, log window), then
     `fit` drives them: resume, epochs of steps, held-out evaluation, checkpoints, the end."""
@@ -256,8 +245,8 @@ class Trainer:
         self.faults, self.calibrate, self.primary = fault_hook, calibrate, rank.primary
         self.ckpt = Checkpointer(cfg, rdir, rank.info, hosts=rank.hosts, device=rank.device, primary=rank.primary,
                                  calibrate=calibrate, faults=fault_hook)
-        self.b = build(cfg, rank.info, rank.device, rank.precision, node_local_checkpoints=self.ckpt.node_local,
-                       faults=fault_hook)
+        self.b = build(cfg, rank.info, rank.device, rank.precision, evaluates=evaluation.evaluates(cfg, rank.primary),
+                       node_local_checkpoints=self.ckpt.node_local, faults=fault_hook)
         self.boundary = StepBoundary(self.b.engine, cfg, rank.precision)
         self.spe, self.total = self.b.sampler.steps_per_epoch, self.b.total_steps
         if localsgd.local(cfg) and rank.info.world_size > 1:

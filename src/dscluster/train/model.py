@@ -39,4 +39,6 @@ def fused_attention() -> bool:
 
 
 def count_params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+    """Parameters of the whole model, also once ZeRO-3 has partitioned it (each rank then holds a share;
+    DeepSpeed keeps the full count on the parameter as ds_numel)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())

@@ -10,8 +10,8 @@ looks for it). Without a shared run directory:
 - a resume where the nodes name different checkpoints (one node lacks it: a node replaced, a
   folder deleted) stops before training, naming the node and the fix (`resume_agreement`): never
   step 0 on some ranks and step N on others.
-With ZeRO stage 1 or above, DeepSpeed reads every rank's optimizer shard on load, which a node
-does not have; see docs/file-layouts.md.
+Under ZeRO 1-3 every rank saves its own optimizer shard (ZeRO-3: its own weight shard too) and DeepSpeed
+reads back only the loading rank's, so a node's copy resumes its ranks; docs/file-layouts.md.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ scaler is made from the fp16 section (initial_scale_power, loss_scale_window); i
 every overflow (no hysteresis) and has no floor, so min_loss_scale only drives the guard; its
 state goes into checkpoints. Scale and overflow are read from the device once per log window,
 like the loss. fp16 with amp=false or
-ZeRO 1/2 keeps DeepSpeed's fp16 optimizer and its host-side scale (DeepSpeed syncs for it).
+ZeRO 1-3 keeps DeepSpeed's fp16 optimizer and its host-side scale (DeepSpeed syncs for it).
 """
 
 from __future__ import annotations

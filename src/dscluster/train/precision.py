@@ -88,7 +88,7 @@ def amp_dtype(cfg, precision: str) -> str | None:
     if precision == "bf16":
         return "bfloat16"
     if precision == "fp16" and cfg.zero_stage == 0:
-        return "float16"  # ZeRO 1/2 with autocast fp16 has no GradScaler in DeepSpeed: keep its fp16 optimizer
+        return "float16"  # ZeRO 1-3 with autocast fp16 has no GradScaler in DeepSpeed: keep its fp16 optimizer
     return None
 
 

@@ -104,6 +104,19 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def make_optimizer(cfg: TrainConfig, model: torch.nn.Module, lr: float, device: torch.device) -> torch.optim.Optimizer:
+    """torch's AdamW (fused on GPU), or with offload_optimizer DeepSpeed's CPUAdam in AdamW mode: ZeRO-Offload
+    steps the states in host memory, and DeepSpeed refuses any other client optimizer there. Both take the
+    same groups, betas, eps and decoupled weight decay; the schedule sets either's lr."""
+    groups = param_groups(model, cfg.optim.weight_decay)
+    if cfg.offload_optimizer != "none":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, adamw_mode=True)
+    fused = cfg.optim.fused == "true" or (cfg.optim.fused == "auto" and device.type == "cuda")
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, fused=fused or None)
+
+
 def lr_lambda(cfg: TrainConfig, total_steps: int):
     warm = max(0, cfg.optim.warmup_steps)
     floor = cfg.optim.min_lr_ratio
@@ -152,17 +165,18 @@ def compiles(setting: str, device: torch.device) -> bool:
     return setting == "true"
 
 
-def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision: str,
+def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision: str, *, evaluates: bool,
           node_local_checkpoints: bool = False, faults=None) -> Built:
-    """`node_local_checkpoints`: no shared filesystem, every node saves the model states (train/nodelocal.py);
-    `faults`: this rank's test-only fault hook (faults.FaultHook), None for none."""
+    """`evaluates`: this rank runs the held-out forwards (train/evaluation.evaluates), so the data cache holds the
+    held-out split here; `node_local_checkpoints`: no shared filesystem, every node saves the model states
+    (train/nodelocal.py); `faults`: this rank's test-only fault hook (faults.FaultHook), None for none."""
     import deepspeed
 
     notes: list[str] = []
     torch.manual_seed(cfg.seed)  # identical init everywhere (DeepSpeed also broadcasts rank 0's weights)
     splits = data_mod.load(cfg.data, device, seed=cfg.seed)
     # before the probes (their prefixes read the cache) and before the loader's workers fork
-    cached = datacache.cache_splits(splits, cfg.data, local_ranks=info.local_world_size, primary=info.rank == 0,
+    cached = datacache.cache_splits(splits, cfg.data, local_ranks=info.local_world_size, primary=evaluates,
                                     notes=notes)
     model = build_model(cfg.model, in_chans=splits.train.in_chans, num_classes=splits.train.num_classes,
                         img_size=cfg.data.img_size).to(device)
@@ -194,9 +208,7 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
     ds_cfg = build_ds_config(cfg, plan, precision, on_gpu=device.type == "cuda")
     if node_local_checkpoints:
         ds_cfg.setdefault("checkpoint", {})["use_node_local_storage"] = True
-    fused = cfg.optim.fused == "true" or (cfg.optim.fused == "auto" and device.type == "cuda")
-    opt = torch.optim.AdamW(param_groups(model, cfg.optim.weight_decay), lr=peak_lr(cfg, plan.global_batch),
-                            betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, fused=fused or None)
+    opt = make_optimizer(cfg, model, peak_lr(cfg, plan.global_batch), device)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
     # The rank's device may differ from cuda:$LOCAL_RANK (a user's CUDA_VISIBLE_DEVICES with fewer
     # GPUs than ranks), which DeepSpeed would use as the index: name the device explicitly. On CPU
@@ -213,6 +225,9 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
     elif cfg.comm.compression != "none":
         notes.append(f"comm.compression={cfg.comm.compression} has nothing to compress on one rank: no gradient "
                      "crosses a network")
+    if device.type == "cuda":  # peak_mem_mb is training's: auto-fit's and balanced batching's probes are over
+        torch.cuda.reset_peak_memory_stats(device)
+    quiet_deprecated_collectives()
     engine, _, _, _ = deepspeed.initialize(args=ds_args, model=ddp or model, optimizer=opt, lr_scheduler=sched,
                                            config=ds_cfg, dist_init_required=False)
     if cfg.zero_stage == 0 and (info.world_size == 1 or ddp is not None or syncs_less):
@@ -227,6 +242,16 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
                  ds_config=ds_cfg, dtype=dtype, params=count_params(model), total_steps=total,
                  autocast=autocast,
                  share_plan=share_plan, notes=notes, ddp=ddp, comm=hook, split=split, data_cache=cached)
+
+
+def quiet_deprecated_collectives() -> None:
+    """DeepSpeed's ZeRO calls torch.distributed's all_gather_into_tensor and reduce_scatter_tensor, which torch
+    deprecates with a FutureWarning. Under ZeRO-3 that warning came back on every rank at every step (two
+    lines each time, thousands in a run's log) and tells the user of dscluster nothing they can act on."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
+                            "is deprecated", category=FutureWarning)
 
 
 def _sampler(cfg, info, per_rank: bool, shares: list[int], accum: int, n: int, syncs_less: bool):

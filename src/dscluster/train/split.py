@@ -30,7 +30,7 @@ With sync.mode local_sgd or diloco (localsgd.py) the gradients' all-reduce, wher
 marked the same way around it, and the average of the models every H steps is timed on its own:
 `average_s`, part of comm (these records only).
 
-With one rank there is nothing to wait for: comm = 0. With several ranks but no DDP hook (ZeRO 1/2,
+With one rank there is nothing to wait for: comm = 0. With several ranks but no DDP hook (ZeRO 1-3,
 overlap_comm false: DeepSpeed reduces on its own) comm is not measured: null, and compute holds it.
 """
 

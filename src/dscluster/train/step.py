@@ -2,7 +2,7 @@
 
 Kept on the device: the step's loss and the boundary's values (grad norm, amp loss scale) come
 back as one small tensor that the log window reads with all the others of the window (no host
-sync per step). Only DeepSpeed's own fp16 optimizer (amp=false or ZeRO 1/2) has host-side scale
+sync per step). Only DeepSpeed's own fp16 optimizer (amp=false or ZeRO 1-3) has host-side scale
 and overflow: it syncs for them. The step's time split (split.py) is marked here: its start, the
 host's work on the batches, the end of the boundary backward (DDP has waited for the reductions)
 and the end of the step.
