@@ -32,9 +32,10 @@ looks its config up and prints "plan predicted X img/s, measured Y img/s (±Z%)"
 keeps both (`plan`). A later `plan` for the same key replaces the entry.
 
 An outcome also keeps what the run's first costs were (`startup_of`): its warm-up beyond five steady
-steps (compilation, mostly) and its data cache's fill; the next plan of the same model and precision
-prices its whole run's warm-up with the larger of that and its probe's, and the fill with that of the
-same ranks (`startup`). A run whose timed steps mixed plain and PowerSGD ones keeps only these.
+steps (compilation, mostly) and its data cache's fill; the next plan of the same key prices its whole
+run's warm-up with the newest such run's, one of another key of the same model and precision only
+where that is more than the modelled one, and the fill with that of the same ranks (`startup`). A run
+whose timed steps mixed plain and PowerSGD ones keeps only these.
 
 Each such comparison is also kept as an outcome (the last MAX_OUTCOMES): the step time the run
 measured against plan's uncorrected model step (`model_step_s`). `calibration` turns the
@@ -165,16 +166,19 @@ def startup_of(cmp: dict, measured_step_s: float) -> dict:
     return out
 
 
-def startup(*, model: str, precision: str, ranks: int, env=None) -> dict | None:
-    """The newest run's measured first costs for this model and precision (`startup_of`), those of
-    these ranks first, with its run id and ranks; the data cache's fill only from these ranks."""
+def startup(*, model: str, precision: str, ranks: int, plan_key: str | None = None, env=None) -> dict | None:
+    """The newest run's measured first costs for this model and precision (`startup_of`): of the same
+    plan key first (`same_key`: its warm-up is the setting's own), else of these ranks, else any, with
+    its run id and ranks; the data cache's fill only from these ranks."""
     found = [o for o in _read_doc(path(env))[1] if (o.get("model"), o.get("precision")) == (model, precision)
              and isinstance(o.get("warmup_extra_s"), (int, float))]
     if not found:
         return None
     same = [o for o in found if o.get("ranks") == ranks]
-    o = (same or found)[-1]
+    mine = [o for o in same if plan_key is not None and o.get("key") == plan_key]
+    o = (mine or same or found)[-1]
     return {"warmup_extra_s": float(o["warmup_extra_s"]), "run_id": o.get("run_id"), "ranks": o.get("ranks"),
+            "same_key": bool(mine),
             "cache_fill_s": o.get("cache_fill_s") if same and isinstance(o.get("cache_fill_s"), (int, float)) else None}
 
 

@@ -18,11 +18,33 @@ def _row(label: str, p: dict, style: str = "") -> list[str]:
 
 
 def whole_run_line(label: str, r: dict) -> str:
-    """`whole run as configured (30 epochs, 660 steps): 41 s, mean 1,610 img/s (steady 1,952): warm-up …`."""
-    parts = ", ".join(f"{p['name']} {p['steps']:,} steps {p['seconds']:,.1f} s" if p["steps"] else
-                      f"{p['name']} {p['seconds']:,.1f} s" for p in r["phases"])
+    """`whole run as configured (30 epochs, 660 steps): 41 s to finish, mean 1,610 img/s, steady 1,952 img/s
+    as train reports it (…); warm-up 5 steps 9.1 s (measured in run a1), …`."""
+    warm = r.get("warmup") or {}
+
+    def part(p: dict) -> str:
+        text = f"{p['name']} {p['steps']:,} steps {p['seconds']:,.1f} s" if p["steps"] else \
+            f"{p['name']} {p['seconds']:,.1f} s"
+        return text + (f" ({warm['source']})" if p["name"] == "warm-up" and warm.get("source") else "")
+
+    steady = f"steady {r['steady_images_per_s']:,.0f} img/s as train reports it"
+    if r.get("step_images_per_s") and round(r["step_images_per_s"]) != round(r["steady_images_per_s"]):
+        steady += f" (its timed steps with the epoch ends among them; the step alone {r['step_images_per_s']:,.0f})"
     return (f"whole run {label} ({r['epochs']} epochs, {r['total_steps']:,} steps): {clock(r['seconds'])} to finish, "
-            f"mean {r['images_per_s']:,.0f} img/s (steady {r['steady_images_per_s']:,.0f}); {parts}")
+            f"mean {r['images_per_s']:,.0f} img/s, {steady}; " + ", ".join(part(p) for p in r["phases"]))
+
+
+def epoch_ends_line(r: dict) -> str | None:
+    """`epoch ends: 15, each up to 1.20 s (held-out pass 0.81 s, loader restart 0.39 s); 14 of them, 16.8 s,
+    inside the steady figure`; None where they cost nothing."""
+    e = r.get("epoch_ends")
+    if not e or not e["seconds"]:
+        return None
+    kinds = (("held-out pass", "evaluation_s"), ("checkpoint save", "save_s"), ("loader restart", "loader_restart_s"))
+    parts = [f"{what} {e[k]:.2f} s" for what, k in kinds if e[k]]
+    return (f"epoch ends: {e['count']:,}, each up to {sum(e[k] for _, k in kinds):.2f} s "
+            f"({', '.join(parts)}), {e['seconds']:,.1f} s in the run; {e['in_steady']:,} of them, "
+            f"{e['steady_seconds']:,.1f} s, inside the steady figure")
 
 
 def time_to_accuracy_line(t: dict) -> str:
@@ -89,6 +111,9 @@ def render(doc: dict) -> None:
         r = (doc.get("runs") or {}).get(key)
         if r and (key == "now" or rec["overrides"]):
             out.print(escape(whole_run_line(label, r)))
+            ends = epoch_ends_line(r) if key == "now" else None
+            if ends:
+                out.print(escape(ends))
     if doc.get("time_to_accuracy") and any(r["seconds"] for r in doc["time_to_accuracy"]["runs"].values()):
         out.print(escape(time_to_accuracy_line(doc["time_to_accuracy"])))
     if rec.get("alone_command"):
