@@ -292,4 +292,4 @@ def test_a_second_plan_prices_the_warmup_as_the_run_of_its_setting_measured_it(t
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "warm-up 5 steps" in text and "(measured in run a1)" in text and "steady" in text
-    assert "as train reports it" in text and "epoch ends: 30" in text
+    assert "images/s steady (after 5 warm-up steps, as train reports it" in text and "epoch ends: 30" in text

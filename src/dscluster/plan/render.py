@@ -9,6 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from dscluster import console
+from dscluster.plan.phases import WARMUP_STEPS
 
 
 def _row(label: str, p: dict, style: str = "") -> list[str]:
@@ -27,11 +28,13 @@ def whole_run_line(label: str, r: dict) -> str:
             f"{p['name']} {p['seconds']:,.1f} s"
         return text + (f" ({warm['source']})" if p["name"] == "warm-up" and warm.get("source") else "")
 
-    steady = f"steady {r['steady_images_per_s']:,.0f} img/s as train reports it"
+    # train's end line names its figure "images/s steady (after 5 warm-up steps)": the same words, the same figure
+    steady = f"{r['steady_images_per_s']:,.0f} images/s steady (after {WARMUP_STEPS} warm-up steps, as train reports it"
     if r.get("step_images_per_s") and round(r["step_images_per_s"]) != round(r["steady_images_per_s"]):
-        steady += f" (its timed steps with the epoch ends among them; the step alone {r['step_images_per_s']:,.0f})"
+        steady += f": the epoch ends among its steps; the step alone {r['step_images_per_s']:,.0f}"
     return (f"whole run {label} ({r['epochs']} epochs, {r['total_steps']:,} steps): {clock(r['seconds'])} to finish, "
-            f"mean {r['images_per_s']:,.0f} img/s, {steady}; " + ", ".join(part(p) for p in r["phases"]))
+            f"mean {r['images_per_s']:,.0f} img/s from the data cache on, {steady}); "
+            + ", ".join(part(p) for p in r["phases"]))
 
 
 def epoch_ends_line(r: dict) -> str | None:
