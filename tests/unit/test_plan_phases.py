@@ -42,7 +42,8 @@ def test_a_run_whose_first_200_steps_are_uncompressed_is_the_sum_of_its_phases()
     assert run["steady_images_per_s"] == pytest.approx(2048 * 995 / (195 * 4.5 + 800 * 0.2 + 9 * (3.0 + 2.0)))
     assert run["images_per_s"] < run["steady_images_per_s"] < run["step_images_per_s"] / 4
     assert run["epoch_ends"] == {"count": 10, "in_steady": 9, "evaluation_s": 3.0, "save_s": 2.0,
-                                 "loader_restart_s": 0.0, "seconds": 50.0, "steady_seconds": 45.0}
+                                 "loader_restart_s": 0.0, "source": "modelled", "seconds": 50.0,
+                                 "steady_seconds": 45.0}
 
 
 def test_max_steps_mid_epoch_evaluates_once_at_the_end_and_saves_no_partial_epoch():
@@ -242,7 +243,7 @@ def test_the_first_plans_steady_figure_on_one_h200_holds_the_epoch_ends_train_ti
                                workers=14, prefetch=cfg.data.prefetch, image_bytes=3 * 224 * 224, cached_train=True,
                                cached_holdout=True)
     run = wholerun.setting_run(cfg, s, model.predict(s), facts, start=None, params=22_000_000,
-                               warmup=wholerun.Warmup(probe["warmup_extra_s"], "modelled"),
+                               runs=wholerun.FromRuns(probe["warmup_extra_s"], "modelled"),
                                eval_s_per_image=probe["eval_s_per_image"])
     ends = run["epoch_ends"]
     assert (ends["count"], ends["in_steady"]) == (15, 14) and run["total_steps"] == 1170
@@ -273,23 +274,33 @@ def test_a_second_plan_prices_the_warmup_as_the_run_of_its_setting_measured_it(t
     first = json.loads(capsys.readouterr().out)["runs"]["now"]
     assert first["warmup"]["source"].startswith("modelled: the probe's first step 26.0 s")
     assert first["warmup"]["seconds"] == pytest.approx(26.0 + 5 * 0.05)
-    # the run of this setting: train's comparison at its end keeps its warm-up (9 s to the end of step 5)
+    assert first["epoch_ends"]["source"] == "modelled" and first["epoch_ends"]["evaluation_s"] < 0.1
+    # the run of this setting: train's comparison at its end keeps its warm-up (9 s to the end of step 5) and
+    # its held-out pass (0.5 s, the median of its passes)
     key = predicted.key(model="vit_small_image", micro_batch=64, global_batch=64, precision="fp32",
                         compression="none", ranks=1)
     total, epochs = first["total_steps"], first["epochs"]
     run = {"resumed_at": 0, "last": total, "total": total, "epochs": epochs, "steps_per_epoch": total // epochs,
-           "start_step": None, "warmup_s": 9.0}
-    cmp = predicted.compare(key, first["steady_images_per_s"], run=run)
+           "start_step": None, "warmup_s": 9.0, "eval_s": 0.5}
+    measured = 0.8 * first["steady_images_per_s"]
+    cmp = predicted.compare(key, measured, run=run)
     predicted.record(cmp, model="vit_small_image", precision="fp32", compression="none", ranks=1, global_batch=64,
                      run_id="a1")
     assert main([*argv, "--json"]) == 0
     second = json.loads(capsys.readouterr().out)["runs"]["now"]
-    step = 64 / first["steady_images_per_s"]
+    step = 64 / measured
     assert second["warmup"] == {"seconds": pytest.approx(9.0 - 5 * step + 5 * second["costs"]["step_s"], abs=1e-3),
                                 "extra_s": pytest.approx(9.0 - 5 * step, abs=1e-3), "source": "measured in run a1",
                                 "run_id": "a1"}
-    assert second["seconds"] == pytest.approx(first["seconds"] - 26.0 + 9.0 - 5 * step, rel=0.02)
+    ends = second["epoch_ends"]
+    assert ends["source"] == "measured in run a1" and ends["evaluation_s"] == 0.5
+    # the step calibrated against the model with the run's own epoch ends: the steady figure is the run's, and
+    # the step alone keeps what is left (not the epoch ends' miss spread over every step)
+    assert second["steady_images_per_s"] == pytest.approx(measured, rel=1e-6)
+    assert second["step_images_per_s"] > measured
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert "warm-up 5 steps" in text and "(measured in run a1)" in text and "steady" in text
-    assert "images/s steady (after 5 warm-up steps, as train reports it" in text and "epoch ends: 30" in text
+    assert "warm-up 5 steps" in text and "(measured in run a1)" in text
+    assert "images/s steady (after 5 warm-up steps, as train reports it" in text
+    assert ("epoch ends: 30, each up to 0.51 s (held-out pass 0.50 s, checkpoint save 0.01 s; measured in run a1)"
+            in text)

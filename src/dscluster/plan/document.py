@@ -150,15 +150,14 @@ def setting_runs(inputs: PlanInputs, scenario: model.Scenario, prediction: model
     on_gpu = (inputs.how.get("device") or "cuda") != "cpu"  # --compute-s: the nodes' own GPUs
     notes: list[str] = []
 
-    def warmup_of(compression: str, global_batch: int | None) -> wholerun.Warmup:
+    def runs_of(compression: str, global_batch: int | None) -> wholerun.FromRuns:
         key = predicted.key(model=cfg.model.name, micro_batch=inputs.micro,
                             global_batch=global_batch or cfg.global_batch or inputs.global_batch,
                             precision=inputs.precision, compression=compression, ranks=world)
-        w = wholerun.warmup(probe_extra, facts, predicted.startup(model=cfg.model.name, precision=inputs.precision,
-                                                                  ranks=world, plan_key=key))
-        if w.note and w.note not in notes:
-            notes.append(w.note)
-        return w
+        found = wholerun.from_runs(probe_extra, facts, predicted.startup(
+            model=cfg.model.name, precision=inputs.precision, ranks=world, plan_key=key))
+        notes.extend(n for n in found.notes if n not in notes)
+        return found
 
     measured = predicted.startup(model=cfg.model.name, precision=inputs.precision, ranks=world)
     if measured and measured["cache_fill_s"] is not None and not isinstance(facts, str) and facts.cached_images:
@@ -168,7 +167,7 @@ def setting_runs(inputs: PlanInputs, scenario: model.Scenario, prediction: model
     evaluation = inputs.how.get("eval_s_per_image")  # measured with train's own evaluation, where the probe ran
     now_start = wholerun.start_for(cfg, scenario.compression, world, recommended=False)
     runs = {"now": wholerun.setting_run(cfg, scenario, prediction, facts, start=now_start,
-                                        warmup=warmup_of(scenario.compression, None), params=inputs.params,
+                                        runs=runs_of(scenario.compression, None), params=inputs.params,
                                         eval_s_per_image=evaluation, on_gpu=on_gpu)}
     choice_start = None
     for name in ("choice", "without_compression"):
@@ -180,7 +179,7 @@ def setting_runs(inputs: PlanInputs, scenario: model.Scenario, prediction: model
             choice_start = start  # the rule moved it: say why
         s = replace(rec_scenario, grad_accum=o.grad_accum, compression=o.compression, samples_per_step=None)
         gb = o.prediction.global_batch if o.prediction.global_batch != scenario.global_batch else None
-        runs[name] = wholerun.setting_run(cfg, s, o.prediction, facts, start=start, warmup=warmup_of(o.compression, gb),
+        runs[name] = wholerun.setting_run(cfg, s, o.prediction, facts, start=start, runs=runs_of(o.compression, gb),
                                           params=inputs.params, eval_s_per_image=evaluation, on_gpu=on_gpu)
     feed = datafeed.notes(facts, scenario.micro_batch * scenario.grad_accum, prediction.step_s)
     return runs, wholerun.run_note(cfg, facts, now_start, choice_start, world) + feed + notes

@@ -27,7 +27,7 @@ same quantity for the run as configured: what train reports as its images/s.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from dscluster.errors import UsageError
@@ -135,6 +135,15 @@ class RunCosts:
         return asdict(self)
 
 
+def measured_epoch_ends(c: RunCosts, eval_s: float | None) -> RunCosts:
+    """Run costs `c` with a run's measured held-out pass as its epoch end: the pass as train times it has
+    the loader's refill for the next epoch under it, so the evaluation is what is left of it beyond the
+    modelled restart. `c` unchanged without a measurement."""
+    if not isinstance(eval_s, (int, float)) or eval_s <= 0:
+        return c
+    return replace(c, eval_s=max(0.0, eval_s - c.restart_s))
+
+
 def total_steps(steps_per_epoch: int, epochs: int, max_steps: int) -> int:
     """train/setup_engine.py's rule: every epoch, or max_steps where it is smaller (0: no cap)."""
     full = steps_per_epoch * epochs
@@ -195,11 +204,11 @@ def _events_s(s: dict) -> float:
     return s["evaluation_s"] + s["checkpoints_s"] + s["restart_s"]
 
 
-def whole_run(c: RunCosts, *, epochs: int, max_steps: int, global_batch: int,
-              warmup_source: str = "modelled") -> dict:
+def whole_run(c: RunCosts, *, epochs: int, max_steps: int, global_batch: int, warmup_source: str = "modelled",
+              epoch_end_source: str = "modelled") -> dict:
     """The run as configured: its phases (name, steps, seconds), the time to finish, the mean img/s, the
-    steady img/s as train reports it (`timed_mean_step`), its epoch ends (`epoch_ends`) and where the
-    warm-up's first-step costs come from (`warmup_source`: "measured in run X" or "modelled ...")."""
+    steady img/s as train reports it (`timed_mean_step`), its epoch ends, and where the warm-up's first-step
+    costs and an epoch end's held-out pass come from ("measured in run X" or "modelled ...")."""
     total = total_steps(c.steps_per_epoch, epochs, max_steps)
     warm = min(WARMUP_STEPS, total)
     head = span(c, 1, warm, total=total, epochs=epochs, events_to=0)
@@ -231,7 +240,7 @@ def whole_run(c: RunCosts, *, epochs: int, max_steps: int, global_batch: int,
             "steady_images_per_s": global_batch / steady_step, "step_images_per_s": global_batch / c.step_s,
             "epoch_ends": {"count": rest["epoch_ends"], "in_steady": timed["epoch_ends"],
                            "evaluation_s": c.eval_s, "save_s": c.save_s if c.checkpoint_every_epochs else 0.0,
-                           "loader_restart_s": c.restart_s,
+                           "loader_restart_s": c.restart_s, "source": epoch_end_source,
                            "seconds": _events_s(rest), "steady_seconds": _events_s(timed)},
             "warmup": {"seconds": warm_s, "extra_s": c.warmup_extra_s, "source": warmup_source},
             "costs": c.to_dict()}

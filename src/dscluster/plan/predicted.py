@@ -163,6 +163,9 @@ def startup_of(cmp: dict, measured_step_s: float) -> dict:
     fill = cmp.get("measured_cache_fill_s")
     if isinstance(fill, (int, float)) and fill > 0:
         out["cache_fill_s"] = round(float(fill), 3)
+    held_out = cmp.get("measured_eval_s")
+    if isinstance(held_out, (int, float)) and held_out > 0:
+        out["eval_s"] = round(float(held_out), 4)
     return out
 
 
@@ -177,8 +180,9 @@ def startup(*, model: str, precision: str, ranks: int, plan_key: str | None = No
     same = [o for o in found if o.get("ranks") == ranks]
     mine = [o for o in same if plan_key is not None and o.get("key") == plan_key]
     o = (mine or same or found)[-1]
+    held_out = o.get("eval_s") if mine and isinstance(o.get("eval_s"), (int, float)) else None
     return {"warmup_extra_s": float(o["warmup_extra_s"]), "run_id": o.get("run_id"), "ranks": o.get("ranks"),
-            "same_key": bool(mine),
+            "same_key": bool(mine), "eval_s": held_out,
             "cache_fill_s": o.get("cache_fill_s") if same and isinstance(o.get("cache_fill_s"), (int, float)) else None}
 
 
@@ -251,7 +255,7 @@ def compare(plan_key: str, measured_images_per_s: float | None, env=None, *, run
         out.update(phased)
         predicted = out.pop("images_per_s")
     facts = run or {}
-    for k in ("warmup_s", "cache_fill_s"):
+    for k in ("warmup_s", "cache_fill_s", "eval_s"):
         if isinstance(facts.get(k), (int, float)):
             out[f"measured_{k}"] = round(float(facts[k]), 3)
     tta = time_to_accuracy(entry, run or {})
@@ -287,6 +291,8 @@ def timed(entry: dict, run: dict) -> dict | None:
             known = {f.name for f in fields(phases.RunCosts)}
             c = phases.RunCosts(**{**{k: v for k, v in entry[name].items() if k in known},
                                    "steps_per_epoch": int(run["steps_per_epoch"]), "start_step": run.get("start_step")})
+            if name == "model_costs":  # the model's step with the epoch ends this run measured: its miss is the step's
+                c = phases.measured_epoch_ends(c, run.get("eval_s"))
             means.append(phases.timed_mean_step(c, first, last, total=int(run["total"]), epochs=int(run["epochs"]),
                                                 resumed_at=int(run["resumed_at"])))
         global_batch = float(entry["images_per_s"]) * float(entry["step_s"])

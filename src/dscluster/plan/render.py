@@ -38,16 +38,16 @@ def whole_run_line(label: str, r: dict) -> str:
 
 
 def epoch_ends_line(r: dict) -> str | None:
-    """`epoch ends: 15, each up to 1.20 s (held-out pass 0.81 s, loader restart 0.39 s); 14 of them, 16.8 s,
-    inside the steady figure`; None where they cost nothing."""
+    """`epoch ends: 15, each up to 1.20 s (held-out pass 0.81 s, loader restart 0.39 s; modelled), 17.6 s in the
+    run; 14 of them, 16.8 s, inside the steady figure`; None where they cost nothing."""
     e = r.get("epoch_ends")
     if not e or not e["seconds"]:
         return None
     kinds = (("held-out pass", "evaluation_s"), ("checkpoint save", "save_s"), ("loader restart", "loader_restart_s"))
     parts = [f"{what} {e[k]:.2f} s" for what, k in kinds if e[k]]
     return (f"epoch ends: {e['count']:,}, each up to {sum(e[k] for _, k in kinds):.2f} s "
-            f"({', '.join(parts)}), {e['seconds']:,.1f} s in the run; {e['in_steady']:,} of them, "
-            f"{e['steady_seconds']:,.1f} s, inside the steady figure")
+            f"({', '.join(parts)}; {e.get('source') or 'modelled'}), {e['seconds']:,.1f} s in the run; "
+            f"{e['in_steady']:,} of them, {e['steady_seconds']:,.1f} s, inside the steady figure")
 
 
 def time_to_accuracy_line(t: dict) -> str:

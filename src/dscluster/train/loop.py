@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -410,7 +411,8 @@ class Trainer:
                 "epochs": self.cfg.epochs, "steps_per_epoch": self.spe,
                 "start_step": powersgd_start(self.cfg) if powersgd else None,
                 "target_accuracy": self.tta.target, "time_to_accuracy_s": reached.get("training_seconds"),
-                "warmup_s": self.window.window.warmup_s, "cache_fill_s": self.tta.fill_s}
+                "warmup_s": self.window.window.warmup_s, "cache_fill_s": self.tta.fill_s,
+                "eval_s": statistics.median(self.tta.eval_seconds) if self.tta.eval_seconds else None}
 
 
 def plan_vs_measured(cfg: TrainConfig, b, gb: int, precision: str, info, out: Outcome, record: RunRecord,
