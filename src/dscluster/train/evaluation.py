@@ -68,8 +68,8 @@ class TimeToAccuracy:
     fill_s: float = 0.0
     """The data cache's fill before the first step: with the steps, the span plan's prediction covers."""
     eval_seconds: list[float] = field(default_factory=list)
-    """Each held-out pass's seconds (the loader's refill for the next epoch runs under it): what an epoch
-    end costs, for plan's next prediction (plan/predicted.py)."""
+    """Each held-out pass's seconds (at an epoch end another epoch follows, the loader's refill for it runs
+    under the pass): what an epoch end costs, for plan's next prediction (plan/predicted.py)."""
 
     def see(self, rec: dict, log, progress) -> None:
         """An `eval` record: a point of the curve; the first one at or above the target becomes the

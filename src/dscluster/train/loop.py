@@ -412,7 +412,9 @@ class Trainer:
                 "start_step": powersgd_start(self.cfg) if powersgd else None,
                 "target_accuracy": self.tta.target, "time_to_accuracy_s": reached.get("training_seconds"),
                 "warmup_s": self.window.window.warmup_s, "cache_fill_s": self.tta.fill_s,
-                "eval_s": statistics.median(self.tta.eval_seconds) if self.tta.eval_seconds else None}
+                # the held-out passes at epoch ends inside the timed windows: the last one comes after them,
+                # with no next epoch's loader refill under it
+                "eval_s": statistics.median(self.tta.eval_seconds[:-1]) if self.tta.eval_seconds[:-1] else None}
 
 
 def plan_vs_measured(cfg: TrainConfig, b, gb: int, precision: str, info, out: Outcome, record: RunRecord,
