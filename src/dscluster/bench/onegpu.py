@@ -14,7 +14,8 @@ steady images/s, warm-up, data cache fill and epoch end against what the run aft
 error (predicted − measured) ÷ measured: the whole run as train's span (tta.training_seconds: the data
 cache's fill, then the first step to the end), the steady figure as train reports it (summary.json
 `images_per_s`), the warm-up as rank 0's first five steps took (first step's start to the end of the
-fifth), an epoch end as the median held-out pass (rank 0's `eval` records, the loader's refill under it).
+fifth), an epoch end as the median held-out pass of those before the last (rank 0's `eval` records, the
+loader's refill for the next epoch under each).
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def measured(run_dir: Path) -> dict:
             # the warm-up steps close a window of their own: each step's share of it, summed, is its wall-clock
             "warmup_s": round(sum(s["step_time"] for s in steps[:WARMUP_STEPS]), 3) if len(steps) > WARMUP_STEPS
             else None,
-            "cache_fill_s": round(fill, 3), "epoch_end_s": statistics.median(evals) if evals else None,
+            # the passes at epoch ends another epoch follows (the loader's refill under them), as train keeps them
+            "cache_fill_s": round(fill, 3), "epoch_end_s": statistics.median(evals[:-1]) if evals[:-1] else None,
             "evaluations_s": evals, "status": summary.get("status"), "steps": summary.get("steps"),
             "accuracy": summary.get("accuracy"), "wall_s": summary.get("wall_s"),
             "run_images_per_s": summary.get("run_images_per_s"), "plan_line": summary.get("plan")}
