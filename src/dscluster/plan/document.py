@@ -142,8 +142,8 @@ def setting_runs(inputs: PlanInputs, scenario: model.Scenario, prediction: model
                  rec: recommend.Recommendation,
                  rec_scenario: model.Scenario) -> tuple[dict[str, dict | None], list[str]]:
     """The whole-run prediction of the config as given ("now") and of each recommended setting (made
-    from `rec_scenario`), and the notes on them (`wholerun`): each setting's warm-up from the newest run
-    of its own plan key where one was measured (`wholerun.warmup`)."""
+    from `rec_scenario`), and the notes on them (`wholerun`): each setting's warm-up and epoch ends from
+    the newest run of its own plan key where one measured them (`wholerun.from_runs`)."""
     cfg, world = inputs.cfg, inputs.world
     facts = datafeed.data_facts(cfg, max(h.slots for h in inputs.hostfile.hosts))
     probe_extra = float(inputs.how.get("warmup_extra_s") or 0.0)

@@ -1,9 +1,11 @@
 """What plan's whole-run prediction (plan/phases.py) is made from for one setting: the data set's
 facts (plan/datafeed.py: its size as training splits it, the fill probe, data.cache), the step
 times of the setting with and without its compression (at least what the loader workers need to make
-an uncached step's images), PowerSGD's start step, the probe's first-step cost, an evaluation pass
-(train's own evaluation as the probe measured it, and the making of an uncached held-out set), the
-cache's fill and a checkpoint save.
+an uncached step's images), PowerSGD's start step, the warm-up's first-step costs, an evaluation pass
+(train's own evaluation as the probe measured it, the cached held-out set's copy to the GPU, and the
+making of an uncached held-out set), the loader's restart at an epoch end, the cache's fill and a
+checkpoint save. The warm-up and the evaluation pass come from the newest run of the same setting where
+one measured them (`from_runs`), else from the model.
 """
 
 from __future__ import annotations
