@@ -198,6 +198,10 @@ def test_train_holds_its_time_to_accuracy_against_plans_prediction(first_run, tm
                                                                                      abs=1e-3)
     ends = doc["runs"]["now"]["epoch_ends"]
     assert ends["source"] == "measured in run second"
+    # its start-up (the process's start to the first step: interpreter, imports, process group, engine)
+    started = summary["plan"]["measured_startup_s"]
+    assert 0 < started < summary["wall_s"] and doc["runs"]["now"]["startup"]["seconds"] == pytest.approx(started,
+                                                                                                        abs=1e-3)
     assert ends["evaluation_s"] == pytest.approx(outcome["eval_s"]) and outcome["eval_s"] > 0
 
 

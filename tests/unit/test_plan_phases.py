@@ -275,13 +275,14 @@ def test_a_second_plan_prices_the_warmup_as_the_run_of_its_setting_measured_it(t
     assert first["warmup"]["source"].startswith("modelled: the probe's first step 26.0 s")
     assert first["warmup"]["seconds"] == pytest.approx(26.0 + 5 * 0.05)
     assert first["epoch_ends"]["source"] == "modelled" and first["epoch_ends"]["evaluation_s"] < 0.1
+    assert first["startup"] == {"seconds": None, "source": None}  # no run yet: not predicted
     # the run of this setting: train's comparison at its end keeps its warm-up (9 s to the end of step 5) and
     # its held-out pass (0.5 s, the median of its passes)
     key = predicted.key(model="vit_small_image", micro_batch=64, global_batch=64, precision="fp32",
                         compression="none", ranks=1)
     total, epochs = first["total_steps"], first["epochs"]
     run = {"resumed_at": 0, "last": total, "total": total, "epochs": epochs, "steps_per_epoch": total // epochs,
-           "start_step": None, "warmup_s": 9.0, "eval_s": 0.5}
+           "start_step": None, "warmup_s": 9.0, "eval_s": 0.5, "startup_s": 12.0}
     measured = 0.8 * first["steady_images_per_s"]
     cmp = predicted.compare(key, measured, run=run)
     predicted.record(cmp, model="vit_small_image", precision="fp32", compression="none", ranks=1, global_batch=64,
@@ -294,13 +295,14 @@ def test_a_second_plan_prices_the_warmup_as_the_run_of_its_setting_measured_it(t
                                 "run_id": "a1"}
     ends = second["epoch_ends"]
     assert ends["source"] == "measured in run a1" and ends["evaluation_s"] == 0.5
+    assert second["startup"] == {"seconds": 12.0, "source": "measured in run a1"}  # beside the whole run, not in it
     # the step calibrated against the model with the run's own epoch ends: the steady figure is the run's, and
     # the step alone keeps what is left (not the epoch ends' miss spread over every step)
     assert second["steady_images_per_s"] == pytest.approx(measured, rel=1e-6)
     assert second["step_images_per_s"] > measured
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert "warm-up 5 steps" in text and "(measured in run a1)" in text
+    assert "warm-up 5 steps" in text and "(measured in run a1)" in text and "before them, start-up 12.0 s" in text
     assert "images/s steady (after 5 warm-up steps, as train reports it" in text
     assert ("epoch ends: 30, each up to 0.51 s (held-out pass 0.50 s, checkpoint save 0.01 s; measured in run a1)"
             in text)

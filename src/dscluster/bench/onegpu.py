@@ -15,7 +15,8 @@ error (predicted − measured) ÷ measured: the whole run as train's span (tta.t
 cache's fill, then the first step to the end), the steady figure as train reports it (summary.json
 `images_per_s`), the warm-up as rank 0's first five steps took (first step's start to the end of the
 fifth), an epoch end as the median held-out pass of those before the last (rank 0's `eval` records, the
-loader's refill for the next epoch under each).
+loader's refill for the next epoch under each), and the start-up before the first step less the data
+cache's fill (summary.json `plan.measured_startup_s`; only a second plan predicts it, from the first run).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from dscluster.train.timing import WARMUP_STEPS
 
 PRESET = "configs/vit_small_fractal.yaml"
 STEPS = (("first_plan", "plan"), ("first_run", "run"), ("second_plan", "plan"), ("second_run", "run"))
-FIGURES = ("whole_run_s", "steady_images_per_s", "warmup_s", "cache_fill_s", "epoch_end_s")
+FIGURES = ("whole_run_s", "steady_images_per_s", "warmup_s", "cache_fill_s", "epoch_end_s", "startup_s")
 
 
 def plan_command(hostfile: str, preset: str, overrides: list[str]) -> str:
@@ -75,6 +76,7 @@ def predicted(plan: dict | None) -> dict:
             "warmup_s": by.get("warm-up"), "cache_fill_s": by.get("data cache", 0.0),
             "epoch_end_s": (ends.get("evaluation_s") or 0.0) + (ends.get("loader_restart_s") or 0.0) or None,
             "warmup_source": (run.get("warmup") or {}).get("source"),
+            "startup_s": (run.get("startup") or {}).get("seconds"),  # a second plan's, from the run before it
             "step_images_per_s": run.get("step_images_per_s"), "epoch_ends": ends.get("count")}
 
 
@@ -100,6 +102,7 @@ def measured(run_dir: Path) -> dict:
             # the passes at epoch ends another epoch follows (the loader's refill under them), as train keeps them
             "cache_fill_s": round(fill, 3), "epoch_end_s": statistics.median(evals[:-1]) if evals[:-1] else None,
             "evaluations_s": evals, "status": summary.get("status"), "steps": summary.get("steps"),
+            "startup_s": (summary.get("plan") or {}).get("measured_startup_s"),
             "accuracy": summary.get("accuracy"), "wall_s": summary.get("wall_s"),
             "run_images_per_s": summary.get("run_images_per_s"), "plan_line": summary.get("plan")}
 

@@ -32,10 +32,11 @@ looks its config up and prints "plan predicted X img/s, measured Y img/s (±Z%)"
 keeps both (`plan`). A later `plan` for the same key replaces the entry.
 
 An outcome also keeps what the run's first costs were (`startup_of`): its warm-up beyond five steady
-steps (compilation, mostly) and its data cache's fill; the next plan of the same key prices its whole
-run's warm-up with the newest such run's, one of another key of the same model and precision only
-where that is more than the modelled one, and the fill with that of the same ranks (`startup`). A run
-whose timed steps mixed plain and PowerSGD ones keeps only these.
+steps (compilation, mostly), its data cache's fill, its held-out pass at an epoch end and its start-up
+before the first step; the next plan of the same key prices its whole run's warm-up and epoch ends with
+the newest such run's and shows its start-up, one of another key of the same model and precision is
+used only for a warm-up more than the modelled one, and the fill with that of the same ranks (`startup`).
+A run whose timed steps mixed plain and PowerSGD ones keeps only these.
 
 Each such comparison is also kept as an outcome (the last MAX_OUTCOMES): the step time the run
 measured against plan's uncorrected model step (`model_step_s`). `calibration` turns the
@@ -166,6 +167,9 @@ def startup_of(cmp: dict, measured_step_s: float) -> dict:
     held_out = cmp.get("measured_eval_s")
     if isinstance(held_out, (int, float)) and held_out > 0:
         out["eval_s"] = round(float(held_out), 4)
+    started = cmp.get("measured_startup_s")
+    if isinstance(started, (int, float)) and started >= 0:
+        out["startup_s"] = round(float(started), 3)
     return out
 
 
@@ -180,9 +184,10 @@ def startup(*, model: str, precision: str, ranks: int, plan_key: str | None = No
     same = [o for o in found if o.get("ranks") == ranks]
     mine = [o for o in same if plan_key is not None and o.get("key") == plan_key]
     o = (mine or same or found)[-1]
-    held_out = o.get("eval_s") if mine and isinstance(o.get("eval_s"), (int, float)) else None
+    held_out, started = ((o.get(k) if mine and isinstance(o.get(k), (int, float)) else None)
+                         for k in ("eval_s", "startup_s"))
     return {"warmup_extra_s": float(o["warmup_extra_s"]), "run_id": o.get("run_id"), "ranks": o.get("ranks"),
-            "same_key": bool(mine), "eval_s": held_out,
+            "same_key": bool(mine), "eval_s": held_out, "startup_s": started,
             "cache_fill_s": o.get("cache_fill_s") if same and isinstance(o.get("cache_fill_s"), (int, float)) else None}
 
 
@@ -255,7 +260,7 @@ def compare(plan_key: str, measured_images_per_s: float | None, env=None, *, run
         out.update(phased)
         predicted = out.pop("images_per_s")
     facts = run or {}
-    for k in ("warmup_s", "cache_fill_s", "eval_s"):
+    for k in ("warmup_s", "cache_fill_s", "eval_s", "startup_s"):
         if isinstance(facts.get(k), (int, float)):
             out[f"measured_{k}"] = round(float(facts[k]), 3)
     tta = time_to_accuracy(entry, run or {})

@@ -32,9 +32,13 @@ def whole_run_line(label: str, r: dict) -> str:
     steady = f"{r['steady_images_per_s']:,.0f} images/s steady (after {WARMUP_STEPS} warm-up steps, as train reports it"
     if r.get("step_images_per_s") and round(r["step_images_per_s"]) != round(r["steady_images_per_s"]):
         steady += f": the epoch ends among its steps; the step alone {r['step_images_per_s']:,.0f}"
+    start = r.get("startup") or {}
+    before = (f"; before them, start-up {start['seconds']:,.1f} s (the process's start to its first step less the "
+              f"data cache: interpreter, imports, process group, engine; {start['source']})"
+              if start.get("seconds") is not None else "")
     return (f"whole run {label} ({r['epochs']} epochs, {r['total_steps']:,} steps): {clock(r['seconds'])} to finish, "
             f"mean {r['images_per_s']:,.0f} img/s from the data cache on, {steady}); "
-            + ", ".join(part(p) for p in r["phases"]))
+            + ", ".join(part(p) for p in r["phases"]) + before)
 
 
 def epoch_ends_line(r: dict) -> str | None:

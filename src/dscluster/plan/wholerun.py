@@ -50,6 +50,9 @@ class FromRuns:
     epoch runs under it); None: modelled."""
     notes: tuple[str, ...] = ()
     """Lines for the plan's notes where a run's figures are used."""
+    startup_s: float | None = None
+    """That run's start to its first step, less the data cache's fill (the interpreter, imports, process group,
+    engine); None: no run of the setting measured it. Shown beside the whole run, not in it."""
 
     @property
     def epoch_end_source(self) -> str:
@@ -74,7 +77,8 @@ def from_runs(probe_extra_s: float, facts: datafeed.DataFacts | str, measured: d
         if held_out is not None:
             notes.append(f"whole run: each epoch end's held-out pass as run {run} measured it, {held_out:.2f} s "
                          "(the loader's refill for the next epoch under it)")
-        return FromRuns(measured["warmup_extra_s"], f"measured in run {run}", run, held_out, tuple(notes))
+        return FromRuns(measured["warmup_extra_s"], f"measured in run {run}", run, held_out, tuple(notes),
+                        measured.get("startup_s"))
     if measured and measured["warmup_extra_s"] > modelled:
         run = measured["run_id"]
         return FromRuns(measured["warmup_extra_s"], f"measured in run {run} of another setting", run, notes=(
@@ -126,6 +130,8 @@ def setting_run(cfg, s: model.Scenario, p: model.Prediction, facts: datafeed.Dat
     out = phases.whole_run(of(False), epochs=cfg.epochs, max_steps=cfg.max_steps, global_batch=s.global_batch,
                            warmup_source=runs.warmup_source, epoch_end_source=runs.epoch_end_source)
     out["warmup"]["run_id"] = runs.run_id
+    out["startup"] = {"seconds": runs.startup_s, "source": None if runs.startup_s is None else
+                      f"measured in run {runs.run_id}"}
     out["model_costs"] = of(True).to_dict()
     return out
 
