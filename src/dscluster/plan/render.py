@@ -38,7 +38,8 @@ def whole_run_line(label: str, r: dict) -> str:
               if start.get("seconds") is not None else "")
     return (f"whole run {label} ({r['epochs']} epochs, {r['total_steps']:,} steps): {clock(r['seconds'])} to finish, "
             f"mean {r['images_per_s']:,.0f} img/s from the data cache on, {steady}); "
-            + ", ".join(part(p) for p in r["phases"]) + before)
+            + ", ".join(part(p) for p in r["phases"] if p["steps"] or round(p["seconds"], 1) or p["name"] == "warm-up")
+            + before)
 
 
 def epoch_ends_line(r: dict) -> str | None:
@@ -48,7 +49,7 @@ def epoch_ends_line(r: dict) -> str | None:
     if not e or not e["seconds"]:
         return None
     kinds = (("held-out pass", "evaluation_s"), ("checkpoint save", "save_s"), ("loader restart", "loader_restart_s"))
-    parts = [f"{what} {e[k]:.2f} s" for what, k in kinds if e[k]]
+    parts = [f"{what} {e[k]:.2f} s" for what, k in kinds if round(e[k], 2)]
     return (f"epoch ends: {e['count']:,}, each up to {sum(e[k] for _, k in kinds):.2f} s "
             f"({', '.join(parts)}; {e.get('source') or 'modelled'}), {e['seconds']:,.1f} s in the run; "
             f"{e['in_steady']:,} of them, {e['steady_seconds']:,.1f} s, inside the steady figure")
