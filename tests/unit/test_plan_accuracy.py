@@ -4,6 +4,7 @@ to the target with the whole-run model, for the lab and for its fastest node alo
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -186,8 +187,22 @@ def test_train_holds_its_time_to_accuracy_against_plans_prediction(first_run, tm
                             str(tmp_path / "hosts.txt"), "--json"], cwd=REPO, env=env, capture_output=True, text=True,
                            timeout=300)
     doc = json.loads(again.stdout)
-    assert doc["runs"]["now"]["costs"]["warmup_extra_s"] == pytest.approx(
-        max(doc["compute"]["warmup_extra_s"] or 0.0, outcome["warmup_extra_s"]))
+    # the run of the same setting measured it: its figure, not the probe's first step, whichever is larger
+    assert doc["runs"]["now"]["costs"]["warmup_extra_s"] == pytest.approx(outcome["warmup_extra_s"])
+    assert doc["runs"]["now"]["warmup"]["source"] == "measured in run second"
+    # and its held-out passes at the epoch ends before the last (the median of those eval records) price the
+    # next plan's epoch ends
+    passes = [r["seconds"] for r in read_jsonl(tmp_path / "runs" / "second" / "metrics" / "rank-0.jsonl")
+              if r["kind"] == "eval"]
+    assert len(passes) == 2 and summary["plan"]["measured_eval_s"] == pytest.approx(statistics.median(passes[:1]),
+                                                                                     abs=1e-3)
+    ends = doc["runs"]["now"]["epoch_ends"]
+    assert ends["source"] == "measured in run second"
+    # its start-up (the process's start to the first step: interpreter, imports, process group, engine)
+    started = summary["plan"]["measured_startup_s"]
+    assert 0 < started < summary["wall_s"] and doc["runs"]["now"]["startup"]["seconds"] == pytest.approx(started,
+                                                                                                        abs=1e-3)
+    assert ends["evaluation_s"] == pytest.approx(outcome["eval_s"]) and outcome["eval_s"] > 0
 
 
 def test_a_compression_whose_curves_trail_by_more_than_a_point_is_named_with_its_figures():
@@ -356,7 +371,9 @@ def test_a_runs_first_costs_are_kept_even_where_its_steps_mixed_plain_and_powers
     got = predicted.startup(model="vit_small_patch16_224", precision="fp16", ranks=4, env=env)
     # 42.9 s to the end of step 5, five steady steps of 0.0512 s in it
     assert got == {"warmup_extra_s": pytest.approx(42.9 - 5 * 0.0512), "run_id": "lab", "ranks": 4,
-                   "cache_fill_s": 11.3}
+                   "cache_fill_s": 11.3, "same_key": False, "eval_s": None, "startup_s": None}
+    assert predicted.startup(model="vit_small_patch16_224", precision="fp16", ranks=4, plan_key="k",
+                             env=env)["same_key"]
     # no step calibration from a mixed run; another rank count takes the warm-up, not the cache's fill
     assert predicted.calibration(model="vit_small_patch16_224", precision="fp16", ranks=4, env=env) == {}
     other = predicted.startup(model="vit_small_patch16_224", precision="fp16", ranks=2, env=env)

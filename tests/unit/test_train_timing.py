@@ -74,3 +74,20 @@ def test_the_warm_up_is_measured_from_the_first_step_to_the_end_of_its_window():
     clock.now += 2.0
     w.close(steps(10), timed=True)
     assert w.warmup_s == pytest.approx(30.0)  # timed windows leave it alone
+
+
+def test_the_process_start_counts_the_interpreter_and_its_imports(tmp_path):
+    import os
+    import time
+
+    from dscluster.train.timing import process_started
+
+    # stat(5): the command name may hold spaces and parentheses; starttime is field 22, in clock ticks since boot
+    tick = os.sysconf("SC_CLK_TCK")
+    fields = ["S"] + ["0"] * 18 + [str(1000 * tick)] + ["0"] * 10
+    (tmp_path / "stat").write_text(f"4242 (python (my run)) {' '.join(fields)}\n")
+    (tmp_path / "uptime").write_text("1060.00 2000.00\n")
+    started = process_started(str(tmp_path / "stat"), str(tmp_path / "uptime"))
+    assert time.time() - started == pytest.approx(60.0, abs=1.0)  # booted 1,060 s ago, started at 1,000 s
+    assert process_started(str(tmp_path / "none"), str(tmp_path / "uptime")) is None
+    assert process_started() <= time.time()  # this test's own process, started before now

@@ -326,7 +326,7 @@ def seconds_to(c: phases.RunCosts, step: int, *, epochs: int, max_steps: int) ->
     head = phases.span(c, 1, warm, total=total, epochs=epochs, events_to=0)
     rest = phases.span(c, warm + 1, step, total=total, epochs=epochs, events_from=1, events_to=step)
     return (c.cache_fill_s + c.warmup_extra_s + head["plain_s"] + head["steady_s"] + rest["plain_s"]
-            + rest["steady_s"] + rest["evaluation_s"] + rest["checkpoints_s"])
+            + rest["steady_s"] + rest["evaluation_s"] + rest["checkpoints_s"] + rest["restart_s"])
 
 
 def reach(curves: list[dict], target: float, compression: str) -> dict:

@@ -57,6 +57,10 @@ class DataFacts:
     cache_reason: str = ""
     measured_fill_s: float | None = None
     """The cache's fill as an earlier run of these ranks measured it (plan/predicted.py `startup`)."""
+    image_bytes: int = 0
+    """One uint8 image as the loader and the cache hold it (channels × side²); 0: not made on the host."""
+    prefetch: int = 0
+    """data.prefetch: micro-batches each loader worker makes ahead."""
 
     @property
     def cached_images(self) -> int:
@@ -72,9 +76,23 @@ class DataFacts:
         """The least a training step takes for its loader workers to make a rank's images (0: cached)."""
         return 0.0 if self.cached_train else phases.feed_step_seconds(images_per_rank, self.s_per_image)
 
-    def eval_s(self, forward_s: float) -> float:
-        return phases.evaluation_seconds(forward_s, self.holdout_n,
+    def eval_s(self, forward_s: float, on_gpu: bool = False) -> float:
+        """One held-out pass: `forward_s` of the model over the set, on a GPU with the cached set's copy
+        there (its batches are views of pageable memory), or the making of an uncached set's images."""
+        copy = phases.evaluation_copy_seconds(self.holdout_n, self.image_bytes) if on_gpu and self.cached_holdout else 0
+        return phases.evaluation_seconds(forward_s + copy, self.holdout_n,
                                          None if self.cached_holdout else self.s_per_image, self.start_s)
+
+    def restart_s(self, micro_batch: int, grad_accum: int, steps_per_epoch: int) -> float:
+        """The loader's restart at an epoch end: its workers refill their prefetch, workers × data.prefetch
+        micro-batches (fewer where the epoch has fewer); 0 without loader workers (data.workers=0, or a set
+        not made on the host)."""
+        items = min(self.workers * self.prefetch, steps_per_epoch * grad_accum)
+        return phases.loader_restart_seconds(items, micro_batch, self.image_bytes) if self.workers else 0.0
+
+    def loader_start_s(self) -> float:
+        """What the first step waits for the loader workers' start (the fill probe's start of them)."""
+        return self.start_s if self.workers and self.image_bytes else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +200,8 @@ def data_facts(cfg, local_ranks: int) -> DataFacts | str:
                                   local_ranks=local_ranks, available=datacache.mem_available())
     return DataFacts(train_n=facts.train_n, holdout_n=facts.holdout_n, name=train.name, s_per_image=rate.s_per_image,
                      start_s=rate.start_s, probe_images=rate.images, one_core_s=one_core, workers=workers,
-                     cached_train=choice.training, cached_holdout=choice.holdout, cache_reason=choice.reason)
+                     cached_train=choice.training, cached_holdout=choice.holdout, cache_reason=choice.reason,
+                     image_bytes=train.in_chans * train.img_size ** 2, prefetch=d.prefetch)
 
 
 def notes(facts: DataFacts | str, images_per_rank: int, gpu_step_s: float) -> list[str]:

@@ -148,26 +148,33 @@ def setting_runs(inputs: PlanInputs, scenario: model.Scenario, prediction: model
                  rec: recommend.Recommendation,
                  rec_scenario: model.Scenario) -> tuple[dict[str, dict | None], list[str]]:
     """The whole-run prediction of the config as given ("now") and of each recommended setting (made
-    from `rec_scenario`), and the notes on them (`wholerun`)."""
+    from `rec_scenario`), and the notes on them (`wholerun`): each setting's warm-up and epoch ends from
+    the newest run of its own plan key where one measured them (`wholerun.from_runs`)."""
     cfg, world = inputs.cfg, inputs.world
     facts = datafeed.data_facts(cfg, max(h.slots for h in inputs.hostfile.hosts))
-    extra = float(inputs.how.get("warmup_extra_s") or 0.0)
+    probe_extra = float(inputs.how.get("warmup_extra_s") or 0.0)
+    on_gpu = (inputs.how.get("device") or "cuda") != "cpu"  # --compute-s: the nodes' own GPUs
+    notes: list[str] = []
+
+    def runs_of(compression: str, global_batch: int | None) -> wholerun.FromRuns:
+        key = predicted.key(model=cfg.model.name, micro_batch=inputs.micro,
+                            global_batch=global_batch or cfg.global_batch or inputs.global_batch,
+                            precision=inputs.precision, compression=compression, ranks=world)
+        found = wholerun.from_runs(probe_extra, facts, predicted.startup(
+            model=cfg.model.name, precision=inputs.precision, ranks=world, plan_key=key))
+        notes.extend(n for n in found.notes if n not in notes)
+        return found
+
     measured = predicted.startup(model=cfg.model.name, precision=inputs.precision, ranks=world)
-    startup_notes = []
-    if measured:
-        if measured["warmup_extra_s"] > extra:
-            startup_notes.append(f"whole run: warm-up as run {measured['run_id']} on {measured['ranks']} rank(s) "
-                                 f"measured it, {measured['warmup_extra_s']:.1f} s beyond its first five steps "
-                                 f"(the probe's first step cost {extra:.1f} s more than its next)")
-            extra = measured["warmup_extra_s"]
-        if measured["cache_fill_s"] is not None and not isinstance(facts, str) and facts.cached_images:
-            facts = replace(facts, measured_fill_s=measured["cache_fill_s"])
-            startup_notes.append(f"whole run: data cache fill as run {measured['run_id']} measured it, "
-                                 f"{measured['cache_fill_s']:.1f} s")
+    if measured and measured["cache_fill_s"] is not None and not isinstance(facts, str) and facts.cached_images:
+        facts = replace(facts, measured_fill_s=measured["cache_fill_s"])
+        notes.append(f"whole run: data cache fill as run {measured['run_id']} measured it, "
+                     f"{measured['cache_fill_s']:.1f} s")
     evaluation = inputs.how.get("eval_s_per_image")  # measured with train's own evaluation, where the probe ran
     now_start = wholerun.start_for(cfg, scenario.compression, world, recommended=False)
-    runs = {"now": wholerun.setting_run(cfg, scenario, prediction, facts, start=now_start, warmup_extra_s=extra,
-                                        params=inputs.params, eval_s_per_image=evaluation)}
+    runs = {"now": wholerun.setting_run(cfg, scenario, prediction, facts, start=now_start,
+                                        runs=runs_of(scenario.compression, None), params=inputs.params,
+                                        eval_s_per_image=evaluation, on_gpu=on_gpu)}
     choice_start = None
     for name in ("choice", "without_compression"):
         o = getattr(rec, name)
@@ -177,10 +184,11 @@ def setting_runs(inputs: PlanInputs, scenario: model.Scenario, prediction: model
         if name == "choice" and start is not None and start != wholerun.powersgd_start(cfg):
             choice_start = start  # the rule moved it: say why
         s = replace(rec_scenario, grad_accum=o.grad_accum, compression=o.compression, samples_per_step=None)
-        runs[name] = wholerun.setting_run(cfg, s, o.prediction, facts, start=start, warmup_extra_s=extra,
-                                          params=inputs.params, eval_s_per_image=evaluation)
+        gb = o.prediction.global_batch if o.prediction.global_batch != scenario.global_batch else None
+        runs[name] = wholerun.setting_run(cfg, s, o.prediction, facts, start=start, runs=runs_of(o.compression, gb),
+                                          params=inputs.params, eval_s_per_image=evaluation, on_gpu=on_gpu)
     feed = datafeed.notes(facts, scenario.micro_batch * scenario.grad_accum, prediction.step_s)
-    return runs, wholerun.run_note(cfg, facts, now_start, choice_start, world) + feed + startup_notes
+    return runs, wholerun.run_note(cfg, facts, now_start, choice_start, world) + feed + notes
 
 
 def batch_limit(opts: PlanOptions, cfg, global_batch: int) -> tuple[int, str | None]:

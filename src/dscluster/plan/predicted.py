@@ -32,9 +32,11 @@ looks its config up and prints "plan predicted X img/s, measured Y img/s (±Z%)"
 keeps both (`plan`). A later `plan` for the same key replaces the entry.
 
 An outcome also keeps what the run's first costs were (`startup_of`): its warm-up beyond five steady
-steps (compilation, mostly) and its data cache's fill; the next plan of the same model and precision
-prices its whole run's warm-up with the larger of that and its probe's, and the fill with that of the
-same ranks (`startup`). A run whose timed steps mixed plain and PowerSGD ones keeps only these.
+steps (compilation, mostly), its data cache's fill, its held-out pass at an epoch end and its start-up
+before the first step; the next plan of the same key prices its whole run's warm-up and epoch ends with
+the newest such run's and shows its start-up, one of another key of the same model and precision is
+used only for a warm-up more than the modelled one, and the fill with that of the same ranks (`startup`).
+A run whose timed steps mixed plain and PowerSGD ones keeps only these.
 
 Each such comparison is also kept as an outcome (the last MAX_OUTCOMES): the step time the run
 measured against plan's uncorrected model step (`model_step_s`). `calibration` turns the
@@ -162,19 +164,30 @@ def startup_of(cmp: dict, measured_step_s: float) -> dict:
     fill = cmp.get("measured_cache_fill_s")
     if isinstance(fill, (int, float)) and fill > 0:
         out["cache_fill_s"] = round(float(fill), 3)
+    held_out = cmp.get("measured_eval_s")
+    if isinstance(held_out, (int, float)) and held_out > 0:
+        out["eval_s"] = round(float(held_out), 4)
+    started = cmp.get("measured_startup_s")
+    if isinstance(started, (int, float)) and started >= 0:
+        out["startup_s"] = round(float(started), 3)
     return out
 
 
-def startup(*, model: str, precision: str, ranks: int, env=None) -> dict | None:
-    """The newest run's measured first costs for this model and precision (`startup_of`), those of
-    these ranks first, with its run id and ranks; the data cache's fill only from these ranks."""
+def startup(*, model: str, precision: str, ranks: int, plan_key: str | None = None, env=None) -> dict | None:
+    """The newest run's measured first costs for this model and precision (`startup_of`): of the same
+    plan key first (`same_key`: its warm-up is the setting's own), else of these ranks, else any, with
+    its run id and ranks; the data cache's fill only from these ranks."""
     found = [o for o in _read_doc(path(env))[1] if (o.get("model"), o.get("precision")) == (model, precision)
              and isinstance(o.get("warmup_extra_s"), (int, float))]
     if not found:
         return None
     same = [o for o in found if o.get("ranks") == ranks]
-    o = (same or found)[-1]
+    mine = [o for o in same if plan_key is not None and o.get("key") == plan_key]
+    o = (mine or same or found)[-1]
+    held_out, started = ((o.get(k) if mine and isinstance(o.get(k), (int, float)) else None)
+                         for k in ("eval_s", "startup_s"))
     return {"warmup_extra_s": float(o["warmup_extra_s"]), "run_id": o.get("run_id"), "ranks": o.get("ranks"),
+            "same_key": bool(mine), "eval_s": held_out, "startup_s": started,
             "cache_fill_s": o.get("cache_fill_s") if same and isinstance(o.get("cache_fill_s"), (int, float)) else None}
 
 
@@ -247,7 +260,7 @@ def compare(plan_key: str, measured_images_per_s: float | None, env=None, *, run
         out.update(phased)
         predicted = out.pop("images_per_s")
     facts = run or {}
-    for k in ("warmup_s", "cache_fill_s"):
+    for k in ("warmup_s", "cache_fill_s", "eval_s", "startup_s"):
         if isinstance(facts.get(k), (int, float)):
             out[f"measured_{k}"] = round(float(facts[k]), 3)
     tta = time_to_accuracy(entry, run or {})
@@ -283,6 +296,8 @@ def timed(entry: dict, run: dict) -> dict | None:
             known = {f.name for f in fields(phases.RunCosts)}
             c = phases.RunCosts(**{**{k: v for k, v in entry[name].items() if k in known},
                                    "steps_per_epoch": int(run["steps_per_epoch"]), "start_step": run.get("start_step")})
+            if name == "model_costs":  # the model's step with the epoch ends this run measured: its miss is the step's
+                c = phases.measured_epoch_ends(c, run.get("eval_s"))
             means.append(phases.timed_mean_step(c, first, last, total=int(run["total"]), epochs=int(run["epochs"]),
                                                 resumed_at=int(run["resumed_at"])))
         global_batch = float(entry["images_per_s"]) * float(entry["step_s"])

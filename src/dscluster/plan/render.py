@@ -9,6 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from dscluster import console
+from dscluster.plan.phases import WARMUP_STEPS
 
 
 def _row(label: str, p: dict, style: str = "") -> list[str]:
@@ -18,11 +19,40 @@ def _row(label: str, p: dict, style: str = "") -> list[str]:
 
 
 def whole_run_line(label: str, r: dict) -> str:
-    """`whole run as configured (30 epochs, 660 steps): 41 s, mean 1,610 img/s (steady 1,952): warm-up …`."""
-    parts = ", ".join(f"{p['name']} {p['steps']:,} steps {p['seconds']:,.1f} s" if p["steps"] else
-                      f"{p['name']} {p['seconds']:,.1f} s" for p in r["phases"])
+    """`whole run as configured (30 epochs, 660 steps): 41 s to finish, mean 1,610 img/s, steady 1,952 img/s
+    as train reports it (…); warm-up 5 steps 9.1 s (measured in run a1), …`."""
+    warm = r.get("warmup") or {}
+
+    def part(p: dict) -> str:
+        text = f"{p['name']} {p['steps']:,} steps {p['seconds']:,.1f} s" if p["steps"] else \
+            f"{p['name']} {p['seconds']:,.1f} s"
+        return text + (f" ({warm['source']})" if p["name"] == "warm-up" and warm.get("source") else "")
+
+    # train's end line names its figure "images/s steady (after 5 warm-up steps)": the same words, the same figure
+    steady = f"{r['steady_images_per_s']:,.0f} images/s steady (after {WARMUP_STEPS} warm-up steps, as train reports it"
+    if r.get("step_images_per_s") and round(r["step_images_per_s"]) != round(r["steady_images_per_s"]):
+        steady += f": the epoch ends among its steps; the step alone {r['step_images_per_s']:,.0f}"
+    start = r.get("startup") or {}
+    before = (f"; before them, start-up {start['seconds']:,.1f} s (the process's start to its first step less the "
+              f"data cache: interpreter, imports, process group, engine; {start['source']})"
+              if start.get("seconds") is not None else "")
     return (f"whole run {label} ({r['epochs']} epochs, {r['total_steps']:,} steps): {clock(r['seconds'])} to finish, "
-            f"mean {r['images_per_s']:,.0f} img/s (steady {r['steady_images_per_s']:,.0f}); {parts}")
+            f"mean {r['images_per_s']:,.0f} img/s from the data cache on, {steady}); "
+            + ", ".join(part(p) for p in r["phases"] if p["steps"] or round(p["seconds"], 1) or p["name"] == "warm-up")
+            + before)
+
+
+def epoch_ends_line(r: dict) -> str | None:
+    """`epoch ends: 15, each up to 1.20 s (held-out pass 0.81 s, loader restart 0.39 s; modelled), 17.6 s in the
+    run; 14 of them, 16.8 s, inside the steady figure`; None where they cost nothing."""
+    e = r.get("epoch_ends")
+    if not e or not e["seconds"]:
+        return None
+    kinds = (("held-out pass", "evaluation_s"), ("checkpoint save", "save_s"), ("loader restart", "loader_restart_s"))
+    parts = [f"{what} {e[k]:.2f} s" for what, k in kinds if round(e[k], 2)]
+    return (f"epoch ends: {e['count']:,}, each up to {sum(e[k] for _, k in kinds):.2f} s "
+            f"({', '.join(parts)}; {e.get('source') or 'modelled'}), {e['seconds']:,.1f} s in the run; "
+            f"{e['in_steady']:,} of them, {e['steady_seconds']:,.1f} s, inside the steady figure")
 
 
 def time_to_accuracy_line(t: dict) -> str:
@@ -89,6 +119,9 @@ def render(doc: dict) -> None:
         r = (doc.get("runs") or {}).get(key)
         if r and (key == "now" or rec["overrides"]):
             out.print(escape(whole_run_line(label, r)))
+            ends = epoch_ends_line(r) if key == "now" else None
+            if ends:
+                out.print(escape(ends))
     if doc.get("time_to_accuracy") and any(r["seconds"] for r in doc["time_to_accuracy"]["runs"].values()):
         out.print(escape(time_to_accuracy_line(doc["time_to_accuracy"])))
     if rec.get("alone_command"):

@@ -1,14 +1,16 @@
 """What plan's whole-run prediction (plan/phases.py) is made from for one setting: the data set's
 facts (plan/datafeed.py: its size as training splits it, the fill probe, data.cache), the step
 times of the setting with and without its compression (at least what the loader workers need to make
-an uncached step's images), PowerSGD's start step, the probe's first-step cost, an evaluation pass
-(train's own evaluation as the probe measured it, and the making of an uncached held-out set), the
-cache's fill and a checkpoint save.
+an uncached step's images), PowerSGD's start step, the warm-up's first-step costs, an evaluation pass
+(train's own evaluation as the probe measured it, the cached held-out set's copy to the GPU, and the
+making of an uncached held-out set), the loader's restart at an epoch end, the cache's fill and a
+checkpoint save. The warm-up and the evaluation pass come from the newest run of the same setting where
+one measured them (`from_runs`), else from the model.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from dscluster import syncmode
 from dscluster.plan import datafeed, model, phases
@@ -33,12 +35,66 @@ def start_for(cfg, compression: str, world: int, *, recommended: bool) -> int | 
     return (phases.recommended_start(own) or own) if recommended else own
 
 
+@dataclass(frozen=True, slots=True)
+class FromRuns:
+    """What a setting's whole run takes from the newest run of the same setting (its plan key), or models
+    without one: the warm-up's first-step costs and the held-out pass of an epoch end (`from_runs`)."""
+
+    warmup_extra_s: float
+    warmup_source: str
+    """"measured in run X" (the newest run of the setting), "measured in run X of another setting", or
+    "modelled: ..."."""
+    run_id: str | None = None
+    eval_s: float | None = None
+    """The held-out pass as that run measured it (the median of its passes; the loader's refill for the next
+    epoch runs under it); None: modelled."""
+    notes: tuple[str, ...] = ()
+    """Lines for the plan's notes where a run's figures are used."""
+    startup_s: float | None = None
+    """That run's start to its first step, less the data cache's fill (the interpreter, imports, process group,
+    engine); None: no run of the setting measured it. Shown beside the whole run, not in it."""
+
+    @property
+    def epoch_end_source(self) -> str:
+        return f"measured in run {self.run_id}" if self.eval_s is not None else "modelled"
+
+
+def from_runs(probe_extra_s: float, facts: datafeed.DataFacts | str, measured: dict | None) -> FromRuns:
+    """A setting's warm-up: the newest run of the same plan key as it measured it (its first step's start
+    to the end of the fifth, less five steady steps: compilation with the compile cache as that run found
+    it, the loader's start, the first kernels), else modelled: the probe's first step less its next
+    (compilation) and the loader workers' start (the fill probe's), or where a run of another batch,
+    compression or rank count of this model and precision measured more, that (`predicted.startup`). Its
+    epoch end: that same run's held-out pass where it measured one, else modelled (`costs`)."""
+    loader = facts.loader_start_s() if not isinstance(facts, str) else 0.0
+    modelled = probe_extra_s + loader
+    what = f"modelled: the probe's first step {probe_extra_s:.1f} s" + (
+        f" and the loader workers' start {loader:.1f} s" if loader else "")
+    if measured and measured.get("same_key"):
+        run, held_out = measured["run_id"], measured.get("eval_s")
+        notes = [f"whole run: warm-up as run {run} of this setting measured it, {measured['warmup_extra_s']:.1f} s "
+                 f"beyond its first five steps ({what} would give {modelled:.1f} s): the newest run of the setting"]
+        if held_out is not None:
+            notes.append(f"whole run: each epoch end's held-out pass as run {run} measured it, {held_out:.2f} s "
+                         "(the loader's refill for the next epoch under it)")
+        return FromRuns(measured["warmup_extra_s"], f"measured in run {run}", run, held_out, tuple(notes),
+                        measured.get("startup_s"))
+    if measured and measured["warmup_extra_s"] > modelled:
+        run = measured["run_id"]
+        return FromRuns(measured["warmup_extra_s"], f"measured in run {run} of another setting", run, notes=(
+            f"whole run: warm-up as run {run} on {measured['ranks']} rank(s) measured it, "
+            f"{measured['warmup_extra_s']:.1f} s beyond its first five steps ({what}); no run of this setting yet",))
+    return FromRuns(modelled, what)
+
+
 def costs(cfg, s: model.Scenario, p: model.Prediction, *, start: int | None, facts: datafeed.DataFacts,
-          warmup_extra_s: float, params: int, uncalibrated: bool = False,
-          eval_s_per_image: float | None = None) -> phases.RunCosts:
+          warmup_extra_s: float, params: int, uncalibrated: bool = False, eval_s_per_image: float | None = None,
+          on_gpu: bool = True, measured_eval_s: float | None = None) -> phases.RunCosts:
     """The run costs of scenario `s` (predicted as `p`), whose steps after `start` are compressed;
     `uncalibrated`: the model's steps before calibration (what train's outcomes are measured against);
-    `eval_s_per_image`: train's evaluation measured by the probe, else a third of rank 0's compute."""
+    `eval_s_per_image`: train's evaluation measured by the probe, else a third of rank 0's compute;
+    `on_gpu`: the ranks train on GPUs (a cached held-out set is copied there at each evaluation);
+    `measured_eval_s`: a run's held-out pass, the loader's refill under it (`FromRuns.eval_s`)."""
     period = s.sync_period
     plain = model.predict(replace(s, compression="none")) if s.compression == "powersgd" or period > 1 else p
     pick = (lambda q: q.model_step_s) if uncalibrated else (lambda q: q.step_s)
@@ -48,26 +104,34 @@ def costs(cfg, s: model.Scenario, p: model.Prediction, *, start: int | None, fac
     rank0 = eval_s_per_image or s.nodes[0].compute_s / s.micro_batch * phases.FORWARD_SHARE  # rank 0 evaluates
     feed = facts.feed_step_s(s.micro_batch * s.grad_accum)
     every = cfg.checkpoint
-    return phases.RunCosts(
+    c = phases.RunCosts(
         plain_step_s=max(pick(plain), feed), step_s=max(pick(p) + epoch_average, feed), start_step=start,
-        warmup_extra_s=warmup_extra_s, eval_s=facts.eval_s(facts.holdout_n * rank0),
+        warmup_extra_s=warmup_extra_s, eval_s=facts.eval_s(facts.holdout_n * rank0, on_gpu),
         save_s=params * phases.CHECKPOINT_BYTES_PER_PARAM / (phases.CHECKPOINT_WRITE_GBps * 1e9),
+        restart_s=facts.restart_s(s.micro_batch, s.grad_accum, spe),
         steps_per_epoch=spe, eval_every_epochs=cfg.eval_every_epochs,
         checkpoint_every_epochs=every.every_epochs, checkpoint_every_steps=every.every_steps,
         cache_fill_s=facts.fill_s(), cache_images=facts.cached_images, cache_workers=facts.workers)
+    return phases.measured_epoch_ends(c, measured_eval_s) if facts.holdout_n else c
 
 
 def setting_run(cfg, s: model.Scenario, p: model.Prediction, facts: datafeed.DataFacts | str, *, start: int | None,
-                warmup_extra_s: float, params: int, eval_s_per_image: float | None = None) -> dict | None:
+                runs: FromRuns, params: int, eval_s_per_image: float | None = None,
+                on_gpu: bool = True) -> dict | None:
     """The whole-run prediction of one setting (phases.whole_run) with the model's uncalibrated steps
     beside it (`model_costs`), or None when the data set's size is unknown or smaller than a step."""
     if isinstance(facts, str) or facts.train_n < s.global_batch:
         return None
     def of(uncalibrated: bool) -> phases.RunCosts:
-        return costs(cfg, s, p, start=start, facts=facts, warmup_extra_s=warmup_extra_s, params=params,
-                     uncalibrated=uncalibrated, eval_s_per_image=eval_s_per_image)
+        return costs(cfg, s, p, start=start, facts=facts, warmup_extra_s=runs.warmup_extra_s, params=params,
+                     uncalibrated=uncalibrated, eval_s_per_image=eval_s_per_image, on_gpu=on_gpu,
+                     measured_eval_s=runs.eval_s)
 
-    out = phases.whole_run(of(False), epochs=cfg.epochs, max_steps=cfg.max_steps, global_batch=s.global_batch)
+    out = phases.whole_run(of(False), epochs=cfg.epochs, max_steps=cfg.max_steps, global_batch=s.global_batch,
+                           warmup_source=runs.warmup_source, epoch_end_source=runs.epoch_end_source)
+    out["warmup"]["run_id"] = runs.run_id
+    out["startup"] = {"seconds": runs.startup_s, "source": None if runs.startup_s is None else
+                      f"measured in run {runs.run_id}"}
     out["model_costs"] = of(True).to_dict()
     return out
 

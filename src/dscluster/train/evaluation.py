@@ -69,11 +69,15 @@ class TimeToAccuracy:
     """time.time() where the first step began (the trainer sets it)."""
     fill_s: float = 0.0
     """The data cache's fill before the first step: with the steps, the span plan's prediction covers."""
+    eval_seconds: list[float] = field(default_factory=list)
+    """Each held-out pass's seconds (at an epoch end another epoch follows, the loader's refill for it runs
+    under the pass): what an epoch end costs, for plan's next prediction (plan/predicted.py)."""
 
     def see(self, rec: dict, log, progress) -> None:
         """An `eval` record: a point of the curve; the first one at or above the target becomes the
         `target` record."""
         self.points.append((rec["step"], rec["accuracy"]))
+        self.eval_seconds.append(rec["seconds"])
         if self.target is None or self.reached is not None or rec["accuracy"] < self.target:
             return
         training = None if self.first_step_t is None else round(self.fill_s + rec["t"] - self.first_step_t, 3)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +43,7 @@ from dscluster.train.precision import PrecisionDecision, decide_here
 from dscluster.train.progress import ProgressBar
 from dscluster.train.step import TrainStep
 from dscluster.train.syncwatch import SyncWatch
-from dscluster.train.timing import WARMUP_STEPS, ends_warmup
+from dscluster.train.timing import WARMUP_STEPS, ends_warmup, process_started
 from dscluster.train.traces import StackTraces
 
 
@@ -389,6 +390,14 @@ class Trainer:
             plan_vs_measured(self.cfg, self.b, gb, self.rank.precision, self.rank.info, out, record, self.timed())
         return out
 
+    def startup_s(self) -> float | None:
+        """The process's start to its first step, less the data cache's fill: the interpreter, the imports,
+        the process group, the engine (train/timing.py `process_started`)."""
+        started = process_started()
+        if started is None or self.tta.first_step_t is None:
+            return None
+        return max(0.0, self.tta.first_step_t - started - self.tta.fill_s)
+
     def timed(self) -> dict:
         """What plan's phase-aware comparison needs of this run (plan/predicted.py `timed`)."""
         from dscluster.train.comm import powersgd_start
@@ -399,7 +408,11 @@ class Trainer:
                 "epochs": self.cfg.epochs, "steps_per_epoch": self.spe,
                 "start_step": powersgd_start(self.cfg) if powersgd else None,
                 "target_accuracy": self.tta.target, "time_to_accuracy_s": reached.get("training_seconds"),
-                "warmup_s": self.window.window.warmup_s, "cache_fill_s": self.tta.fill_s}
+                "warmup_s": self.window.window.warmup_s, "cache_fill_s": self.tta.fill_s,
+                "startup_s": self.startup_s(),
+                # the held-out passes at epoch ends inside the timed windows: the last one comes after them,
+                # with no next epoch's loader refill under it
+                "eval_s": statistics.median(self.tta.eval_seconds[:-1]) if self.tta.eval_seconds[:-1] else None}
 
 
 def plan_vs_measured(cfg: TrainConfig, b, gb: int, precision: str, info, out: Outcome, record: RunRecord,

@@ -39,6 +39,21 @@ def ends_warmup(steps_done: int, steps_this_run: int) -> bool:
     return steps_done == WARMUP_STEPS and steps_this_run > WARMUP_STEPS
 
 
+def process_started(stat: str = "/proc/self/stat", uptime: str = "/proc/uptime") -> float | None:
+    """When this process started (time.time()'s clock): the kernel's start tick of the process against the
+    machine's uptime, so the interpreter's start and imports count; None where /proc does not say."""
+    import os
+
+    try:
+        with open(stat, encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the command name may hold spaces
+        with open(uptime, encoding="ascii") as f:
+            up = float(f.read().split()[0])
+        return time.time() - up + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat(5): starttime
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class StepWindow:
     """Times windows of steps by the wall clock; `close` must be called after the device sync."""
 
