@@ -12,6 +12,7 @@ what makes it work when names differ).
 from __future__ import annotations
 
 import ipaddress
+import random
 import re
 import socket
 from dataclasses import asdict, dataclass, field
@@ -184,8 +185,22 @@ def iface_for_address(ifaces: list[Interface], target_ip: str) -> str | None:
     return None
 
 
+# Below Linux's ephemeral range (ip_local_port_range, 32768-60999 by default): a port the kernel hands
+# out is the one any outgoing connection may take next, and a job's rank 0 binds its rendezvous seconds
+# after the port was picked. Two test workers' ssh and gloo connections took it (EADDRINUSE).
+_RENDEZVOUS_PORTS = range(20000, 32000)
+
+
 def free_port() -> int:
-    """A TCP port free right now on 127.0.0.1 (a one-host job's own rendezvous)."""
+    """A TCP port free right now on 127.0.0.1 (a one-host job's own rendezvous), drawn at random from
+    below the ephemeral range so that no outgoing connection is handed it before the job binds it."""
+    for port in random.sample(_RENDEZVOUS_PORTS, 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
