@@ -15,7 +15,10 @@ pytestmark = pytest.mark.slow
 
 
 def _bench(args, tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # Not the rank variables an in-process one-rank group of another test left in this worker
+    # (dist.ensure_single_process_group): with RANK=0 inherited both ranks took rank 0 (EADDRINUSE).
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
     out = subprocess.run([sys.executable, "-m", "dscluster", "bench", *args, "--device", "cpu", "--model", "tiny",
                           "--out", str(tmp_path / "results"), "--work-dir", str(tmp_path / "work"), "--timeout", "400"],
