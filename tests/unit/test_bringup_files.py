@@ -78,6 +78,18 @@ def test_known_hosts_replaces_stale_entry_keeps_others():
     assert bf.merge_known_hosts(out, [(["node2", "10.77.1.12"], K2.type, K2.blob)]) == out
 
 
+def test_known_hosts_lines_ssh_appends_after_the_pins_do_not_make_the_next_setup_a_change():
+    # ssh's UpdateHostKeys appends a host's other key types after a login verified by the pin;
+    # the next setup must see nothing to change (it once re-wrote node1's file on every rerun).
+    pins = [(["node1", "10.77.1.11"], K2.type, K2.blob), (["node2", "10.77.1.12"], K2.type, "AAAAtwo")]
+    first = bf.merge_known_hosts("", pins)
+    learned = first + "node2 ecdsa-sha2-nistp256 AAAAecdsa\nnode1 ssh-rsa AAAArsa\n"
+    assert bf.merge_known_hosts(learned, pins) == learned
+    # A stale pin is replaced where it stands; the learned lines stay.
+    stale = learned.replace("AAAAtwo", "AAAAold")
+    assert bf.merge_known_hosts(stale, pins) == learned
+
+
 @pytest.mark.parametrize(
     "shell, path, syntax",
     [("/bin/bash", ".bashrc", "sh"), ("/usr/bin/zsh", ".zshenv", "sh"), ("/bin/tcsh", ".tcshrc", "csh"),

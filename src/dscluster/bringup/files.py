@@ -162,19 +162,27 @@ def update_ssh_config(existing: str, hosts: list[HostEntry], path: str = "~/.ssh
 
 
 def merge_known_hosts(existing: str, entries: list[tuple[list[str], str, str]]) -> str:
-    """Pin (names, key type, blob) entries; plain lines naming the same host with the same key
-    type are replaced, everything else (other hosts, hashed lines, comments) is kept."""
+    """Pin (names, key type, blob) entries in place: a plain line naming the same host with the
+    same key type becomes the pinned line where it stands, and entries not yet there are appended.
+    Everything else (other hosts and key types, hashed lines, comments) is kept in its order, so
+    lines that ssh itself appends later (UpdateHostKeys) do not make the next setup a change."""
+    pins = []
+    for names, ktype, blob in entries:
+        uniq = list(dict.fromkeys(n for n in names if n))
+        pins.append((set(uniq), ktype, f"{','.join(uniq)} {ktype} {blob}"))
     out: list[str] = []
+    placed: set[int] = set()
     for raw in existing.splitlines():
         fields = raw.split()
         if len(fields) >= 3 and not raw.lstrip().startswith(("#", "@", "|")):
             names = set(fields[0].split(","))
-            if any(fields[1] == ktype and names & set(n) for n, ktype, _ in entries):
+            hits = [i for i, (n, ktype, _) in enumerate(pins) if fields[1] == ktype and names & n]
+            if hits:
+                out.extend(pins[i][2] for i in hits if i not in placed)
+                placed.update(hits)
                 continue
         out.append(raw)
-    for names, ktype, blob in entries:
-        uniq = list(dict.fromkeys(n for n in names if n))
-        out.append(f"{','.join(uniq)} {ktype} {blob}")
+    out.extend(line for i, (_, _, line) in enumerate(pins) if i not in placed)
     return "\n".join(out) + "\n" if out else ""
 
 
