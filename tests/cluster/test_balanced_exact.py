@@ -83,7 +83,10 @@ def worker(out_dir: Path) -> None:
 
     from dscluster.train.balanced import BalancedBatchSampler, loss_weight
 
+    from dscluster.train.dist import skip_cpu_shm_build
+
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    skip_cpu_shm_build()  # as training does: the op is unused there and took a minute to build on a fresh clone
     deepspeed.init_distributed(dist_backend="gloo")
     import contextlib
 
