@@ -82,7 +82,6 @@ def worker(out_dir: Path) -> None:
     import torch
 
     from dscluster.train.balanced import BalancedBatchSampler, loss_weight
-
     from dscluster.train.dist import skip_cpu_shm_build
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
