@@ -7,6 +7,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -171,7 +172,9 @@ def test_train_holds_its_time_to_accuracy_against_plans_prediction(first_run, tm
                           capture_output=True, text=True, timeout=300)
     assert plan.returncode == 0, plan.stderr[-3000:]
     predicted = json.loads(plan.stdout)["time_to_accuracy"]["runs"]["now"]["seconds"]
+    launched = time.monotonic()
     second = _train(env, "second", f"target_accuracy={target}")
+    process_s = time.monotonic() - launched  # the whole process, imports included
     summary = json.loads((tmp_path / "runs" / "second" / "summary.json").read_text())
     reached = summary["time_to_accuracy"]
     assert reached is not None and 0 < reached["training_seconds"] < reached["seconds"]  # start-up left out
@@ -200,7 +203,9 @@ def test_train_holds_its_time_to_accuracy_against_plans_prediction(first_run, tm
     assert ends["source"] == "measured in run second"
     # its start-up (the process's start to the first step: interpreter, imports, process group, engine)
     started = summary["plan"]["measured_startup_s"]
-    assert 0 < started < summary["wall_s"] and doc["runs"]["now"]["startup"]["seconds"] == pytest.approx(started,
+    # (summary's wall_s starts at train()'s entry, after the imports that start-up counts: on a loaded machine
+    # a short run's start-up exceeded it; the process's own life bounds it)
+    assert 0 < started < process_s and doc["runs"]["now"]["startup"]["seconds"] == pytest.approx(started,
                                                                                                         abs=1e-3)
     assert ends["evaluation_s"] == pytest.approx(outcome["eval_s"]) and outcome["eval_s"] > 0
 
