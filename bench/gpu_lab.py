@@ -289,7 +289,10 @@ def bring_up(lab: Lab, args, doc: dict, log_path: Path) -> Bench:
     lab.node1(cd + f"dscluster check --hostfile {st['hostfile']} --json {args.check_args} > check-out.json", 600)
     try:
         check_doc = json.loads((hwork / "check-out.json").read_text())
-        doc["check_layout"] = check_doc.get("layout")
+        layout = dict(check_doc.get("layout") or {})
+        if "checkout" in layout:   # a path of the machine the call ran on: not part of the result
+            layout["checkout"] = "<the checkout on node1>"
+        doc["check_layout"] = layout
         doc["check_nccl_socket"] = (check_doc.get("active") or {}).get("nccl_socket")
         result = check_doc["active"]["allreduce"]["result"]
         doc["check_allreduce"] = {"device": result.get("device"), "world_size": result.get("world_size"),

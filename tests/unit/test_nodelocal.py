@@ -38,3 +38,17 @@ def test_a_node_without_the_checkpoint_stops_the_resume_naming_it_and_the_copy_t
 def test_a_single_process_sees_its_own_run_directory_as_shared(tmp_path):
     assert run_dir_shared(tmp_path / "run", rank=0) is True
     assert not list((tmp_path / "run").iterdir())   # the marker is gone
+
+
+def test_a_run_stopped_between_two_nodes_commits_resumes_from_the_newest_checkpoint_every_node_holds():
+    from dscluster.train.nodelocal import interrupted_commit, newest_held
+    older, newer = "epoch0000-step00000012", "epoch0000-step00000016"
+    pair = interrupted_commit([newer, older, newer])     # node2's rank was killed before it wrote `latest`
+    assert pair == (newer, older)
+    assert newest_held(pair, ["11", "11", "11"]) == newer   # its save had finished everywhere
+    assert newest_held(pair, ["11", "01", "11"]) == older   # a node lost the newer folder: the older one
+    assert newest_held(pair, ["11", "00", "11"]) is None    # neither: resume_agreement names the node
+    # a node without any checkpoint, or three different ones, is not an interrupted commit
+    assert interrupted_commit([newer, "", newer]) is None
+    assert interrupted_commit([newer, older, "epoch0000-step00000008"]) is None
+    assert interrupted_commit([newer, newer]) is None

@@ -227,7 +227,8 @@ class Checkpointer:
         if self.resume_mode is None:
             return Position(0, 0, 0)
         tag = resume_decision(self.resume_mode, self.dir)
-        tag = nodelocal.resume_agreement(dist.all_gather_strings(tag or ""), self.hosts, self.dir, self.shared)
+        tags = self._settle_interrupted_commit(dist.all_gather_strings(tag or ""))
+        tag = nodelocal.resume_agreement(tags, self.hosts, self.dir, self.shared)
         if not tag:
             return Position(0, 0, 0)
         pos, client = load(self.engine, self.dir, tag)
@@ -239,6 +240,21 @@ class Checkpointer:
             if note:
                 console.err.print(f"[dim]dscluster train: {note}[/dim]")
         return pos
+
+    def _settle_interrupted_commit(self, tags: list[str]) -> list[str]:
+        """Collective (every rank takes the same branch: `tags` is gathered). Without a shared
+        filesystem, nodes naming two checkpoints resume from the newer one every node holds."""
+        pair = None if self.shared else nodelocal.interrupted_commit(tags)
+        if pair is None:
+            return tags
+        mine = "".join("1" if (self.dir / t).is_dir() else "0" for t in pair)
+        choice = nodelocal.newest_held(pair, dist.all_gather_strings(mine))
+        if choice is None:
+            return tags
+        if self.primary:
+            console.err.print(f"dscluster train: the nodes' '{LATEST}' named {pair[1]} and {pair[0]} (the last run "
+                              f"stopped while they committed it); every node holds {choice}: resuming from it")
+        return [choice] * len(tags)
 
     def maybe_save(self, pos: Position, *, epoch_end: bool = False, last: bool = False, before=None) -> None:
         """Collective: save at `pos` when the rules above ask for one (`before()` first: the log window

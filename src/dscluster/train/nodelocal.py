@@ -7,9 +7,13 @@ looks for it). Without a shared run directory:
   the model states into its node's copy, beside its ranks' own files;
 - `latest` is committed on every node by its local rank 0 (atomically, after all ranks agreed the
   save succeeded), so every node can resume on its own;
-- a resume where the nodes name different checkpoints (one node lacks it: a node replaced, a
-  folder deleted) stops before training, naming the node and the fix (`resume_agreement`): never
-  step 0 on some ranks and step N on others.
+- a run stopped between two nodes' commits of `latest` (a rank killed right after a save) leaves
+  the nodes naming two checkpoints; every node holds both folders (saves never delete an older
+  one), so the start resumes from the newer one every node holds (`interrupted_commit`,
+  `newest_held`) and says so;
+- a resume where the nodes name different checkpoints otherwise (one node lacks it: a node
+  replaced, a folder deleted) stops before training, naming the node and the fix
+  (`resume_agreement`): never step 0 on some ranks and step N on others.
 Under ZeRO 1-3 every rank saves its own optimizer shard (ZeRO-3: its own weight shard too) and DeepSpeed
 reads back only the loading rank's, so a node's copy resumes its ranks; docs/file-layouts.md.
 """
@@ -40,6 +44,25 @@ def run_dir_shared(rdir: Path, rank: int) -> bool:
 def writes_latest(rank: int, local_rank: int, shared: bool) -> bool:
     """Who commits `latest`: rank 0 on shared storage, every node's local rank 0 without it."""
     return rank == 0 if shared else local_rank == 0
+
+
+def interrupted_commit(tags: list[str]) -> tuple[str, str] | None:
+    """(newer, older) when every rank names a checkpoint and they name exactly two: what a run stopped
+    between one node's commit of `latest` and another's leaves behind. None otherwise."""
+    named = sorted(set(tags))
+    if len(named) != 2 or "" in named:
+        return None
+    return named[1], named[0]
+
+
+def newest_held(pair: tuple[str, str], held: list[str]) -> str | None:
+    """Of `pair` (newer, older), the first whose folder every rank holds; `held[r]` is rank r's answer,
+    one "1" or "0" per tag of the pair. A node commits `latest` only after every rank's save of it
+    succeeded, so a tag one node committed is complete wherever its folder is."""
+    for i, tag in enumerate(pair):
+        if all(len(h) == len(pair) and h[i] == "1" for h in held):
+            return tag
+    return None
 
 
 def resume_agreement(tags: list[str], hosts: list[str], ckpt_dir: Path, shared: bool) -> str | None:
