@@ -189,6 +189,20 @@ def test_digits_keeps_its_device_path():
     assert with_loader(sampler, splits, cfg, CPU, 1, []) is sampler
 
 
+def test_digits_are_scikit_learns_digits_read_without_importing_it():
+    import subprocess as sp
+
+    from sklearn.datasets import load_digits
+
+    images, target = data.digits_arrays()
+    d = load_digits()
+    assert images.shape == (1797, 8, 8) and (images == d.images).all() and (target == d.target).all()
+    # a rank that trains on digits does not pay scikit-learn's (and SciPy's) import
+    probe = "import sys; from dscluster.train import data; data.digits_arrays(); print('sklearn' in sys.modules)"
+    out = sp.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
 def _train(folder: Path, runs: Path, run_id: str, workers: int) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "RANK", "DSCLUSTER_"))}
     env.update(DSCLUSTER_RUNS=str(runs), DSCLUSTER_RUN_ID=run_id)

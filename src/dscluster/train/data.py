@@ -343,12 +343,31 @@ def _limit(ds, limit: int | None):
     return ds.subset(torch.arange(limit) if isinstance(ds, TensorImageSet) else list(range(limit)), ds.name)
 
 
-def load_digits(cfg: DataConfig) -> Splits:
+def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits: images (1797, 8, 8) of 0-16 and their labels. Read from the file
+    scikit-learn ships (datasets/data/digits.csv.gz: 64 pixels, then the label, per row) without
+    importing scikit-learn, whose import (SciPy with it) cost every rank about a second of CPU at
+    start-up; where that file is not found, scikit-learn's own loader."""
+    import gzip
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(root) / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            with gzip.open(path, "rt") as f:
+                data = np.loadtxt(f, delimiter=",")
+            return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(int)
     from sklearn.datasets import load_digits as sk_digits
 
     d = sk_digits()
-    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0  # (1797, 1, 8, 8) in [0, 1]
-    y = torch.tensor(d.target, dtype=torch.long)
+    return d.images, d.target
+
+
+def load_digits(cfg: DataConfig) -> Splits:
+    images, target = digits_arrays()
+    x = torch.tensor(images, dtype=torch.float32).unsqueeze(1) / 16.0  # (1797, 1, 8, 8) in [0, 1]
+    y = torch.tensor(target, dtype=torch.long)
     full = TensorImageSet("digits", x, y, 10, cfg.img_size, [0.3], [0.4])
     tr, ho = _split(len(full), cfg.holdout_fraction)
     return Splits(_limit(full.subset(tr, "digits"), cfg.limit), full.subset(ho, "digits-holdout"))
