@@ -34,8 +34,9 @@ lint: venv
 # make test (what CI runs) runs every test; make unit is the developer's quick loop: the unit tests
 # without those marked slow (real training processes, real kills: CONTRIBUTING.md lists them).
 # Two pytest-xdist workers, each taking whole files (a file's lab and fixtures are built once);
-# tests/conftest.py starts the longest files first. The 30 slowest tests are listed at the end.
-XDIST := -n 2 --dist loadfile
+# tests/conftest.py starts the longest files first (--no-loadscope-reorder: pytest-xdist would otherwise
+# hand out the files with the most tests first). The 30 slowest tests are listed at the end.
+XDIST := -n 2 --dist loadfile --no-loadscope-reorder
 test: lint
 	$(PY) -m pytest -q $(XDIST) --durations=30
 
