@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from _childenv import RANK_VARS
 from dscluster.bench.runner import free_port  # noqa: F401  (re-exported for the test modules)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -16,11 +17,8 @@ BIN = Path(sys.executable).parent
 MPIRUN, DSCLUSTER = BIN / "mpirun", BIN / "dscluster"
 
 
-# Not passed on from the test process: a fault or state of its own, and the rendezvous variables an
-# in-process one-rank group (dist.ensure_single_process_group) leaves behind. With RANK=0 inherited, every rank
-# would take rank 0 and the second would fail to listen on MASTER_PORT (EADDRINUSE).
-NOT_INHERITED = ("DSCLUSTER_FAULT", "DSCLUSTER_STATE", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                 "MASTER_ADDR", "MASTER_PORT")
+# Not passed on from the test process: a fault or state of its own, and the rank variables (_childenv).
+NOT_INHERITED = ("DSCLUSTER_FAULT", "DSCLUSTER_STATE", *RANK_VARS)
 
 
 def require_mpirun() -> None:

@@ -89,6 +89,7 @@ from pathlib import Path
 
 import pytest
 
+from _childenv import RANK_VARS
 from dscluster import state
 from dscluster.cli import main
 from dscluster.errors import UsageError
@@ -295,9 +296,8 @@ CASES = [
 
 # Variables that would point the commands outside the test's directory or change what they read.
 ISOLATE = ("DSCLUSTER_STATE", "DSCLUSTER_RUNS", "DSCLUSTER_RUN_ID", "DS_ENV_FILE", "DSCLUSTER_SSH_PASSWORD",
-            "DSCLUSTER_FAULT", "DSCLUSTER_HOSTFILE", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-            "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMIX_NAMESPACE", "SLURM_PROCID",
-            "MASTER_ADDR", "MASTER_PORT")
+            "DSCLUSTER_FAULT", "DSCLUSTER_HOSTFILE", *RANK_VARS,
+            "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMIX_NAMESPACE", "SLURM_PROCID")
 
 
 def snapshot(root: Path) -> dict[str, str]:

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from _childenv import RANK_VARS
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
 def _bench(args, tmp_path):
-    # Not the rank variables an in-process one-rank group of another test left in this worker
-    # (dist.ensure_single_process_group): with RANK=0 inherited both ranks took rank 0 (EADDRINUSE).
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}   # another test's one-rank group
     env["OMP_NUM_THREADS"] = "1"
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
     out = subprocess.run([sys.executable, "-m", "dscluster", "bench", *args, "--device", "cpu", "--model", "tiny",

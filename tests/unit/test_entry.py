@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from _childenv import RANK_VARS
 from _wait import scaled, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +60,7 @@ def rig(tmp_path):
     log.touch()
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("OMPI_", "PMIX_", "PMI_", "SLURM_", "DSCLUSTER_", "MASTER_", "NCCL_", "GLOO_"))
-           and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "CUDA_VISIBLE_DEVICES")}
+           and k not in (*RANK_VARS, "CUDA_VISIBLE_DEVICES")}
     env.update(DSCLUSTER_VENV=str(venv), FAKE_LOG=str(log), DSCLUSTER_RUNS=str(tmp_path / "runs"))
     return {"tmp": tmp_path, "work": work, "log": log, "env": env, "venv": venv}
 

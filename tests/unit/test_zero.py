@@ -14,12 +14,12 @@ import sys
 import pytest
 import torch
 
+from _childenv import RANK_VARS
 from dscluster.train.config import ConfigValueError, load_config
 from dscluster.train.ds_config import build_ds_config
 from dscluster.train.shape import plan_batch
 
-ISOLATE = ("DSCLUSTER_RUNS", "DSCLUSTER_RUN_ID", "DSCLUSTER_STATE", "RANK", "LOCAL_RANK", "WORLD_SIZE",
-           "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DSCLUSTER_FAULT")
+ISOLATE = ("DSCLUSTER_RUNS", "DSCLUSTER_RUN_ID", "DSCLUSTER_STATE", *RANK_VARS, "DSCLUSTER_FAULT")
 
 
 def test_zero_stage_3_loads_and_partitions_with_deepspeeds_stage_3():
