@@ -23,14 +23,17 @@ def known_hosts_name(host: str, port: int = 22) -> str:
 
 
 def known_hosts_line(names: Iterable[str], key: paramiko.PKey) -> str:
-    """One known_hosts line: "name1,name2 ssh-ed25519 AAAA...". Names keep their given order."""
-    uniq: list[str] = []
-    for n in names:
-        if n and n not in uniq:
-            uniq.append(n)
+    """One known_hosts line for a key: "name1,name2 ssh-ed25519 AAAA..." (`format_line`)."""
+    return format_line(names, key.get_name(), key.get_base64())
+
+
+def format_line(names: Iterable[str], ktype: str, blob: str) -> str:
+    """The one known_hosts line format: "name1,name2 ssh-ed25519 AAAA...". Names keep their given
+    order, each once."""
+    uniq = list(dict.fromkeys(n for n in names if n))
     if not uniq:
         raise ValueError("known_hosts line needs at least one host name")
-    return f"{','.join(uniq)} {key.get_name()} {key.get_base64()}"
+    return f"{','.join(uniq)} {ktype} {blob}"
 
 
 def load_known_hosts(path: Path) -> paramiko.HostKeys:

@@ -189,7 +189,8 @@ def test_digits_keeps_its_device_path():
     assert with_loader(sampler, splits, cfg, CPU, 1, []) is sampler
 
 
-def test_digits_are_scikit_learns_digits_read_without_importing_it():
+def test_digits_are_scikit_learns_digits_read_without_importing_it(monkeypatch):
+    import importlib.util
     import subprocess as sp
 
     from sklearn.datasets import load_digits
@@ -197,6 +198,10 @@ def test_digits_are_scikit_learns_digits_read_without_importing_it():
     images, target = data.digits_arrays()
     d = load_digits()
     assert images.shape == (1797, 8, 8) and (images == d.images).all() and (target == d.target).all()
+    with monkeypatch.context() as m:   # scikit-learn's file not where it was: its own loader, the same arrays
+        m.setattr(importlib.util, "find_spec", lambda name: None)
+        again = data.digits_arrays()
+    assert (again[0] == d.images).all() and (again[1] == d.target).all()
     # a rank that trains on digits does not pay scikit-learn's (and SciPy's) import
     probe = "import sys; from dscluster.train import data; data.digits_arrays(); print('sklearn' in sys.modules)"
     out = sp.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)

@@ -13,6 +13,7 @@ from pathlib import PurePosixPath
 
 from dscluster import liveness
 from dscluster.errors import DsclusterError
+from dscluster.hostkeys import format_line
 
 BEGIN = "# >>> dscluster >>>"
 END = "# <<< dscluster <<<"
@@ -166,10 +167,7 @@ def merge_known_hosts(existing: str, entries: list[tuple[list[str], str, str]]) 
     same key type becomes the pinned line where it stands, and entries not yet there are appended.
     Everything else (other hosts and key types, hashed lines, comments) is kept in its order, so
     lines that ssh itself appends later (UpdateHostKeys) do not make the next setup a change."""
-    pins = []
-    for names, ktype, blob in entries:
-        uniq = list(dict.fromkeys(n for n in names if n))
-        pins.append((set(uniq), ktype, f"{','.join(uniq)} {ktype} {blob}"))
+    pins = [(set(n for n in names if n), ktype, format_line(names, ktype, blob)) for names, ktype, blob in entries]
     out: list[str] = []
     placed: set[int] = set()
     for raw in existing.splitlines():

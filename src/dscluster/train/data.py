@@ -1,14 +1,11 @@
 """Data sets as index-addressable batches: digits, CIFAR-10 (python folder), ImageFolder, synthetic, fractal.
 
-Every data set answers `get_batch(indices, device, dtype)`. Samples are kept compactly (uint8 or
-small float at native resolution), so CIFAR-10 at 224×224 does not need 30 GB of RAM, and
-synthetic benchmark data lives on the GPU from the start (no host→device copy per step).
-ImageFolder, CIFAR-10 and fractal (train/fractal.py) batches are made on the host (`prepare`:
-decode, resize to img_size, augment, as uint8), which DataLoader workers do ahead of the step (train/loader.py); the
-device only normalises them. ImageFolder and fractal images can be made once into memory (data.cache,
-train/datacache.py); `prepare` then reads them from there and augments them alike. Digits, tiny and in
-memory, is resized and normalised on the device. What crosses from the host goes through pinned memory,
-so no step waits for the GPU.
+Every data set answers `get_batch(indices, device, dtype)`. Samples are kept compactly (uint8 or small float
+at native resolution: CIFAR-10 at 224×224 needs no 30 GB of RAM); synthetic data lives on the GPU. ImageFolder,
+CIFAR-10 and fractal (train/fractal.py) batches are made on the host (`prepare`: decode, resize, augment, as
+uint8), by DataLoader workers ahead of the step (train/loader.py), or once into memory (data.cache,
+train/datacache.py); the device only normalises them. Digits, tiny and in memory, is resized and normalised
+on the device. What crosses from the host goes through pinned memory, so no step waits for the GPU.
 """
 
 from __future__ import annotations
@@ -344,24 +341,19 @@ def _limit(ds, limit: int | None):
 
 
 def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
-    """scikit-learn's digits: images (1797, 8, 8) of 0-16 and their labels. Read from the file
-    scikit-learn ships (datasets/data/digits.csv.gz: 64 pixels, then the label, per row) without
-    importing scikit-learn, whose import (SciPy with it) cost every rank about a second of CPU at
-    start-up; where that file is not found, scikit-learn's own loader."""
-    import gzip
+    """scikit-learn's digits (images (1797, 8, 8) of 0-16, labels) from the file it ships, without importing
+    it (with SciPy, a second of CPU at every rank's start); where the file is not found, its loader."""
     import importlib.util
 
     spec = importlib.util.find_spec("sklearn")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        path = Path(root) / "datasets" / "data" / "digits.csv.gz"
-        if path.is_file():
-            with gzip.open(path, "rt") as f:
-                data = np.loadtxt(f, delimiter=",")
+    for root in (spec and spec.submodule_search_locations) or []:
+        if (path := Path(root) / "datasets" / "data" / "digits.csv.gz").is_file():
+            data = np.loadtxt(path, delimiter=",")   # numpy reads .gz itself
             return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(int)
     from sklearn.datasets import load_digits as sk_digits
 
-    d = sk_digits()
-    return d.images, d.target
+    x, y = sk_digits(return_X_y=True)
+    return x.reshape(-1, 8, 8), y
 
 
 def load_digits(cfg: DataConfig) -> Splits:
