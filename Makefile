@@ -15,7 +15,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # core). The simulated lab's nodes get the same (sim/plan.py: node_session_env).
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: venv lint test unit cluster demo clean
+.PHONY: venv lint test test-cpu unit cluster demo clean
 
 venv: $(STAMP)
 
@@ -39,6 +39,12 @@ lint: venv
 XDIST := -n 2 --dist loadfile --no-loadscope-reorder
 test: lint
 	$(PY) -m pytest -q $(XDIST) --durations=30
+
+# CPU seconds per test, the simulated labs' processes included (root; tests/_cpuaccount.py says how)
+test-cpu: venv
+	rm -f .cache/test-cpu.jsonl
+	DSCLUSTER_TEST_CPU=$(CURDIR)/.cache/test-cpu.jsonl PYTHONPATH=tests $(PY) -m pytest -q $(XDIST) -p _cpuaccount
+	$(PY) tests/_cpuaccount.py .cache/test-cpu.jsonl
 
 unit: venv
 	$(PY) -m pytest -q $(XDIST) tests/unit -m 'not slow'
