@@ -331,11 +331,17 @@ def measure_powersgd(cfg, in_chans: int, num_classes: int, micro: int) -> float 
 
     from dscluster.train import comm
 
-    if not tdist.is_available() or tdist.is_initialized():
+    if not tdist.is_available():
+        return None
+    # A one-rank group this process already has serves as well (plan called in a process that made
+    # one); inside a job of several ranks the step would wait for the others: not measured here.
+    own = not tdist.is_initialized()
+    if not own and tdist.get_world_size() != 1:
         return None
     warmup, steps = 5, 3  # on CPU; PowerSGD starts at step 2, after DDP's first backward
     cuda = torch.cuda.is_available()
-    tdist.init_process_group("nccl" if cuda else "gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    if own:
+        tdist.init_process_group("nccl" if cuda else "gloo", store=tdist.HashStore(), rank=0, world_size=1)
     seconds = {}
     try:
         probe = Probe(cfg, in_chans, num_classes, micro)
@@ -359,5 +365,6 @@ def measure_powersgd(cfg, in_chans: int, num_classes: int, micro: int) -> float 
     except torch.OutOfMemoryError:
         return None
     finally:
-        tdist.destroy_process_group()
+        if own:
+            tdist.destroy_process_group()
     return max(0.0, seconds["powersgd"] - seconds["none"])
