@@ -135,13 +135,15 @@ class RunCosts:
         return asdict(self)
 
 
-def measured_epoch_ends(c: RunCosts, eval_s: float | None) -> RunCosts:
-    """Run costs `c` with a run's measured held-out pass as its epoch end: the pass as train times it has
-    the loader's refill for the next epoch under it, so the evaluation is what is left of it beyond the
-    modelled restart. `c` unchanged without a measurement."""
-    if not isinstance(eval_s, (int, float)) or eval_s <= 0:
-        return c
-    return replace(c, eval_s=max(0.0, eval_s - c.restart_s))
+def measured_epoch_ends(c: RunCosts, eval_s: float | None, save_s: float | None = None) -> RunCosts:
+    """Run costs `c` with a run's measured epoch ends: its held-out pass (as train times it, the loader's
+    refill for the next epoch is under it, so the evaluation is what is left beyond the modelled restart)
+    and its checkpoint save. What was not measured stays as modelled."""
+    if isinstance(eval_s, (int, float)) and eval_s > 0:
+        c = replace(c, eval_s=max(0.0, eval_s - c.restart_s))
+    if isinstance(save_s, (int, float)) and save_s > 0 and c.save_s > 0:
+        c = replace(c, save_s=float(save_s))
+    return c
 
 
 def total_steps(steps_per_epoch: int, epochs: int, max_steps: int) -> int:

@@ -260,7 +260,7 @@ def compare(plan_key: str, measured_images_per_s: float | None, env=None, *, run
         out.update(phased)
         predicted = out.pop("images_per_s")
     facts = run or {}
-    for k in ("warmup_s", "cache_fill_s", "eval_s", "startup_s"):
+    for k in ("warmup_s", "cache_fill_s", "eval_s", "save_s", "startup_s"):
         if isinstance(facts.get(k), (int, float)):
             out[f"measured_{k}"] = round(float(facts[k]), 3)
     tta = time_to_accuracy(entry, run or {})
@@ -297,7 +297,7 @@ def timed(entry: dict, run: dict) -> dict | None:
             c = phases.RunCosts(**{**{k: v for k, v in entry[name].items() if k in known},
                                    "steps_per_epoch": int(run["steps_per_epoch"]), "start_step": run.get("start_step")})
             if name == "model_costs":  # the model's step with the epoch ends this run measured: its miss is the step's
-                c = phases.measured_epoch_ends(c, run.get("eval_s"))
+                c = phases.measured_epoch_ends(c, run.get("eval_s"), run.get("save_s"))
             means.append(phases.timed_mean_step(c, first, last, total=int(run["total"]), epochs=int(run["epochs"]),
                                                 resumed_at=int(run["resumed_at"])))
         global_batch = float(entry["images_per_s"]) * float(entry["step_s"])

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -215,6 +216,7 @@ class Checkpointer:
         self.engine = self.comm = self.boundary = None
         self.steps_per_epoch = 0
         self.failed_in_a_row = 0
+        self.save_seconds: list[float] = []   # each save's wall clock, the collectives in it included
         self.say = console.err.print  # rank 0 points it at the progress bar once there is one
 
     def attach(self, built, boundary) -> None:
@@ -275,9 +277,12 @@ class Checkpointer:
         """Collective: save now; a failure warns, or stops the run at MAX_FAILED_SAVES (`after_save`)."""
         info, comm = self.info, self.comm
         rank_state = None if comm is None else (lambda tag_dir: comm.save(tag_dir, info.rank, info.world_size))
+        t0 = time.monotonic()
         ok, msg = save(self.engine, self.dir, pos, rank=info.rank, fail_save=self.faults.fails_save(pos.global_step),
                        extra=self.boundary.state_dict(), rank_state=rank_state,
                        writes_latest=nodelocal.writes_latest(info.rank, info.local_rank, self.shared))
+        if ok:
+            self.save_seconds.append(time.monotonic() - t0)
         self.failed_in_a_row, msg = after_save(ok, msg, self.failed_in_a_row)
         if ok and not self.primary:
             return

@@ -412,7 +412,9 @@ class Trainer:
                 "startup_s": self.startup_s(),
                 # the held-out passes at epoch ends inside the timed windows: the last one comes after them,
                 # with no next epoch's loader refill under it
-                "eval_s": statistics.median(self.tta.eval_seconds[:-1]) if self.tta.eval_seconds[:-1] else None}
+                "eval_s": statistics.median(self.tta.eval_seconds[:-1]) if self.tta.eval_seconds[:-1] else None,
+                # its checkpoint saves: modelled at an assumed disk speed, they must not count as the step's miss
+                "save_s": statistics.median(self.ckpt.save_seconds) if self.ckpt.save_seconds else None}
 
 
 def plan_vs_measured(cfg: TrainConfig, b, gb: int, precision: str, info, out: Outcome, record: RunRecord,
