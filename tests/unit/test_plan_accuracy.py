@@ -376,7 +376,7 @@ def test_a_runs_first_costs_are_kept_even_where_its_steps_mixed_plain_and_powers
     got = predicted.startup(model="vit_small_patch16_224", precision="fp16", ranks=4, env=env)
     # 42.9 s to the end of step 5, five steady steps of 0.0512 s in it
     assert got == {"warmup_extra_s": pytest.approx(42.9 - 5 * 0.0512), "run_id": "lab", "ranks": 4,
-                   "cache_fill_s": 11.3, "same_key": False, "eval_s": None, "startup_s": None}
+                   "cache_fill_s": 11.3, "same_key": False, "eval_s": None, "startup_s": None, "save_s": None}
     assert predicted.startup(model="vit_small_patch16_224", precision="fp16", ranks=4, plan_key="k",
                              env=env)["same_key"]
     # no step calibration from a mixed run; another rank count takes the warm-up, not the cache's fill

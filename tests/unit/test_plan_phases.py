@@ -322,7 +322,7 @@ def test_a_run_whose_checkpoints_saved_faster_than_modelled_does_not_calibrate_t
     predicted.save({key: {"images_per_s": 256 / step, "step_s": step, "model_step_s": step, "costs": costs,
                           "model_costs": costs, "setting": "now"}})
     run = {"resumed_at": 0, "last": total, "total": total, "epochs": 10, "steps_per_epoch": spe, "start_step": None,
-           "save_s": real_save}
+           "save_s": real_save, "warmup_s": 5.0}
     first, last = phases.timed_steps(0, total)
     measured = 256 / ((last - first + 1) * step + real_save) * (last - first + 1)   # what train reports
     cmp = predicted.compare(key, measured, run=run)
@@ -335,3 +335,9 @@ def test_a_run_whose_checkpoints_saved_faster_than_modelled_does_not_calibrate_t
     # without the run's own saves the modelled 2.7 s would have been the step's miss: a step far too fast
     cmp_old = predicted.compare(key, measured, run={**run, "save_s": None})
     assert cmp_old["model_step_s"] - 256 / measured > 0.04
+    # and the next plan of this setting prices a save as the run measured it, not at the assumed disk speed
+    from dscluster.plan import wholerun
+    found = predicted.startup(model="vit_base_patch16_224", precision="fp16", ranks=1, plan_key=key)
+    runs = wholerun.from_runs(0.0, "no data facts", found)
+    assert found["save_s"] == real_save and runs.save_s == real_save and runs.epoch_end_source == "measured in run r40"
+    assert any("checkpoint save as run r40 measured it, 0.80 s" in n for n in runs.notes)

@@ -167,6 +167,9 @@ def startup_of(cmp: dict, measured_step_s: float) -> dict:
     held_out = cmp.get("measured_eval_s")
     if isinstance(held_out, (int, float)) and held_out > 0:
         out["eval_s"] = round(float(held_out), 4)
+    saved = cmp.get("measured_save_s")
+    if isinstance(saved, (int, float)) and saved > 0:
+        out["save_s"] = round(float(saved), 4)
     started = cmp.get("measured_startup_s")
     if isinstance(started, (int, float)) and started >= 0:
         out["startup_s"] = round(float(started), 3)
@@ -184,10 +187,10 @@ def startup(*, model: str, precision: str, ranks: int, plan_key: str | None = No
     same = [o for o in found if o.get("ranks") == ranks]
     mine = [o for o in same if plan_key is not None and o.get("key") == plan_key]
     o = (mine or same or found)[-1]
-    held_out, started = ((o.get(k) if mine and isinstance(o.get(k), (int, float)) else None)
-                         for k in ("eval_s", "startup_s"))
+    held_out, started, saved = ((o.get(k) if mine and isinstance(o.get(k), (int, float)) else None)
+                                for k in ("eval_s", "startup_s", "save_s"))
     return {"warmup_extra_s": float(o["warmup_extra_s"]), "run_id": o.get("run_id"), "ranks": o.get("ranks"),
-            "same_key": bool(mine), "eval_s": held_out, "startup_s": started,
+            "same_key": bool(mine), "eval_s": held_out, "startup_s": started, "save_s": saved,
             "cache_fill_s": o.get("cache_fill_s") if same and isinstance(o.get("cache_fill_s"), (int, float)) else None}
 
 

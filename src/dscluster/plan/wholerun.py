@@ -53,10 +53,12 @@ class FromRuns:
     startup_s: float | None = None
     """That run's start to its first step, less the data cache's fill (the interpreter, imports, process group,
     engine); None: no run of the setting measured it. Shown beside the whole run, not in it."""
+    save_s: float | None = None
+    """A checkpoint save as that run measured it (the median of its saves); None: modelled."""
 
     @property
     def epoch_end_source(self) -> str:
-        return f"measured in run {self.run_id}" if self.eval_s is not None else "modelled"
+        return f"measured in run {self.run_id}" if self.eval_s is not None or self.save_s is not None else "modelled"
 
 
 def from_runs(probe_extra_s: float, facts: datafeed.DataFacts | str, measured: dict | None) -> FromRuns:
@@ -77,8 +79,11 @@ def from_runs(probe_extra_s: float, facts: datafeed.DataFacts | str, measured: d
         if held_out is not None:
             notes.append(f"whole run: each epoch end's held-out pass as run {run} measured it, {held_out:.2f} s "
                          "(the loader's refill for the next epoch under it)")
+        saved = measured.get("save_s")
+        if saved is not None:
+            notes.append(f"whole run: each checkpoint save as run {run} measured it, {saved:.2f} s")
         return FromRuns(measured["warmup_extra_s"], f"measured in run {run}", run, held_out, tuple(notes),
-                        measured.get("startup_s"))
+                        measured.get("startup_s"), saved)
     if measured and measured["warmup_extra_s"] > modelled:
         run = measured["run_id"]
         return FromRuns(measured["warmup_extra_s"], f"measured in run {run} of another setting", run, notes=(
@@ -89,12 +94,14 @@ def from_runs(probe_extra_s: float, facts: datafeed.DataFacts | str, measured: d
 
 def costs(cfg, s: model.Scenario, p: model.Prediction, *, start: int | None, facts: datafeed.DataFacts,
           warmup_extra_s: float, params: int, uncalibrated: bool = False, eval_s_per_image: float | None = None,
-          on_gpu: bool = True, measured_eval_s: float | None = None) -> phases.RunCosts:
+          on_gpu: bool = True, measured_eval_s: float | None = None,
+          measured_save_s: float | None = None) -> phases.RunCosts:
     """The run costs of scenario `s` (predicted as `p`), whose steps after `start` are compressed;
     `uncalibrated`: the model's steps before calibration (what train's outcomes are measured against);
     `eval_s_per_image`: train's evaluation measured by the probe, else a third of rank 0's compute;
     `on_gpu`: the ranks train on GPUs (a cached held-out set is copied there at each evaluation);
-    `measured_eval_s`: a run's held-out pass, the loader's refill under it (`FromRuns.eval_s`)."""
+    `measured_eval_s`: a run's held-out pass, the loader's refill under it (`FromRuns.eval_s`);
+    `measured_save_s`: a run's checkpoint save (`FromRuns.save_s`), in place of the assumed disk speed."""
     period = s.sync_period
     plain = model.predict(replace(s, compression="none")) if s.compression == "powersgd" or period > 1 else p
     pick = (lambda q: q.model_step_s) if uncalibrated else (lambda q: q.step_s)
@@ -112,7 +119,7 @@ def costs(cfg, s: model.Scenario, p: model.Prediction, *, start: int | None, fac
         steps_per_epoch=spe, eval_every_epochs=cfg.eval_every_epochs,
         checkpoint_every_epochs=every.every_epochs, checkpoint_every_steps=every.every_steps,
         cache_fill_s=facts.fill_s(), cache_images=facts.cached_images, cache_workers=facts.workers)
-    return phases.measured_epoch_ends(c, measured_eval_s) if facts.holdout_n else c
+    return phases.measured_epoch_ends(c, measured_eval_s if facts.holdout_n else None, measured_save_s)
 
 
 def setting_run(cfg, s: model.Scenario, p: model.Prediction, facts: datafeed.DataFacts | str, *, start: int | None,
@@ -125,7 +132,7 @@ def setting_run(cfg, s: model.Scenario, p: model.Prediction, facts: datafeed.Dat
     def of(uncalibrated: bool) -> phases.RunCosts:
         return costs(cfg, s, p, start=start, facts=facts, warmup_extra_s=runs.warmup_extra_s, params=params,
                      uncalibrated=uncalibrated, eval_s_per_image=eval_s_per_image, on_gpu=on_gpu,
-                     measured_eval_s=runs.eval_s)
+                     measured_eval_s=runs.eval_s, measured_save_s=runs.save_s)
 
     out = phases.whole_run(of(False), epochs=cfg.epochs, max_steps=cfg.max_steps, global_batch=s.global_batch,
                            warmup_source=runs.warmup_source, epoch_end_source=runs.epoch_end_source)
