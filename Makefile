@@ -15,7 +15,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # core). The simulated lab's nodes get the same (sim/plan.py: node_session_env).
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: venv lint test test-cpu unit cluster demo clean
+.PHONY: venv lint ops test test-cpu unit cluster demo clean
 
 venv: $(STAMP)
 
@@ -37,8 +37,15 @@ lint: venv
 # tests/conftest.py starts the longest files first (--no-loadscope-reorder: pytest-xdist would otherwise
 # hand out the files with the most tests first). The 30 slowest tests are listed at the end.
 XDIST := -n 2 --dist loadfile --no-loadscope-reorder
-test: lint
+# lint keeps one core busy for about a minute: DeepSpeed's CPUAdam op (ZeRO's offload_optimizer=cpu, one
+# test uses it) compiles on the other, instead of inside the suite (71-216 s on 2 cores, once per fresh clone).
+test: venv
+	$(MAKE) --no-print-directory -j2 lint ops
 	$(PY) -m pytest -q $(XDIST) --durations=30
+
+# DeepSpeed's CPU ops that training may JIT-compile, built once into TORCH_EXTENSIONS_DIR
+ops: venv
+	$(PY) -c 'from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(verbose=False)'
 
 # CPU seconds per test, the simulated labs' processes included (root; tests/_cpuaccount.py says how)
 test-cpu: venv

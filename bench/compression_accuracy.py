@@ -4,7 +4,8 @@
     python bench/compression_accuracy.py                    # 3 ranks: none, fp16, bf16, powersgd
     python bench/compression_accuracy.py --seeds 0,1,2 --options none,powersgd,powersgd:comm.powersgd_rank=8
 
-Every option trains the digits preset (configs/digits.yaml: global batch 64, 30 epochs) with
+Every option trains the digits preset (configs/digits.yaml: global batch 64, its epochs: 30 until
+2026-11-28, 20 since) with
 `comm.compression=<option>` (and the overrides after a colon), once per seed, one after the other
 in this invocation, so `none` is the baseline of the same machine, load and seeds. Writes
 bench/results/<date>-cpu-digits-compression.json: card "cpu", link "loopback", the date, and per

@@ -12,7 +12,7 @@ import pytest
 
 from dscluster.sim import lab as sim
 
-# Slow, and must stay so: the whole `make demo` journey, a 30-epoch digits run on 3 ranks included.
+# Slow, and must stay so: the whole `make demo` journey on a 3-node lab it builds (one digits epoch here).
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]

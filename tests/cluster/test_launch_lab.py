@@ -25,7 +25,7 @@ from dscluster.fsutil import read_jsonl
 from dscluster.sim.ns import netns_pids, pid_is_zombie
 
 # Slow, and must stay so: each test trains digits on a 3-node lab; the literal mpirun trains the
-# preset's 30 epochs because it asserts 90% held-out.
+# preset's epochs because it asserts 90% held-out.
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]

@@ -131,7 +131,7 @@ def test_killed_after_epoch_1_resumes_without_repeating_or_losing_steps(referenc
     first = [s["step"] for s in records(run, 0, "step")]
     assert first == list(range(1, STEPS_PER_EPOCH + 1))
 
-    # The resumed run goes on for two epochs of the same 30-epoch schedule, then rank 1 leaves again:
+    # The resumed run goes on for two epochs of the same schedule, then rank 1 leaves again:
     # every step it trains is the uninterrupted reference's step, with the same loss, and its held-out
     # evaluations are the reference's, so it ends where the reference ended.
     stop = 3 * STEPS_PER_EPOCH + 1
