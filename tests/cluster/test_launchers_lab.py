@@ -37,7 +37,8 @@ LONG = (*SHRINK, "data.limit=2048", "epochs=4")     # long enough to be killed a
 @pytest.fixture(scope="module")
 def lab2(lab_factory):
     c = set_up(lab_factory, "launcherslab", nodes=2)
-    check = c.sh(f"{DSCLUSTER} check --hostfile {c.hostfile}", timeout=300)
+    # what launch and the launchers read (env files, check.json); the MPI hello and all-reduce are test_check's
+    check = c.sh(f"{DSCLUSTER} check --hostfile {c.hostfile} --skip-active", timeout=300)
     assert check.returncode == 0, explain(check)
     return c
 

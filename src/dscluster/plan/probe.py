@@ -366,5 +366,14 @@ def measure_powersgd(cfg, in_chans: int, num_classes: int, micro: int) -> float 
         return None
     finally:
         if own:
+            _RETIRED[:] = [tdist.group.WORLD]  # the previous one's workers are long idle: let it go here
             tdist.destroy_process_group()
     return max(0.0, seconds["powersgd"] - seconds["none"])
+
+
+# The last one-rank group measure_powersgd made, kept after it was destroyed. gloo's worker threads free a
+# step's future callbacks (DDP's comm hooks close over the group) when they next get the GIL, after the step
+# has returned; holding the group's last reference, such a callback destroyed the group in its own worker
+# thread, which joined itself: "terminate called after throwing an instance of 'std::system_error' what():
+# Resource deadlock avoided" (plan on a 2-core lab; 1 process in 6 that probed 4-5 times under load).
+_RETIRED: list = []
