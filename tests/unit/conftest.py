@@ -9,6 +9,18 @@ import pytest
 _MEASURED: dict = {}
 
 
+@pytest.fixture(autouse=True)
+def steady_save_rate(monkeypatch):
+    """plan times a real checkpoint write (plan/saveprobe.py), whose rate differs from one plan to the next:
+    unit tests that set two plans' whole-run figures side by side get a fixed 1 GB/s, said as measured.
+    test_plan_phases.py times the real one (it keeps the function from before this fixture)."""
+    from dscluster.plan import saveprobe
+
+    monkeypatch.setattr(saveprobe, "measure", lambda folder, nbytes: saveprobe.SaveRate(
+        gbps=1.0, probe_bytes=max(saveprobe.PROBE_MIN_BYTES, min(nbytes, saveprobe.PROBE_MAX_BYTES)),
+        folder=str(saveprobe.nearest_existing(folder))))
+
+
 @pytest.fixture
 def probes_once(monkeypatch):
     """plan's data probe (a real fill of a sample by loader workers, 0.3-2 s a call) and its count of the

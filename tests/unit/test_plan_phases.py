@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 
 from dscluster.cli import main
-from dscluster.plan import phases, predicted
+from dscluster.plan import phases, predicted, saveprobe
 from dscluster.train import timing
+
+REAL_SAVE_PROBE = saveprobe.measure  # before tests/unit/conftest.py's steady_save_rate replaces it in each test
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -341,3 +343,41 @@ def test_a_run_whose_checkpoints_saved_faster_than_modelled_does_not_calibrate_t
     runs = wholerun.from_runs(0.0, "no data facts", found)
     assert found["save_s"] == real_save and runs.save_s == real_save and runs.epoch_end_source == "measured in run r40"
     assert any("checkpoint save as run r40 measured it, 0.80 s" in n for n in runs.notes)
+
+
+def test_a_first_plan_prices_each_save_at_the_write_rate_of_the_checkpoints_folder(tmp_path, monkeypatch, capsys):
+    # Found on one H200 (ViT-B/16 fp16, a save every epoch): the assumed 0.5 GB/s priced a save at 2.75 s where
+    # the run's took 1.0 s, and the first plan's steady figure read 1,662 img/s against 2,540 measured.
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    monkeypatch.setenv("DSCLUSTER_RUNS", str(runs))
+    monkeypatch.setenv("DSCLUSTER_STATE", str(tmp_path / "state"))
+    (tmp_path / "hosts.txt").write_text("localhost slots=1\n")
+    timed = []
+
+    def measure(folder, nbytes):
+        timed.append((folder, nbytes, REAL_SAVE_PROBE(folder, nbytes)))
+        return timed[-1][2]
+
+    monkeypatch.setattr(saveprobe, "measure", measure)
+    argv = ["plan", "--config", str(REPO / "configs/digits.yaml"), "--hostfile", str(tmp_path / "hosts.txt"),
+            "--compute-s", "0.01", "--json"]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    [(folder, nbytes, rate)] = timed
+    assert folder == runs and nbytes == doc["params"] * phases.CHECKPOINT_BYTES_PER_PARAM
+    assert rate.probe_bytes == max(nbytes, saveprobe.PROBE_MIN_BYTES) and rate.folder == str(runs)
+    ends = doc["runs"]["now"]["epoch_ends"]
+    assert ends["save_s"] == pytest.approx(nbytes / (rate.gbps * 1e9))
+    assert rate.note() in doc["notes"] and not any("assumed at" in n for n in doc["notes"])
+    assert list(runs.iterdir()) == []   # the probe's file is gone
+    # no checkpoints, nothing to time; a folder that cannot be written: assumed, and said so
+    assert main([*argv[:-1], "checkpoint.every_epochs=0", "--json"]) == 0
+    capsys.readouterr()
+    assert len(timed) == 1
+    monkeypatch.setattr(saveprobe, "measure", lambda folder, nbytes: None)
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert any(f"checkpoint saves assumed at {phases.CHECKPOINT_WRITE_GBps} GB/s" in n for n in doc["notes"])
+    assert doc["runs"]["now"]["epoch_ends"]["save_s"] == pytest.approx(
+        doc["params"] * phases.CHECKPOINT_BYTES_PER_PARAM / (phases.CHECKPOINT_WRITE_GBps * 1e9))

@@ -61,6 +61,9 @@ class DataFacts:
     """One uint8 image as the loader and the cache hold it (channels × side²); 0: not made on the host."""
     prefetch: int = 0
     """data.prefetch: micro-batches each loader worker makes ahead."""
+    save_gbps: float | None = None
+    """The checkpoints' folder's write rate as plan measured it (plan/saveprobe.py); None: not measured, a
+    save is priced at phases.CHECKPOINT_WRITE_GBps."""
 
     @property
     def cached_images(self) -> int:

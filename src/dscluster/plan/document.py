@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from dscluster import syncmode
-from dscluster.plan import accuracy, datafeed, model, predicted, recommend, wholerun
+from dscluster.plan import accuracy, datafeed, model, phases, predicted, recommend, saveprobe, wholerun
 from dscluster.plan import calibrate as calibration_run
 from dscluster.plan import nodes as node_probe
 from dscluster.plan.inputs import PlanInputs, PlanOptions, figure_of
@@ -170,6 +170,12 @@ def setting_runs(inputs: PlanInputs, scenario: model.Scenario, prediction: model
         facts = replace(facts, measured_fill_s=measured["cache_fill_s"])
         notes.append(f"whole run: data cache fill as run {measured['run_id']} measured it, "
                      f"{measured['cache_fill_s']:.1f} s")
+    every = cfg.checkpoint
+    if not isinstance(facts, str) and (every.every_epochs or every.every_steps):
+        rate = saveprobe.measure(saveprobe.checkpoint_folder(cfg), inputs.params * phases.CHECKPOINT_BYTES_PER_PARAM)
+        if rate is not None:
+            facts = replace(facts, save_gbps=rate.gbps)
+            notes.append(rate.note())
     evaluation = inputs.how.get("eval_s_per_image")  # measured with train's own evaluation, where the probe ran
     now_start = wholerun.start_for(cfg, scenario.compression, world, recommended=False)
     runs = {"now": wholerun.setting_run(cfg, scenario, prediction, facts, start=now_start,

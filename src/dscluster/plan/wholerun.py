@@ -101,7 +101,8 @@ def costs(cfg, s: model.Scenario, p: model.Prediction, *, start: int | None, fac
     `eval_s_per_image`: train's evaluation measured by the probe, else a third of rank 0's compute;
     `on_gpu`: the ranks train on GPUs (a cached held-out set is copied there at each evaluation);
     `measured_eval_s`: a run's held-out pass, the loader's refill under it (`FromRuns.eval_s`);
-    `measured_save_s`: a run's checkpoint save (`FromRuns.save_s`), in place of the assumed disk speed."""
+    `measured_save_s`: a run's checkpoint save (`FromRuns.save_s`), in place of the folder's write rate
+    (`facts.save_gbps`, else assumed)."""
     period = s.sync_period
     plain = model.predict(replace(s, compression="none")) if s.compression == "powersgd" or period > 1 else p
     pick = (lambda q: q.model_step_s) if uncalibrated else (lambda q: q.step_s)
@@ -114,7 +115,7 @@ def costs(cfg, s: model.Scenario, p: model.Prediction, *, start: int | None, fac
     c = phases.RunCosts(
         plain_step_s=max(pick(plain), feed), step_s=max(pick(p) + epoch_average, feed), start_step=start,
         warmup_extra_s=warmup_extra_s, eval_s=facts.eval_s(facts.holdout_n * rank0, on_gpu),
-        save_s=params * phases.CHECKPOINT_BYTES_PER_PARAM / (phases.CHECKPOINT_WRITE_GBps * 1e9),
+        save_s=params * phases.CHECKPOINT_BYTES_PER_PARAM / ((facts.save_gbps or phases.CHECKPOINT_WRITE_GBps) * 1e9),
         restart_s=facts.restart_s(s.micro_batch, s.grad_accum, spe),
         steps_per_epoch=spe, eval_every_epochs=cfg.eval_every_epochs,
         checkpoint_every_epochs=every.every_epochs, checkpoint_every_steps=every.every_steps,
@@ -153,7 +154,8 @@ def run_note(cfg, facts: datafeed.DataFacts | str, now_start: int | None, choice
         notes.append(f"whole run: {facts.train_n:,} training and {facts.holdout_n:,} held-out images, "
                      f"{cfg.epochs} epoch(s)"
                      + (f", max_steps {cfg.max_steps}" if cfg.max_steps > 0 else "")
-                     + f"; checkpoint saves assumed at {phases.CHECKPOINT_WRITE_GBps} GB/s")
+                     + ("" if facts.save_gbps else
+                        f"; checkpoint saves assumed at {phases.CHECKPOINT_WRITE_GBps} GB/s"))
     if now_start is not None and now_start > phases.WARMUP_STEPS:
         notes.append(f"comm.powersgd_start_step resolves to {now_start}: the run's first {now_start} steps send "
                      "uncompressed gradients, and the whole-run figure counts them")
