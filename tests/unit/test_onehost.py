@@ -21,7 +21,7 @@ def one_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("DSCLUSTER_RUNS", str(tmp_path / "runs"))
     monkeypatch.delenv("DSCLUSTER_SSH_PASSWORD", raising=False)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("HOME", str(tmp_path))  # check writes the node's ~/.prte/mca-params.conf
+    monkeypatch.setenv("HOME", str(tmp_path))  # where check would write the node's ~/.prte/mca-params.conf
     hostfile = tmp_path / "hosts.txt"
     hostfile.write_text("localhost slots=1\n")
     return hostfile, state
@@ -36,6 +36,8 @@ def test_check_and_launch_of_localhost_need_no_sshd_and_no_setup(one_machine, ca
     said = [f["what"] for f in doc["findings"] if f["node"] == "localhost" and f["check"] == "reach"]
     assert said == ["this machine: probed here without SSH"]
     assert Path(doc["files"]["node_env"]["localhost"]).is_file()
+    # one node: no subnet pinned in the account's mpirun parameter files (every later mpirun would read it)
+    assert not (hostfile.parent / ".prte").exists() and not (hostfile.parent / ".openmpi").exists()
 
     assert main(["launch", "--hostfile", str(hostfile), "--dry-run"]) == 0
     out = capsys.readouterr().out

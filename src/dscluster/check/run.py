@@ -164,9 +164,11 @@ def link_phase(sessions, facts, ev: Evaluation, opts: CheckOptions, python: str)
 
 def mca_phase(sessions, facts, ev: Evaluation, opts: CheckOptions, python: str) -> list[Finding]:
     """Pin a hand-typed mpirun's own traffic to the cluster subnet: OpenMPI's and PRRTE's parameter
-    files in every node's home (launch.mcaparams)."""
+    files in every node's home (launch.mcaparams). Not for a hostfile of one node: its ranks and mpirun's
+    daemon meet on the machine itself, and the pin would bind every later mpirun of the account to the
+    interface check chose (on a one-H200 VM PRRTE warned at each start that no interface matched it)."""
     subnet = ev.network.subnet
-    if not subnet:
+    if not subnet or len(facts) < 2:
         return []
 
     def work(t: remote.Target) -> dict | None:

@@ -41,7 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "and an all-reduce (on GPU nodes with 10 GbE or faster, also over a small grid of NCCL's socket threads; "
         "--no-tune skips it), then write the per-node environment launch needs "
         "(<state>/env/<hostname>.env, <state>/cluster.env, .deepspeed_env, <state>/check.json) and the "
-        "cluster subnet into each node's ~/.openmpi and ~/.prte mca-params.conf for a hand-typed mpirun. "
+        "cluster subnet into each node's ~/.openmpi and ~/.prte mca-params.conf for a hand-typed mpirun "
+        "(two nodes or more). "
         "Exit 0 no errors, 1 errors found, 2 bad input.",
         epilog="example: dscluster check --hostfile hosts.txt --skip-active --json",
     )
