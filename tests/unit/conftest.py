@@ -17,8 +17,7 @@ def steady_save_rate(monkeypatch):
     from dscluster.plan import saveprobe
 
     monkeypatch.setattr(saveprobe, "measure", lambda folder, nbytes: saveprobe.SaveRate(
-        gbps=1.0, probe_bytes=max(saveprobe.PROBE_MIN_BYTES, min(nbytes, saveprobe.PROBE_MAX_BYTES)),
-        folder=str(saveprobe.nearest_existing(folder))))
+        gbps=1.0, probe_bytes=saveprobe.probe_bytes(nbytes), folder=str(saveprobe.nearest_existing(folder))))
 
 
 @pytest.fixture

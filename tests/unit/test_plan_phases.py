@@ -366,7 +366,8 @@ def test_a_first_plan_prices_each_save_at_the_write_rate_of_the_checkpoints_fold
     doc = json.loads(capsys.readouterr().out)
     [(folder, nbytes, rate)] = timed
     assert folder == runs and nbytes == doc["params"] * phases.CHECKPOINT_BYTES_PER_PARAM
-    assert rate.probe_bytes == max(nbytes, saveprobe.PROBE_MIN_BYTES) and rate.folder == str(runs)
+    assert rate.probe_bytes == max(nbytes, saveprobe.PROBE_MIN_BYTES) == saveprobe.probe_bytes(nbytes)
+    assert rate.folder == str(runs)
     ends = doc["runs"]["now"]["epoch_ends"]
     assert ends["save_s"] == pytest.approx(nbytes / (rate.gbps * 1e9))
     assert rate.note() in doc["notes"] and not any("assumed at" in n for n in doc["notes"])

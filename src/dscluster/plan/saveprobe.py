@@ -50,12 +50,17 @@ def nearest_existing(path: Path) -> Path:
     return p
 
 
+def probe_bytes(nbytes: int) -> int:
+    """What the probe writes for a checkpoint of `nbytes`: bounded to PROBE_MIN_BYTES..PROBE_MAX_BYTES."""
+    return max(PROBE_MIN_BYTES, min(int(nbytes), PROBE_MAX_BYTES))
+
+
 def measure(folder: Path, nbytes: int) -> SaveRate | None:
     """Time one torch.save of `nbytes` (bounded to PROBE_MIN_BYTES..PROBE_MAX_BYTES) of fp32 into a temporary
     file of `folder` (or its nearest existing parent), removed after; None where it cannot be written."""
     import torch
 
-    n = max(PROBE_MIN_BYTES, min(int(nbytes), PROBE_MAX_BYTES))
+    n = probe_bytes(nbytes)
     where = nearest_existing(folder)
     try:
         fd, name = tempfile.mkstemp(prefix=".dscluster-save-probe-", dir=where)

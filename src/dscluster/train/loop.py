@@ -413,7 +413,8 @@ class Trainer:
                 # the held-out passes at epoch ends inside the timed windows: the last one comes after them,
                 # with no next epoch's loader refill under it
                 "eval_s": statistics.median(self.tta.eval_seconds[:-1]) if self.tta.eval_seconds[:-1] else None,
-                # its checkpoint saves: modelled at an assumed disk speed, they must not count as the step's miss
+                # its checkpoint saves: modelled from one timed write (plan/saveprobe.py), so a save's miss must
+                # not count as the step's
                 "save_s": statistics.median(self.ckpt.save_seconds) if self.ckpt.save_seconds else None}
 
 
