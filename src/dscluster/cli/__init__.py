@@ -14,7 +14,10 @@ from dscluster.errors import DsclusterError
 
 # The command table, in `--help` order: command -> its module. Modules are imported when the
 # parser is built (not when `dscluster.cli` is), so `import dscluster.cli.plot` stays cheap; a
-# module that is missing is an ImportError, never a command that quietly disappears.
+# module that is missing is an ImportError, never a command that quietly disappears. A command
+# line that names its command imports that command's module alone (main): all sixteen cost a
+# process 0.4 CPU-s more (paramiko, rich tables, the lab and check rules), paid by every rank's
+# `dscluster train` and every node's sampler.
 COMMANDS: dict[str, str] = {
     "hosts": "dscluster.cli.hosts",
     "sim": "dscluster.cli.sim",
@@ -49,7 +52,8 @@ class VersionAction(argparse.Action):
         parser.exit()
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or of command `only` alone (its subcommand parses the same)."""
     parser = argparse.ArgumentParser(
         prog="dscluster",
         description="Turn a handful of lab GPU workstations into one DeepSpeed training cluster.",
@@ -60,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print dscluster, python, torch and deepspeed versions and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module in COMMANDS.items():
+        if only is not None and name != only:
+            continue
         importlib.import_module(module).register(sub)
         if name not in sub.choices:
             raise RuntimeError(f"{module}.register() did not add the `{name}` command")
@@ -67,8 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    # `dscluster train ...`: train's parser alone; `dscluster --help`, `--version` or a typo: all of them.
+    parser = build_parser(words[0] if words and words[0] in COMMANDS else None)
+    args = parser.parse_args(words)
     try:
         return int(args.func(args) or 0)
     except DsclusterError as e:
