@@ -91,4 +91,4 @@ def test_zero3_trains_evaluates_and_a_killed_run_resumes_from_each_nodes_own_sha
     assert not records(tmp_path, 1, "eval")
     summary = json.loads((tmp_path / "nodes" / "node1" / "z3" / "summary.json").read_text())
     assert summary["status"] == "complete" and summary["steps"] == 8 and summary["accuracy"] == evals[-1]["accuracy"]
-    assert records(tmp_path, 0, "start")[0]["params"] == 451_882  # the whole model's, not a rank's partition
+    assert records(tmp_path, 0, "start")[0]["params"] == 228_202  # the whole model's, not a rank's partition

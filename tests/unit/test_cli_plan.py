@@ -47,7 +47,7 @@ def test_json_for_the_digits_preset_parses(tmp_path):
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
-    assert doc["schema"] == 1 and doc["model"] == "vit_small_image" and doc["params"] == 451_882
+    assert doc["schema"] == 1 and doc["model"] == "vit_small_image" and doc["params"] == 228_202
     assert doc["world_size"] == 4 and doc["micro_batch"] == 16 and doc["global_batch"] == 64
     assert doc["busbw_GBps"] == 0.119 and doc["busbw_source"] == "--busbw"
     c = doc["compute"]

@@ -127,7 +127,7 @@ def test_a_finished_run_leaves_its_curve_and_the_next_plan_prices_the_time_to_re
     (tmp_path / "hosts.txt").write_text("node1 slots=1\nnode2 slots=1\n")
     plan = subprocess.run([sys.executable, "-m", "dscluster", "plan", "--config", "configs/digits.yaml", *words,
                            f"target_accuracy={target}", "--hostfile", str(tmp_path / "hosts.txt"), "--busbw", "0.119",
-                           "--compute-s", "0.01", "--json"], cwd=REPO, env=env, capture_output=True, text=True,
+                           "--compute-s", "0.005", "--json"], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     assert plan.returncode == 0, plan.stderr[-3000:]
     doc = json.loads(plan.stdout)
@@ -136,8 +136,9 @@ def test_a_finished_run_leaves_its_curve_and_the_next_plan_prices_the_time_to_re
     now, alone = tta["runs"]["now"], tta["runs"]["alone"]
     assert now["step"] == alone["step"] == step and now["images"] == step * 64 and alone["node"] == "node1"
     assert 0 < now["seconds"] <= doc["runs"]["now"]["seconds"]
-    # the node alone at the same global batch: no all-reduce, so on this 0.119 GB/s link it gets there first
-    assert alone["seconds"] < now["seconds"] and tta["speedup"] < 1
+    # the node alone at the same global batch: no all-reduce (0.9 MB of gradients a step), so on this 0.119 GB/s link
+    # and with a 5 ms micro-batch it gets there first
+    assert alone["seconds"] < now["seconds"] and tta["speedup"] < 1, (alone, now)
 
 
 def test_plan_with_a_damaged_curves_file_exits_2_and_writes_nothing(tmp_path, monkeypatch, capsys):

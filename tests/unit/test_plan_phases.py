@@ -306,8 +306,8 @@ def test_a_second_plan_prices_the_warmup_as_the_run_of_its_setting_measured_it(t
     text = capsys.readouterr().out
     assert "warm-up 5 steps" in text and "(measured in run a1)" in text and "before them, start-up 12.0 s" in text
     assert "images/s steady (after 5 warm-up steps, as train reports it" in text
-    assert (f"epoch ends: {epochs}, each up to 0.51 s (held-out pass 0.50 s, checkpoint save 0.01 s; "
-            "measured in run a1)" in text)
+    # the digits model's 3.7 MB save at the fixed 1 GB/s (conftest) rounds to 0.00 s: not listed
+    assert f"epoch ends: {epochs}, each up to 0.50 s (held-out pass 0.50 s; measured in run a1)" in text
 
 
 def test_a_run_whose_checkpoints_saved_faster_than_modelled_does_not_calibrate_the_step_down(tmp_path, monkeypatch):
