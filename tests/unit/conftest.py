@@ -13,11 +13,16 @@ _MEASURED: dict = {}
 def steady_save_rate(monkeypatch):
     """plan times a real checkpoint write (plan/saveprobe.py), whose rate differs from one plan to the next:
     unit tests that set two plans' whole-run figures side by side get a fixed 1 GB/s, said as measured.
-    test_plan_phases.py times the real one (it keeps the function from before this fixture)."""
+    A test sets another rate with `steady_save_rate(gbps)`; test_plan_phases.py times the real one (it keeps
+    the function from before this fixture)."""
     from dscluster.plan import saveprobe
 
-    monkeypatch.setattr(saveprobe, "measure", lambda folder, nbytes: saveprobe.SaveRate(
-        gbps=1.0, probe_bytes=saveprobe.probe_bytes(nbytes), folder=str(saveprobe.nearest_existing(folder))))
+    def at(gbps: float) -> None:
+        monkeypatch.setattr(saveprobe, "measure", lambda folder, nbytes: saveprobe.SaveRate(
+            gbps=gbps, probe_bytes=saveprobe.probe_bytes(nbytes), folder=str(saveprobe.nearest_existing(folder))))
+
+    at(1.0)
+    return at
 
 
 @pytest.fixture

@@ -257,17 +257,16 @@ def test_the_first_plans_steady_figure_on_one_h200_holds_the_epoch_ends_train_ti
     assert [p["name"] for p in run["phases"]][-2:] == ["evaluation", "loader restarts"]
 
 
-def test_a_second_plan_prices_the_warmup_as_the_run_of_its_setting_measured_it(tmp_path, monkeypatch, capsys):
+def test_a_second_plan_prices_the_warmup_as_the_run_of_its_setting_measured_it(tmp_path, monkeypatch, capsys,
+                                                                               steady_save_rate):
     # Found on one H200: the probe's first step paid a cold compile (26 s); the run after it found the
     # compile cache warm and measured 9 s; the second plan still priced 26 s (the larger of the two) and
     # its whole run read +25 %. Now the newest run of the same setting sets it, and plan says so.
-    from dscluster.plan import probe, saveprobe
+    from dscluster.plan import probe
 
     monkeypatch.setenv("DSCLUSTER_STATE", str(tmp_path / "state"))
     (tmp_path / "hosts.txt").write_text("localhost slots=1\n")
-    # a slow disk, so that the digits model's 3.7 MB save shows in the epoch-end line (0.04 s a save)
-    monkeypatch.setattr(saveprobe, "measure", lambda folder, nbytes: saveprobe.SaveRate(
-        gbps=0.1, probe_bytes=saveprobe.probe_bytes(nbytes), folder=str(saveprobe.nearest_existing(folder))))
+    steady_save_rate(0.1)  # a slow disk, so that the digits model's 3.7 MB save shows in the epoch-end line (0.04 s)
 
     def measured(cfg, in_chans, num_classes, micro, measure=None, slow_ms=0):
         return probe.ComputeFigure(seconds=0.05, device="cuda (test GPU)", note="compiled, as training runs it",
