@@ -197,10 +197,13 @@ def test_fault_helpers_change_what_a_client_sees(lab):
     socket.create_connection((node.ip, 22), timeout=5).close()
 
 
-def test_a_fresh_clone_in_a_0700_folder_runs_on_the_nodes_without_touching_the_host(lab_factory):
+def test_a_fresh_clone_in_a_0700_folder_runs_on_the_nodes_without_touching_the_host(lab_factory, lab):
     """The lab works wherever the checkout is. A clone inside a `mkdtemp` folder (0700) is
     reached by the lab user through the nodes' own mounts: its entry_cn.sh runs there with the
-    clone's code; the host's folder keeps its mode; `sim up` as the lab user exits 2."""
+    clone's code; the host's folder keeps its mode; `sim up` as the lab user exits 2. A second
+    lab beside the first has a user of its own (both have a node2, and OpenMPI names its
+    session directory in the shared /tmp by host name and uid)."""
+    first_uid = lab.uid
     name = "simclone"
     cli = [sys.executable, "-m", "dscluster", "sim"]
     # A lab of this name left by an interrupted run points at a clone that is gone: start clean.
@@ -219,6 +222,7 @@ def test_a_fresh_clone_in_a_0700_folder_runs_on_the_nodes_without_touching_the_h
                             capture_output=True, text=True, timeout=120)
         assert up.returncode == 0, up.stderr
         lab = sim.load(name)
+        assert lab.uid != first_uid
         mounts = lab.state.mounts
         assert ["overlay", str(tmp)] in mounts and ["bind", str(clone)] in mounts
         # What a rank runs: the clone's entry_cn.sh (by hand, one process) with this Python's

@@ -319,17 +319,22 @@ def _refresh(state: LabState, slots: int, hostfile: str | os.PathLike | None) ->
 
 def _plan(lab: str, nodes: int, slots: int, hostfile, *, gpus, link: str, env, tools: dict[str, str],
           shared_fs: bool, faults: NetFaults) -> LabState:
-    used = set()
+    used, lab_uids = set(), set()
     for p in SIM_ROOT.glob("*/state.json"):
         try:
-            used.add(LabState.from_json(p.read_text()).index)
+            other = LabState.from_json(p.read_text())
         except (OSError, ValueError, KeyError, TypeError):
             continue
+        used.add(other.index)
+        lab_uids.add(other.uid)
     taken = [ipaddress.IPv4Interface(a).network for a in _host_ipv4_cidrs()]
     index = pick_lab_index(used, taken)
     ids = {int(l.split(":")[2]) for l in _read_lines("/etc/passwd") if l.count(":") >= 3}
     ids |= {int(l.split(":")[2]) for l in _read_lines("/etc/group") if l.count(":") >= 3}
-    uid = free_id(ids)
+    # Each lab's user is its own: every lab names its nodes node1, node2, ... and their /tmp is the
+    # host's, where OpenMPI's daemons keep a session directory named by host name and uid (and clear
+    # it at start-up). Two labs with one uid would share, and remove, each other's.
+    uid = free_id(ids | lab_uids)
     alphabet = string.ascii_letters + string.digits
     password = "".join(secrets.choice(alphabet) for _ in range(14))
     state = plan_lab(
