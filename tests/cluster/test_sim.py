@@ -25,6 +25,7 @@ from _wait import scaled, wait_until
 from dscluster.errors import UsageError
 from dscluster.hosts import parse_hostfile
 from dscluster.sim import lab as sim
+from dscluster.sim.plan import SIM_ROOT
 
 pytestmark = pytest.mark.cluster
 LAB = "simtest"
@@ -264,7 +265,10 @@ def _leftovers(state: dict, pids: list[int]) -> list[str]:
     netns = set(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else set()
     found += [f"netns {ns}" for ns in [n["netns"] for n in state["nodes"]] + [state["switch_netns"]] if ns in netns]
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
-    for name in [state["bridge"], state["uplink"]] + [n["switch_port"] for n in state["nodes"]]:
+    # Link names carry the lab's number, which a lab another test starts may be given once this one is down.
+    reused = any(json.loads(p.read_text()).get("subnet") == state["subnet"]
+                 for p in SIM_ROOT.glob("*/state.json") if p.parent.name != state["lab"])
+    for name in [] if reused else [state["bridge"], state["uplink"]] + [n["switch_port"] for n in state["nodes"]]:
         if f": {name}:" in links or f": {name}@" in links:
             found.append(f"link {name}")
     found += [f"mount {line.split()[4]}" for line in Path("/proc/self/mountinfo").read_text().splitlines()

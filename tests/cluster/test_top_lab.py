@@ -72,6 +72,14 @@ def test_a_running_job_shows_every_node_and_rank(cluster, tmp_path):
                         if s.get("kind") == "step" and isinstance(s.get("comm_s"), (int, float))]
             if measured:  # the step split measured the network wait: top shows its share
                 assert r["comm_share"] is not None and 0 <= r["comm_share"] <= 1, r
+        # Rank 0 stopped by SIGTERM, as launchers stop ranks (before it saw any failure): the run still says so
+        [start] = [r for r in read_jsonl(run / "metrics" / "rank-0.jsonl") if r.get("kind") == "start"]
+        os.kill(start["pid"], signal.SIGTERM)
+        wait_until(lambda: proc.poll() is not None, 120, "launch's end after rank 0's SIGTERM")
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["status"] == "failed" and summary["failed_rank"] is None, summary
+        assert summary["error"].startswith("rank 0 was stopped by SIGTERM before it learned why"), summary
+        assert "most recent call first" in (run / "traces" / "rank-0.txt").read_text()  # its stacks came first
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)

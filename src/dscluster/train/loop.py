@@ -42,6 +42,7 @@ from dscluster.train.optstep import StepBoundary
 from dscluster.train.precision import PrecisionDecision, decide_here
 from dscluster.train.progress import ProgressBar
 from dscluster.train.step import TrainStep
+from dscluster.train.stopped import STOPPED, OnTerminate
 from dscluster.train.syncwatch import SyncWatch
 from dscluster.train.timing import WARMUP_STEPS, ends_warmup, process_started
 from dscluster.train.traces import StackTraces
@@ -76,6 +77,7 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
     agree.require_one_run_dir()  # every rank one run directory, before any writes there
     run_id = layout.resolve_run_id()
     rdir = layout.run_dir()
+    stopped = OnTerminate()  # before StackTraces: faulthandler chains SIGTERM to it (train/stopped.py)
     traces = StackTraces(rdir, info.rank)
     prepare_rank(info, run_id, rdir, has_cuda)
     primary, host = info.rank == 0, dist.hostname()
@@ -85,6 +87,10 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
         console.err.print(f"[dim]dscluster train: {cpu_note}[/dim]")
     record = RunRecord(run_id=run_id, world_size=info.world_size, hosts=[host], model=cfg.model.name,
                        dataset=cfg.data.dataset, epochs=cfg.epochs)
+    if primary and not calibrate:
+        stopped.then = lambda: log.write_summary(record.summary(  # no rank blamed: diagnose finds it
+            status="failed", wall_s=round(time.time() - t0, 3), error=STOPPED.format(run_dir=rdir)),
+            only_if_absent_or_not_failed=True)
     device = None
     try:
         device = rank_device(info, has_cuda)
@@ -117,6 +123,7 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
         gc.collect()
         dist.destroy()
         traces.close()
+        stopped.close()
 
 
 def prepare_rank(info, run_id: str, rdir: Path, has_cuda: bool) -> None:

@@ -1,0 +1,84 @@
+"""A rank stopped by SIGTERM still says so: rank 0 leaves a failed summary.json.
+
+mpirun, srun, torchrun and entry_cn.sh stop every rank with SIGTERM when one rank dies, when a Slurm
+job is cancelled, or on Ctrl-C. The rank that first sees a peer's collective fail writes the failed
+summary itself (loop.record_crash); on a busy machine the launcher's SIGTERM can come first, and the
+signal's default action left the run directory without any summary.
+
+Python runs a signal handler only in the main thread, between bytecodes, and the main thread may be
+waiting inside a collective for a peer that is gone. So the handler's C half writes a byte to a pipe
+(`signal.set_wakeup_fd`), a thread reading it calls `then` (write the summary) and ends the process
+with 143, the code the signal's default gives. faulthandler (traces.StackTraces) registers after this
+and chains to it, so the Python stacks are still written first.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+
+EXIT_CODE = 128 + signal.SIGTERM
+
+
+class OnTerminate:
+    """SIGTERM → `then()` (if set) on a thread of its own → `os._exit(143)`. Only in the main thread
+    (where signal handlers are set); elsewhere it does nothing."""
+
+    def __init__(self) -> None:
+        self.then: Callable[[], None] | None = None
+        self._fds: tuple[int, int] | None = None
+        self._previous: tuple[object, int] | None = None
+        if threading.current_thread() is not threading.main_thread():
+            return
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        try:
+            old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+            old_handler = signal.signal(signal.SIGTERM, _ignored)
+        except (ValueError, OSError):
+            os.close(r)
+            os.close(w)
+            return
+        self._fds, self._previous = (r, w), (old_handler, old_fd)
+        threading.Thread(target=self._wait, args=(r,), name="dscluster-sigterm", daemon=True).start()
+
+    def _wait(self, r: int) -> None:
+        try:
+            while True:
+                data = os.read(r, 64)
+                if not data:  # the write end closed: the run ended without a SIGTERM
+                    os.close(r)
+                    return
+                if signal.SIGTERM in data:  # other signals with a Python handler (SIGINT) wake it too
+                    break
+        except OSError:
+            return
+        try:
+            if self.then is not None:
+                self.then()
+        finally:
+            os._exit(EXIT_CODE)
+
+    def close(self) -> None:
+        """The run is over: SIGTERM's handler and the wake-up pipe as they were before (call it after
+        faulthandler let go of SIGTERM, which gives back the handler it found: this one's)."""
+        if self._fds is None or self._previous is None:
+            return
+        old_handler, old_fd = self._previous
+        signal.signal(signal.SIGTERM, old_handler)  # type: ignore[arg-type]
+        signal.set_wakeup_fd(old_fd)
+        w = self._fds[1]
+        self._fds = None
+        os.close(w)  # the thread reads the end of the pipe and closes its own side
+
+
+def _ignored(signum, frame) -> None:
+    """The Python half: nothing; the waiting thread acts (the main thread may be stuck in a collective)."""
+
+
+STOPPED = ("rank 0 was stopped by SIGTERM before it learned why (a launcher stops every rank when one dies, "
+           "when the job is cancelled, and on Ctrl-C): `dscluster diagnose {run_dir}` names the rank that "
+           "stopped first")
+"""summary.json's error when rank 0 is stopped: no rank is blamed (failed_rank null), as for a peer's failure."""
