@@ -33,10 +33,12 @@ lint: venv
 
 # make test (what CI runs) runs every test; make unit is the developer's quick loop: the unit tests
 # without those marked slow (real training processes, real kills: CONTRIBUTING.md lists them).
-# Two pytest-xdist workers, each taking whole files (a file's lab and fixtures are built once);
-# tests/conftest.py starts the longest files first (--no-loadscope-reorder: pytest-xdist would otherwise
-# hand out the files with the most tests first). The 30 slowest tests are listed at the end.
-XDIST := -n 2 --dist loadfile --no-loadscope-reorder
+# Three pytest-xdist workers on two cores, each taking whole files (a file's lab and fixtures are built
+# once): while one waits (a process-group timeout, a shaped link, a lab coming up) two keep the cores busy
+# (idle, in the checkout: 736 s against 816 s with two). tests/conftest.py starts the longest files first
+# (--no-loadscope-reorder: pytest-xdist would otherwise hand out the files with the most tests first).
+# The 30 slowest tests are listed at the end.
+XDIST := -n 3 --dist loadfile --no-loadscope-reorder
 # lint keeps one core busy for about a minute: DeepSpeed's CPUAdam op (ZeRO's offload_optimizer=cpu, one
 # test uses it) compiles on the other, instead of inside the suite (71-216 s on 2 cores, once per fresh clone).
 test: venv

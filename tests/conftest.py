@@ -43,9 +43,9 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = f"cluster test skipped on CI (CI=true makes a skip a failure): {report.longrepr}"
 
 
-# `make test` runs two pytest-xdist workers that each take whole files (--dist loadfile), in collection
+# `make test` runs three pytest-xdist workers that each take whole files (--dist loadfile), in collection
 # order. The files that take minutes go first, longest first (as `make test`'s --durations list showed
-# them), so that no worker is left alone with one of them at the end while the other has finished.
+# them), so that no worker is left alone with one of them at the end while the others have finished.
 LONG_FILES_FIRST = (
     "cluster/test_faults.py", "cluster/test_train_local.py", "cluster/test_launch_lab.py",
     "unit/test_zero.py", "cluster/test_balanced_exact.py", "cluster/test_comm_local.py",
