@@ -89,9 +89,12 @@ def test_each_node_and_each_rank_sees_only_its_own_gpus(stand_in_gpus, keyed_lab
     res = subprocess.run([*CLI, "exec", "node2", "--lab", lab.name, "--", "sh", "-c", show],
                          capture_output=True, text=True, timeout=60)
     assert res.stdout.split() == ["node2", "1", "PCI_BUS_ID"], res.stderr
-    # mpirun's daemons start through each node's sshd: every rank inherits its node's GPUs
+    # mpirun's daemons start through each node's sshd: every rank inherits its node's GPUs. The daemons
+    # call back on the lab's subnet, as `dscluster setup`'s ~/.prte/mca-params.conf has them do (node2 and
+    # node3 also have a docker0 of one address, 172.17.0.1/16)
     res = lab.run("node1", [".venv/bin/mpirun", "-np", "4", "--hostfile", str(lab.hostfile),
-                            "--mca", "btl_tcp_if_include", lab.subnet, "sh", "-c", show], timeout=120)
+                            "--mca", "btl_tcp_if_include", lab.subnet, "--mca", "oob_tcp_if_include", lab.subnet,
+                            "sh", "-c", show], timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     assert sorted(res.stdout.splitlines()) == ["node1 0 PCI_BUS_ID", "node2 1 PCI_BUS_ID",
                                                "node3 2,3 PCI_BUS_ID", "node3 2,3 PCI_BUS_ID"]

@@ -332,8 +332,8 @@ def _plan(lab: str, nodes: int, slots: int, hostfile, *, gpus, link: str, env, t
     ids = {int(l.split(":")[2]) for l in _read_lines("/etc/passwd") if l.count(":") >= 3}
     ids |= {int(l.split(":")[2]) for l in _read_lines("/etc/group") if l.count(":") >= 3}
     # Each lab's user is its own: every lab names its nodes node1, node2, ... and their /tmp is the
-    # host's, where OpenMPI's daemons keep a session directory named by host name and uid (and clear
-    # it at start-up). Two labs with one uid would share, and remove, each other's.
+    # host's, where an MPI program's processes keep their session directory, /tmp/ompi.<host>.<uid>,
+    # removed when it empties. Two labs with one uid would share, and remove, each other's.
     uid = free_id(ids | lab_uids)
     alphabet = string.ascii_letters + string.digits
     password = "".join(secrets.choice(alphabet) for _ in range(14))
