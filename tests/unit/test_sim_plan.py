@@ -27,6 +27,7 @@ from dscluster.sim.plan import (
     node_session_env,
     pick_lab_index,
     plan_lab,
+    rank_threads,
     render_group,
     render_hostfile,
     render_hosts,
@@ -204,16 +205,29 @@ def test_each_node_sees_only_its_own_gpus_in_pci_order():
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0", "1", "2,3"]
     assert all(e["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID" and e["NCCL_DEBUG"] == "INFO" for e in envs)
     assert "PATH" not in envs[0]   # nothing carried: sshd's own PATH stays
-    # the nodes share the host's cores: idle OpenMP threads sleep rather than spin
-    assert node_session_env(lab, None) == {"OMP_WAIT_POLICY": "PASSIVE", "NCCL_DEBUG": "INFO"}
-    assert node_session_env(_plan(nodes=2), _plan(nodes=2).nodes[0]) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    # the nodes share the host's cores: idle OpenMP threads sleep rather than spin, and each rank has
+    # its share of the cores (the lab's 4 slots here)
+    share = str(rank_threads(lab))
+    assert node_session_env(lab, None) == {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": share,
+                                           "NCCL_DEBUG": "INFO"}
+    two = _plan(nodes=2)
+    assert node_session_env(two, two.nodes[0]) == {"OMP_WAIT_POLICY": "PASSIVE",
+                                                   "OMP_NUM_THREADS": str(rank_threads(two))}
+
+
+def test_each_rank_of_the_lab_gets_its_share_of_the_hosts_cores():
+    assert rank_threads(_plan(nodes=3, gpus=[1, 1, 2]), cores=16) == 4  # 4 slots
+    assert rank_threads(_plan(nodes=2, slots=1), cores=16) == 8
+    assert rank_threads(_plan(nodes=2, slots=2), cores=16) == 4  # 2 ranks on each node
+    assert rank_threads(_plan(nodes=3), cores=2) == 1  # never 0
 
 
 def test_sshd_config_sets_the_nodes_environment_in_one_setenv_line():
     lab = _plan(nodes=3, gpus=[1, 1, 2], extra_path=["/opt/carried/bin"])
     cfg = render_sshd_config(lab.nodes[2], node_session_env(lab, lab.nodes[2])).splitlines()
     setenv = [l for l in cfg if l.startswith("SetEnv")]
-    assert setenv == ["SetEnv OMP_WAIT_POLICY=PASSIVE PATH=/opt/carried/bin:/usr/local/bin:/usr/bin:/bin:/usr/games "
+    assert setenv == [f"SetEnv OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS={rank_threads(lab)} "
+                      "PATH=/opt/carried/bin:/usr/local/bin:/usr/bin:/bin:/usr/games "
                       "CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=2,3"]
     assert "Subsystem sftp internal-sftp" in cfg
     assert not [l for l in render_sshd_config(_plan(nodes=1).nodes[0], {}).splitlines() if l.startswith("SetEnv")]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -319,6 +320,12 @@ def render_hostfile(state: LabState) -> str:
     return "".join(f"{n.name} slots={len(n.gpus) or state.slots}\n" for n in state.nodes)
 
 
+def rank_threads(state: LabState, cores: int | None = None) -> int:
+    """A rank's share of the host's cores: they over the lab's slots (render_hostfile's), at least 1."""
+    slots = sum(len(n.gpus) or state.slots for n in state.nodes)
+    return max(1, (cores or os.cpu_count() or 1) // max(1, slots))
+
+
 def node_path(extra_dirs: list[str], base: str = USER_PATH) -> str:
     """PATH inside a node: directories of tools found outside the usual ones (a folder of
     carried ssh/ip/tc binaries on a host that lacks them) first, then the standard PATH."""
@@ -332,11 +339,15 @@ def node_session_env(state: LabState, node: SimNode | None) -> dict[str, str]:
     mpirun's remote daemons and their ranks have them) or through `Lab.run`/`sim exec`.
     Without a node: what every node has in common (no GPU variables).
 
-    The nodes share the host's cores, each sizing PyTorch's threads to all of them, so idle OpenMP
-    threads sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE): spinning threads of one node took
-    the cores another node's ranks were waiting for (two 2-thread digits runs beside a busy core:
-    41 s and 63 CPU-s, 18 s and 24 CPU-s passive). It changes no result; --env can override it."""
-    env = {"OMP_WAIT_POLICY": "PASSIVE"}
+    The nodes share the host's cores. Each rank gets its share of them as PyTorch's thread count
+    (OMP_NUM_THREADS: the host's cores over the lab's slots, at least 1), as `cpus.share_cores` splits
+    one machine's cores between its ranks: each node sizing its threads to all the host's cores had
+    3 one-rank nodes run 6 threads on 2 cores (3 digits ranks, 5 epochs, 2 cores: 26.5 CPU-s and
+    17.4 s with 2 threads each, 23.7 CPU-s and 13.8 s with 1). Idle OpenMP threads sleep instead of
+    spinning (OMP_WAIT_POLICY=PASSIVE): spinning threads of one node took the cores another node's
+    ranks were waiting for (two 2-thread digits runs beside a busy core: 41 s and 63 CPU-s, 18 s and
+    24 CPU-s passive). Neither changes a result; --env can override both."""
+    env = {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(rank_threads(state))}
     if state.extra_path:
         env["PATH"] = node_path(state.extra_path)
     if node is not None and node.gpus:
