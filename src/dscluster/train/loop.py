@@ -87,10 +87,9 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
         console.err.print(f"[dim]dscluster train: {cpu_note}[/dim]")
     record = RunRecord(run_id=run_id, world_size=info.world_size, hosts=[host], model=cfg.model.name,
                        dataset=cfg.data.dataset, epochs=cfg.epochs)
-    if primary and not calibrate:
-        stopped.then = lambda: log.write_summary(record.summary(  # no rank blamed: diagnose finds it
-            status="failed", wall_s=round(time.time() - t0, 3), error=STOPPED.format(run_dir=rdir)),
-            only_if_absent_or_not_failed=True)
+    if primary and not calibrate:  # a summary already written (complete, or a rank's failure) stays
+        stopped.then = lambda: (rdir / layout.SUMMARY_FILE).exists() or log.write_summary(record.summary(
+            status="failed", wall_s=round(time.time() - t0, 3), error=STOPPED.format(run_dir=rdir)))
     device = None
     try:
         device = rank_device(info, has_cuda)

@@ -1,0 +1,54 @@
+"""train/stopped.py: SIGTERM reaches `then` even while the main thread waits in C code, the stacks are
+dumped first, the process ends 143; after `close` SIGTERM is the default again. Real processes, real
+signals (a Python process each, no torch)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from _wait import wait_until
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+PROGRAM = """
+import faulthandler, signal, socket, sys
+sys.path.insert(0, {src!r})
+from dscluster.train.stopped import OnTerminate
+out = {out!r}
+stop = OnTerminate()
+traces = open(out + ".traces", "w")
+faulthandler.register(signal.SIGTERM, file=traces, all_threads=True, chain=True)
+stop.then = lambda: open(out + ".then", "w").write("then ran")
+if {close}:
+    faulthandler.unregister(signal.SIGTERM)
+    stop.close()
+a, b = socket.socketpair()
+print("ready", flush=True)
+a.recv(1)  # blocked in C, as a rank waiting in a collective for a peer that is gone
+"""
+
+
+def _run(tmp_path: Path, *, close: bool) -> tuple[int, Path]:
+    out = tmp_path / "probe"
+    proc = subprocess.Popen([sys.executable, "-c", PROGRAM.format(src=str(SRC), out=str(out), close=close)],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: proc.poll() is not None, 30, "the probe's end after SIGTERM")
+    return proc.returncode, out
+
+
+def test_sigterm_runs_then_from_a_thread_after_the_stacks_and_exits_143(tmp_path):
+    rc, out = _run(tmp_path, close=False)
+    assert rc == 143
+    assert Path(f"{out}.then").read_text() == "then ran"
+    assert "most recent call first" in Path(f"{out}.traces").read_text()
+
+
+def test_after_close_sigterm_is_the_default_again(tmp_path):
+    rc, out = _run(tmp_path, close=True)
+    assert rc == -signal.SIGTERM
+    assert not Path(f"{out}.then").exists()
