@@ -80,6 +80,13 @@ def test_a_running_job_shows_every_node_and_rank(cluster, tmp_path):
         assert summary["status"] == "failed" and summary["failed_rank"] is None, summary
         assert summary["error"].startswith("rank 0 was stopped by SIGTERM before it learned why"), summary
         assert "most recent call first" in (run / "traces" / "rank-0.txt").read_text()  # its stacks came first
+        end = read_jsonl(run / "metrics" / "rank-0.jsonl")[-1]
+        assert (end["kind"], end["status"]) == ("end", "stopped"), end
+        # nothing else ended the run: diagnose names rank 0, and rank 1 (whose collective then failed) only as such
+        diag = cluster.sh(f"{DSCLUSTER} diagnose {run} --json", timeout=120)
+        findings = json.loads(diag.stdout)["findings"]
+        died = [f for f in findings if f["kind"] == "rank_died"]
+        assert [f["rank"] for f in died] == [0] and "was stopped by SIGTERM" in died[0]["message"], findings
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)

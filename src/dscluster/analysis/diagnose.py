@@ -129,6 +129,21 @@ def exit_findings(run: RunData) -> list[Finding]:
     return findings
 
 
+PEER_FAILURE = "a collective failed: another rank died"
+"""How train's `end` error begins when a peer's absence failed the collective (loop.record_crash)."""
+
+
+def _another_cause(run: RunData, rank: int) -> bool:
+    """Whether a rank other than `rank` died (no end record) or failed on its own (not a peer's absence)."""
+    for r, rm in run.ranks.items():
+        if r == rank or rm.process is not None:
+            continue
+        if rm.end is None or (rm.end.get("status") == "failed"
+                              and not str(rm.end.get("error") or "").startswith(PEER_FAILURE)):
+            return True
+    return False
+
+
 def progress_findings(run: RunData) -> list[Finding]:
     """Dead ranks, failed ranks, and the rank out of step with the others."""
     findings: list[Finding] = []
@@ -151,6 +166,14 @@ def progress_findings(run: RunData) -> list[Finding]:
             findings.append(Finding("error", "rank_died",
                                     f"rank {r} on {rm.host or '?'} has no end record: it died or hung ({last}{when})",
                                     rank=r, host=rm.host))
+        elif rm.end.get("status") == "stopped" and _another_cause(run, r):
+            # its launcher's SIGTERM (train/stopped.py) after another rank died or failed: a consequence
+            findings.append(Finding("warning", "rank_stopped", f"rank {r} on {rm.host or '?'} was stopped by its "
+                                    f"launcher after another rank ended ({last})", rank=r, host=rm.host))
+        elif rm.end.get("status") == "stopped":  # nothing else ended it: the others waited for this one
+            findings.append(Finding("error", "rank_died", f"rank {r} on {rm.host or '?'} was stopped by SIGTERM "
+                                    f"while no other rank had died or failed on its own: it hung, or the signal "
+                                    f"came to it first ({last}{when})", rank=r, host=rm.host))
         elif rm.end.get("status") == "failed":
             err = rm.end.get("error") or "no error text"
             findings.append(Finding("error", "rank_failed",

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from dscluster import console, cpus, liveness, syncmode
+from dscluster.analysis.diagnose import PEER_FAILURE
 from dscluster.errors import DsclusterError, UsageError
 from dscluster.fsutil import atomic_write_json, atomic_write_text
 from dscluster.plan import predicted
@@ -42,7 +43,7 @@ from dscluster.train.optstep import StepBoundary
 from dscluster.train.precision import PrecisionDecision, decide_here
 from dscluster.train.progress import ProgressBar
 from dscluster.train.step import TrainStep
-from dscluster.train.stopped import STOPPED, OnTerminate
+from dscluster.train.stopped import OnTerminate, record_stop
 from dscluster.train.syncwatch import SyncWatch
 from dscluster.train.timing import WARMUP_STEPS, ends_warmup, process_started
 from dscluster.train.traces import StackTraces
@@ -87,9 +88,7 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
         console.err.print(f"[dim]dscluster train: {cpu_note}[/dim]")
     record = RunRecord(run_id=run_id, world_size=info.world_size, hosts=[host], model=cfg.model.name,
                        dataset=cfg.data.dataset, epochs=cfg.epochs)
-    if primary and not calibrate:  # a summary already written (complete, or a rank's failure) stays
-        stopped.then = lambda: (rdir / layout.SUMMARY_FILE).exists() or log.write_summary(record.summary(
-            status="failed", wall_s=round(time.time() - t0, 3), error=STOPPED.format(run_dir=rdir)))
+    stopped.then = record_stop(log, record, rdir, t0, summary=primary and not calibrate)
     device = None
     try:
         device = rank_device(info, has_cuda)
@@ -203,7 +202,7 @@ def record_crash(e: BaseException, log: RunLog, record: RunRecord, rdir: Path, d
         record.vanished_hosts = liveness.vanished_hosts(host, record.hosts)
         if len(record.vanished_hosts) == 1:
             failed_host = record.vanished_hosts[0]
-        msg = (f"a collective failed: another rank died or never joined (`dscluster diagnose {rdir}` "
+        msg = (f"{PEER_FAILURE} or never joined (`dscluster diagnose {rdir}` "
                f"names it){liveness.vanished_text(record.vanished_hosts, host)}: {msg}")
     log.record("end", status="failed", error=msg, **note_peaks(record, device))
     log.write_summary(record.summary(status="failed", wall_s=wall_s, failed_rank=failed_rank, failed_host=failed_host,

@@ -1,4 +1,4 @@
-"""A rank stopped by SIGTERM still says so: rank 0 leaves a failed summary.json.
+"""A rank stopped by SIGTERM still says so: its `end` record, and rank 0's failed summary.json.
 
 mpirun, srun, torchrun and entry_cn.sh stop every rank with SIGTERM when one rank dies, when a Slurm
 job is cancelled, or on Ctrl-C. The rank that first sees a peer's collective fail writes the failed
@@ -17,7 +17,11 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
+
+from dscluster.rundir import layout
 
 EXIT_CODE = 128 + signal.SIGTERM
 
@@ -82,3 +86,20 @@ STOPPED = ("rank 0 was stopped by SIGTERM before it learned why (a launcher stop
            "when the job is cancelled, and on Ctrl-C): `dscluster diagnose {run_dir}` names the rank that "
            "stopped first")
 """summary.json's error when rank 0 is stopped: no rank is blamed (failed_rank null), as for a peer's failure."""
+
+STOPPED_END = "stopped by SIGTERM (its launcher stopping the job)"
+"""The `end` record's error of a stopped rank (status `stopped`): diagnose counts it a consequence, not a cause."""
+
+
+def record_stop(log, record, run_dir: Path, started: float, *, summary: bool) -> Callable[[], None]:
+    """`OnTerminate.then` for a training rank: its `end` record (status `stopped`), and with `summary`
+    (rank 0, not a calibration) a failed summary.json, unless the run's summary is already there (a
+    complete run a launcher stops in its teardown stays complete; a rank's own failure stays)."""
+
+    def then() -> None:
+        log.record("end", status="stopped", error=STOPPED_END)
+        if summary and not (run_dir / layout.SUMMARY_FILE).exists():
+            log.write_summary(record.summary(status="failed", wall_s=round(time.time() - started, 3),
+                                             error=STOPPED.format(run_dir=run_dir)))
+
+    return then
