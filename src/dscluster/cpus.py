@@ -88,6 +88,12 @@ def free_launcher_binding(env=None) -> str | None:
             f"{KEEP_ENV}=1 keeps a binding made on purpose)")
 
 
+def threads_per_rank(ranks: int, cores: int | None = None) -> int:
+    """The rule: a machine's cores (this one's unless given) over the ranks that share them, at least 1.
+    `share_cores` applies it on a rank; the simulated lab (sim/plan.py) to the host's cores over its slots."""
+    return max(1, (cores or os.cpu_count() or 1) // max(1, ranks))
+
+
 def share_cores(local_ranks: int, env=None) -> int | None:
     """On a CPU rank, PyTorch's thread count: the node's cores split over the ranks that share them
     (oversubscribed OpenMP threads spin and crawl: a 2-core machine running 3 processes of 2 threads
@@ -99,6 +105,6 @@ def share_cores(local_ranks: int, env=None) -> int | None:
         return None
     import torch
 
-    threads = max(1, (os.cpu_count() or 1) // max(1, local_ranks))
+    threads = threads_per_rank(local_ranks)
     torch.set_num_threads(threads)
     return threads

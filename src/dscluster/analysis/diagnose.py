@@ -25,6 +25,7 @@ from dscluster.analysis.opbuild import op_build_cause
 from dscluster.analysis.stats import COMM_BOUND_SHARE, comm_share, rank_stats, step_split
 from dscluster.rankrecord import exit_text
 from dscluster.rundir.agree import split_here, split_message
+from dscluster.train.dist import PEER_FAILURE
 
 STOPPED_CODES = (130, 137, 143)
 """Exit codes of a rank the launcher (or the user) stopped: SIGINT, SIGKILL, SIGTERM."""
@@ -127,10 +128,6 @@ def exit_findings(run: RunData) -> list[Finding]:
                                 "the program wrote no step records (it does not call dscluster.userlog): the run "
                                 "shows exit codes, telemetry and any DeepSpeed monitor series (docs/byo-script.md)"))
     return findings
-
-
-PEER_FAILURE = "a collective failed: another rank died"
-"""How train's `end` error begins when a peer's absence failed the collective (loop.record_crash)."""
 
 
 def _another_cause(run: RunData, rank: int) -> bool:

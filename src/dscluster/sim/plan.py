@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from dscluster.cpus import threads_per_rank
 from dscluster.errors import UsageError
 from dscluster.sim.netfaults import NetFaults
 from dscluster.sim.options import (  # noqa: F401  (validators re-exported: callers import them here)
@@ -322,8 +322,7 @@ def render_hostfile(state: LabState) -> str:
 
 def rank_threads(state: LabState, cores: int | None = None) -> int:
     """A rank's share of the host's cores: they over the lab's slots (render_hostfile's), at least 1."""
-    slots = sum(len(n.gpus) or state.slots for n in state.nodes)
-    return max(1, (cores or os.cpu_count() or 1) // max(1, slots))
+    return threads_per_rank(sum(len(n.gpus) or state.slots for n in state.nodes), cores)
 
 
 def node_path(extra_dirs: list[str], base: str = USER_PATH) -> str:

@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 
 from dscluster import console, cpus, liveness, syncmode
-from dscluster.analysis.diagnose import PEER_FAILURE
 from dscluster.errors import DsclusterError, UsageError
 from dscluster.fsutil import atomic_write_json, atomic_write_text
 from dscluster.plan import predicted
@@ -202,7 +201,7 @@ def record_crash(e: BaseException, log: RunLog, record: RunRecord, rdir: Path, d
         record.vanished_hosts = liveness.vanished_hosts(host, record.hosts)
         if len(record.vanished_hosts) == 1:
             failed_host = record.vanished_hosts[0]
-        msg = (f"{PEER_FAILURE} or never joined (`dscluster diagnose {rdir}` "
+        msg = (f"{dist.PEER_FAILURE} or never joined (`dscluster diagnose {rdir}` "
                f"names it){liveness.vanished_text(record.vanished_hosts, host)}: {msg}")
     log.record("end", status="failed", error=msg, **note_peaks(record, device))
     log.write_summary(record.summary(status="failed", wall_s=wall_s, failed_rank=failed_rank, failed_host=failed_host,
