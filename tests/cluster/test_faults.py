@@ -219,6 +219,14 @@ def test_diagnose_names_the_rank_that_skipped_the_collective(skipped):
     assert [f["rank"] for f in doc["findings"] if f["kind"] == "rank_died"] == [1], doc["findings"]
 
 
+def test_the_rank_that_waited_blames_no_one_and_points_to_diagnose(skipped):
+    # rank 0 only waited: its summary must not name itself; the run directory names rank 1 (diagnose, above)
+    summary = json.loads((skipped["run"] / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["failed_rank"] is None and summary["failed_host"] is None
+    assert summary["error"].startswith("a collective failed: another rank died or never joined"), summary["error"]
+    assert "dscluster diagnose" in summary["error"] and summary["steps"] == 2
+
+
 def test_skipped_collective_leaves_traces_in_the_run_directory(skipped):
     rc, doc = skipped["diagnosis"]
     files = [p for p in skipped["run"].rglob("*") if p.is_file() and p.stat().st_size > 0
@@ -247,10 +255,15 @@ def test_disk_full_keeps_the_previous_checkpoint_latest_and_loadable(tmp_path):
 
 
 def _disk_full_scenario(runs: Path, ckpt: Path) -> None:
-    overrides = ("data.limit=64", "epochs=3", "checkpoint.every_epochs=1", f"checkpoint.dir={ckpt}")
-    spe = 64 // 16
+    # An odd dataset size too: 75 samples over 2 ranks × 8 are 4 full steps per epoch, and the 11 left over
+    # (6 on rank 0, 5 on rank 1) are dropped on every rank: a rank that took a fifth, short step would wait
+    # in an all-reduce the other never joins (dist.timeout_s=6 would fail the run).
+    overrides = ("data.limit=75", "epochs=3", "checkpoint.every_epochs=1", f"checkpoint.dir={ckpt}")
+    spe = 75 // 16
     job = start(runs, "d", *overrides)
     rc, out = job.wait()
+    for rank in (0, 1):
+        assert [r["step"] for r in records(job.run, rank, "step")] == list(range(1, 3 * spe + 1)), out[-3000:]
     first = f"epoch0000-step{spe:08d}"
     assert (ckpt / "latest").exists(), f"not even the first checkpoint fitted:\n{out[-3000:]}"
     assert (ckpt / "latest").read_text().strip() == first
@@ -260,7 +273,6 @@ def _disk_full_scenario(runs: Path, ckpt: Path) -> None:
     assert rc != 0, f"two failed saves in a row did not stop the run:\n{out[-3000:]}"
     assert "training goes on without this checkpoint" in out and "2 checkpoint saves failed in a row: stopping" in out
     assert f"{ckpt} has " in out and " MB free" in out and "still points to " + first in out
-    assert [r["step"] for r in records(job.run, 0, "step")] == list(range(1, 3 * spe + 1))
     assert sorted(p.name for p in ckpt.iterdir()) == sorted(["latest", first]), "a half-written checkpoint was left"
 
     # The fix the message gives: free space there and run the same command; it resumes from `latest`.
