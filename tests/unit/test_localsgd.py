@@ -74,49 +74,57 @@ class _Cfg:
         self.checkpoint = type("C", (), {"every_steps": 0})()
 
 
-def _worker(rank: int, world: int, port: int, mode: str, tmp: str, out) -> None:
+def _worker(rank: int, world: int, port: int, modes: tuple[str, ...], tmp: str, out) -> None:
+    """Each mode in turn on one process group (four spawned interpreters are seconds of start-up)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     tdist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        model = torch.nn.Linear(2, 1, bias=False)
-        with torch.no_grad():
-            model.weight.fill_(1.0)
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** (10 - rank))  # rank 3 overflowed most
-        scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
-        scaler._growth_tracker.fill_(10 + rank)
-        avg = localsgd.ModelAverager(model, _Cfg(mode), rank, HOSTS, SHARES, steps_per_epoch=100, total=100,
-                                     scaler=scaler)
-        seen = {}
-        # step 1, the warm-up: gradients averaged over all four ranks by their shares
-        model.weight.grad = torch.full((1, 2), float(rank))
-        avg.reduce_gradients(1)
-        seen["warmup_grad"] = model.weight.grad[0, 0].item()
-        # step 2: only inside the node; then every rank takes its own step, and step 2 is a sync point
-        model.weight.grad = torch.full((1, 2), float(rank))
-        avg.reduce_gradients(2)
-        seen["node_grad"] = model.weight.grad[0, 0].item()
-        with torch.no_grad():
-            model.weight.fill_(1.0 + rank)  # where this rank's steps took it
-        seen["averaged_at_2"] = avg.after_step(2, step_in_epoch=1)
-        seen["weight"] = model.weight[0, 0].item()
-        seen["scale"], seen["growth"] = scaler._scale.item(), scaler._growth_tracker.item()
-        seen["averaged_at_3"] = avg.after_step(3, step_in_epoch=2)
-        avg.save(tmp, rank, 4)
-        fresh = localsgd.ModelAverager(model, _Cfg(mode), rank, HOSTS, SHARES, steps_per_epoch=100, total=100)
-        seen["restore"] = fresh.restore(tmp, rank, 4, "cpu", lambda why: [why] * 4)
-        seen["momentum_back"] = None if fresh.momentum is None else fresh.momentum.tolist()
-        seen["momentum"] = None if avg.momentum is None else avg.momentum.tolist()
-        out.put((rank, seen))
+        out.put((rank, {mode: _one_mode(rank, mode, os.path.join(tmp, mode)) for mode in modes}))
     finally:
         tdist.destroy_process_group()
 
 
-def _run(mode: str, tmp) -> dict[int, dict]:
-    return spawn_ranks(_worker, 4, mode, str(tmp), timeout=120)
+def _one_mode(rank: int, mode: str, tmp: str) -> dict:
+    model = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** (10 - rank))  # rank 3 overflowed most
+    scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    scaler._growth_tracker.fill_(10 + rank)
+    avg = localsgd.ModelAverager(model, _Cfg(mode), rank, HOSTS, SHARES, steps_per_epoch=100, total=100,
+                                 scaler=scaler)
+    seen = {}
+    # step 1, the warm-up: gradients averaged over all four ranks by their shares
+    model.weight.grad = torch.full((1, 2), float(rank))
+    avg.reduce_gradients(1)
+    seen["warmup_grad"] = model.weight.grad[0, 0].item()
+    # step 2: only inside the node; then every rank takes its own step, and step 2 is a sync point
+    model.weight.grad = torch.full((1, 2), float(rank))
+    avg.reduce_gradients(2)
+    seen["node_grad"] = model.weight.grad[0, 0].item()
+    with torch.no_grad():
+        model.weight.fill_(1.0 + rank)  # where this rank's steps took it
+    seen["averaged_at_2"] = avg.after_step(2, step_in_epoch=1)
+    seen["weight"] = model.weight[0, 0].item()
+    seen["scale"], seen["growth"] = scaler._scale.item(), scaler._growth_tracker.item()
+    seen["averaged_at_3"] = avg.after_step(3, step_in_epoch=2)
+    avg.save(tmp, rank, 4)
+    fresh = localsgd.ModelAverager(model, _Cfg(mode), rank, HOSTS, SHARES, steps_per_epoch=100, total=100)
+    seen["restore"] = fresh.restore(tmp, rank, 4, "cpu", lambda why: [why] * 4)
+    seen["momentum_back"] = None if fresh.momentum is None else fresh.momentum.tolist()
+    seen["momentum"] = None if avg.momentum is None else avg.momentum.tolist()
+    return seen
 
 
-def test_local_sgd_hierarchy_average_scale_agreement_and_state(tmp_path):
-    got = _run("local_sgd", tmp_path)
+@pytest.fixture(scope="module")
+def averaged(tmp_path_factory) -> dict[str, dict[int, dict]]:
+    """{mode: {rank: what it saw}} for local_sgd and diloco, from one run of four ranks."""
+    got = spawn_ranks(_worker, 4, ("local_sgd", "diloco"), str(tmp_path_factory.mktemp("avg")), timeout=120)
+    return {mode: {r: got[r][mode] for r in got} for mode in ("local_sgd", "diloco")}
+
+
+def test_local_sgd_hierarchy_average_scale_agreement_and_state(averaged):
+    got = averaged["local_sgd"]
     for r in range(4):
         s = got[r]
         # warm-up: the global batch mean, every rank's gradient weighted by its share (3,1,2,2 of 8)
@@ -131,8 +139,8 @@ def test_local_sgd_hierarchy_average_scale_agreement_and_state(tmp_path):
         assert s["restore"].startswith("sync state restored (local_sgd")
 
 
-def test_diloco_outer_nesterov_step_and_its_momentum_survive_a_checkpoint(tmp_path):
-    got = _run("diloco", tmp_path)
+def test_diloco_outer_nesterov_step_and_its_momentum_survive_a_checkpoint(averaged):
+    got = averaged["diloco"]
     start, mean = 1.0, (1 * 3 + 2 * 1 + 3 * 2 + 4 * 2) / 8
     delta = start - mean            # the outer gradient
     momentum = delta                # the first step: m = 0.5·0 + Δ

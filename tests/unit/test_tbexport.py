@@ -1,5 +1,6 @@
 """The series `plot` writes for TensorBoard beside DeepSpeed's (analysis/tbexport.py): which ones, from
-which files, and that a written export reads back. The real training run: tests/cluster/test_train_local.py (its reference run)."""
+which files, and that a written export reads back. The real training run: tests/cluster/test_train_local.py
+(its reference run)."""
 
 from __future__ import annotations
 
