@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-# Slow, and must stay so: the README mpirun on 3 nodes that share no files, with top watching it, then
-# a killed rank and the same command resuming on every node.
+# Slow, and must stay so: the README mpirun on 3 nodes that share no files; then top watching the same
+# command, a killed rank and that command resuming on every node.
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -170,53 +170,6 @@ def test_the_readme_mpirun_brings_every_nodes_part_home_and_plot_sees_every_rank
     assert diag.returncode == 0, diag.stdout
 
 
-def test_top_on_the_head_shows_every_nodes_ranks_while_the_readme_mpirun_runs(synced):
-    """Each node writes its ranks into its own copy until the job ends: top's SSH sample reads it there."""
-    import os
-    import signal
-
-    from _wait import scaled, wait_until
-
-    lab, run_id = synced, "nofs-top"
-    cmd = (f"DSCLUSTER_RUN_ID={run_id} OMP_NUM_THREADS=1 {MPIRUN} -x DSCLUSTER_RUN_ID -np 3 --hostfile {lab.hostfile} "
-           f"./entry_cn.sh --config configs/digits.yaml {SHRINK} data.limit=480 epochs=50")
-    own = {rank: lab.path_on(node, REPO / "runs" / run_id / "metrics" / f"rank-{rank}.jsonl")
-           for node, rank in (("node1", 0), ("node2", 1), ("node3", 2))}
-    proc = subprocess.Popen(lab.command("node1", cmd), env=lab.env(node="node1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-    def every_rank_stepped_twice() -> bool:
-        assert proc.poll() is None, proc.communicate()[0][-3000:]
-        return all(len(records(f, "step")) >= 2 for f in own.values())
-
-    try:
-        wait_until(every_rank_stepped_twice, 600, "every rank's second step, in its own node's copy", interval=1.0)
-        assert not lab.path_on("node1", REPO / "runs" / run_id / "metrics" / "rank-1.jsonl").exists()  # not home yet
-        res = lab.run("node1", f"{DSCLUSTER} top --hostfile {lab.hostfile} --once --json", timeout=120)
-        assert res.returncode == 0, explain(res)
-        snap = json.loads(res.stdout)
-        assert snap["run_dir"].endswith(f"runs/{run_id}"), snap["run_dir"]  # found without --run-dir
-        ranks = [(r["rank"], r["host"], r["source"], r["status"]) for r in snap["ranks"]]
-        hostnames = {n.name: n.hostname for n in lab.nodes}
-        assert ranks == [(0, hostnames["node1"], "file", "running"), (1, hostnames["node2"], "ssh", "running"),
-                         (2, hostnames["node3"], "ssh", "running")], snap["ranks"]
-        assert all(r["step"] >= 2 and r["images_per_s"] > 0 for r in snap["ranks"]), snap["ranks"]
-        nodes = {n["name"]: n for n in snap["nodes"]}
-        # node2's and node3's figures: their job samplers' own samples, read over SSH from their copies
-        assert all(nodes[name]["source"] == "telemetry" and nodes[name]["error"] is None for name in hostnames), nodes
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.communicate(timeout=scaled(60))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
-        wait_until(lambda: all(_rank_pid(lab, node, rank, run_id) is None
-                               for node, rank in (("node1", 0), ("node2", 1), ("node3", 2))),
-                   120, "every rank of the stopped job to be gone")
-
-
 def _rank_pid(lab, node: str, rank: int, run_id: str) -> int | None:
     from dscluster.sim.ns import netns_pids
     for pid in netns_pids(lab.node(node).netns):
@@ -232,20 +185,50 @@ def _rank_pid(lab, node: str, rank: int, run_id: str) -> int | None:
     return None
 
 
-def test_a_killed_rank_then_the_same_command_resumes_from_the_same_step_on_every_rank(synced):
+def top_sees_every_nodes_ranks(lab, run_id: str, proc: subprocess.Popen) -> None:
+    """`top` on the head while the README mpirun runs: each node writes its ranks into its own copy until
+    the job ends, and top's SSH sample reads them there."""
+    from _wait import wait_until
+
+    own = {rank: lab.path_on(node, REPO / "runs" / run_id / "metrics" / f"rank-{rank}.jsonl")
+           for node, rank in (("node1", 0), ("node2", 1), ("node3", 2))}
+
+    def every_rank_stepped_twice() -> bool:
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        return all(len(records(f, "step")) >= 2 for f in own.values())
+
+    wait_until(every_rank_stepped_twice, 600, "every rank's second step, in its own node's copy", interval=0.5)
+    assert not lab.path_on("node1", REPO / "runs" / run_id / "metrics" / "rank-1.jsonl").exists()  # not home yet
+    res = lab.run("node1", f"{DSCLUSTER} top --hostfile {lab.hostfile} --once --json", timeout=120)
+    assert res.returncode == 0, explain(res)
+    snap = json.loads(res.stdout)
+    assert snap["run_dir"].endswith(f"runs/{run_id}"), snap["run_dir"]  # found without --run-dir
+    ranks = [(r["rank"], r["host"], r["source"], r["status"]) for r in snap["ranks"]]
+    hostnames = {n.name: n.hostname for n in lab.nodes}
+    assert ranks == [(0, hostnames["node1"], "file", "running"), (1, hostnames["node2"], "ssh", "running"),
+                     (2, hostnames["node3"], "ssh", "running")], snap["ranks"]
+    assert all(r["step"] >= 2 and r["images_per_s"] > 0 for r in snap["ranks"]), snap["ranks"]
+    nodes = {n["name"]: n for n in snap["nodes"]}
+    # node2's and node3's figures: their job samplers' own samples, read over SSH from their copies
+    assert all(nodes[name]["source"] == "telemetry" and nodes[name]["error"] is None for name in hostnames), nodes
+
+
+def test_top_then_a_killed_rank_then_the_same_command_resumes_from_the_same_step_on_every_rank(synced):
     import os
     import signal
 
     from _wait import wait_until
 
+    # 3 epochs of 20 steps: top looks while every rank runs, rank 1 is killed after step 14
     lab, run_id = synced, "nofs-kill"
     cmd = (f"DSCLUSTER_RUN_ID={run_id} OMP_NUM_THREADS=1 {MPIRUN} -x DSCLUSTER_RUN_ID -np 3 --hostfile {lab.hostfile} "
-           f"./entry_cn.sh --config configs/digits.yaml {SHRINK} data.limit=480 epochs=2 checkpoint.every_steps=4")
+           f"./entry_cn.sh --config configs/digits.yaml {SHRINK} data.limit=480 epochs=3 checkpoint.every_steps=4")
     rank1 = lab.path_on("node2", REPO / "runs" / run_id / "metrics" / "rank-1.jsonl")
     argv = lab.command("node1", cmd)
     proc = subprocess.Popen(argv, env=lab.env(node="node1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
+        top_sees_every_nodes_ranks(lab, run_id, proc)
         wait_until(lambda: any(r.get("step", 0) >= 14 for r in records(rank1, "step")), 600,
                    "rank 1 (node2) to pass step 14", interval=0.5)
         pid = _rank_pid(lab, "node2", 1, run_id)
@@ -261,7 +244,7 @@ def test_a_killed_rank_then_the_same_command_resumes_from_the_same_step_on_every
               for node in ("node1", "node2", "node3")}
     # every node, mid-run; a kill that lands between two nodes' commits of `latest` leaves them one save apart
     steps = sorted({int(tag[-8:]) for tag in latest.values()})
-    assert steps[-1] < 40 and (len(steps) == 1 or (len(steps) == 2 and steps[1] - steps[0] == 4)), latest
+    assert steps[-1] < 60 and (len(steps) == 1 or (len(steps) == 2 and steps[1] - steps[0] == 4)), latest
     if len(steps) == 1:   # make that case: node2's `latest` back on its previous save, as such a kill leaves it
         node2_ckpt = lab.path_on("node2", REPO / "runs" / run_id / "checkpoints")
         previous = sorted(p.name for p in node2_ckpt.iterdir() if p.is_dir() and p.name < latest["node2"])[-1]
