@@ -416,7 +416,7 @@ def pull_node3s_cable(job: LabJob, timeout_s: int) -> tuple:
 
 
 @pytest.mark.cluster
-def test_launch_ends_within_the_timeout_when_a_node_vanishes_names_it_and_resumes(faultlab):
+def test_launch_ends_within_the_timeout_when_a_node_vanishes_names_it_and_resumes_after_ctrl_c(faultlab):
     lab, _ = faultlab
     job = lab_start(faultlab, "vanish", launch_cmd("vanish"))
     rc, out, took, _, left, doc = pull_node3s_cable(job, LAB_TIMEOUT_S)
@@ -431,6 +431,13 @@ def test_launch_ends_within_the_timeout_when_a_node_vanishes_names_it_and_resume
     assert summary["failed_host"] == "node3"
     assert [(f["kind"], f["host"]) for f in doc["findings"]][0] == ("host_vanished", "node3"), doc["findings"]
     assert not wait_until_gone(lab, "vanish", time.monotonic() + BOUND_S), "node3 kept its rank after reconnecting"
+    # The same command resumes from the checkpoint before the fault; Ctrl-C on it stops every rank and sampler
+    # (below), and the same command again finishes the run.
+    done = latest_step(job.run)
+    resumed = lab_start(faultlab, "vanish", launch_cmd("vanish"))
+    ctrl_c_stops_every_rank(faultlab, resumed, "launch", LAB_AT + 4)
+    for rank in range(3):
+        assert [r["resumed_from_step"] for r in records(job.run, rank, "start")][1] == done
     assert_resumes(faultlab, "vanish", launch_cmd("vanish"))
 
 
@@ -453,22 +460,25 @@ def test_hand_typed_mpirun_ends_when_a_node_vanishes_through_setups_keepalives(f
     assert any(f["kind"] == "host_vanished" and f["host"] == "node3" for f in doc["findings"])
 
 
-@pytest.mark.cluster
-@pytest.mark.parametrize("how", ["launch", "mpirun"])
-def test_ctrl_c_stops_every_rank_and_sampler_within_the_timeout(faultlab, how):
+def ctrl_c_stops_every_rank(faultlab, job: LabJob, how: str, at_step: int) -> None:
+    """Ctrl-C on the command once rank 2 has logged `at_step` (a checkpoint behind it): it ends within the
+    process-group timeout, with nothing of the run left on any node; launch exits 130."""
     lab, _ = faultlab
-    run_id = f"ctrl-c-{how}"
-    cmd = launch_cmd(run_id) if how == "launch" else mpirun_cmd(run_id, lab, LAB_TIMEOUT_S)
-    job = lab_start(faultlab, run_id, cmd)
-    job.reach_step(2, LAB_AT)
-    assert latest_step(job.run) >= 4
+    job.reach_step(2, at_step)
+    assert latest_step(job.run) >= at_step - at_step % 4 - 4
     t0 = time.monotonic()
     os.killpg(job.proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
     rc, out = job.wait(LAB_TIMEOUT_S)
-    left = wait_until_gone(lab, run_id, t0 + LAB_TIMEOUT_S)
+    left = wait_until_gone(lab, job.run.name, t0 + LAB_TIMEOUT_S)
     print(f"Ctrl-C on {how}: returned {rc} after {time.monotonic() - t0:.1f} s")
     assert rc not in (None, 0), out[-3000:]
     assert rc == 130 or how == "mpirun"
     assert not left, f"still running {LAB_TIMEOUT_S} s after Ctrl-C: {left}"
-    if how == "launch":
-        assert_resumes(faultlab, run_id, cmd)
+
+
+@pytest.mark.cluster
+def test_ctrl_c_on_the_hand_typed_mpirun_stops_every_rank_and_sampler_within_the_timeout(faultlab):
+    # Ctrl-C on launch, and the same command resuming after it: the vanished-node test above
+    lab, _ = faultlab
+    job = lab_start(faultlab, "ctrl-c-mpirun", mpirun_cmd("ctrl-c-mpirun", lab, LAB_TIMEOUT_S))
+    ctrl_c_stops_every_rank(faultlab, job, "mpirun", LAB_AT)
