@@ -12,14 +12,17 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
-from _local_mpirun import ROOT, require_mpirun, train_command
+from _local_mpirun import BIN, ROOT, require_mpirun, train_command
 
+from _wait import scaled
 from dscluster.fsutil import read_jsonl
 
 pytestmark = pytest.mark.slow
@@ -181,31 +184,105 @@ def test_powersgd_reaches_the_uncompressed_accuracy_at_equal_epochs(reference, t
     assert all(s["comm_s"] is not None for s in records(run, 1, "step"))
 
 
-def test_killed_after_epoch_1_resumes_without_repeating_or_losing_steps(reference, tmp_path):
-    rc, out, _ = mpirun(tmp_path, "resume", fault=f"exit:rank=1,step={STEPS_PER_EPOCH + 1}")
-    assert rc != 0
-    run = tmp_path / "resume"
-    assert (run / "checkpoints" / "latest").read_text().strip() == f"epoch0000-step{STEPS_PER_EPOCH:08d}"
-    first = [s["step"] for s in records(run, 0, "step")]
-    assert first == list(range(1, STEPS_PER_EPOCH + 1))
+# --- rank 1 SIGKILLed mid-epoch, then the same command resumes ----------------------------------------
 
-    # The resumed run goes on for two epochs of the same schedule, then rank 1 leaves again:
-    # every step it trains is the uninterrupted reference's step, with the same loss, and its held-out
-    # evaluations are the reference's, so it ends where the reference ended.
-    stop = 3 * STEPS_PER_EPOCH + 1
-    rc, out, _ = mpirun(tmp_path, "resume", "checkpoint.resume=true", fault=f"exit:rank=1,step={stop}")
-    assert rc != 0 and "resumed from" in out, out[-3000:]
+KILL_AT = 30           # rank 1 is SIGKILLed once it has logged this step (mid epoch 1)
+KILL_EVERY = 8         # a checkpoint every 8 optimizer steps, so `latest` lies inside an epoch
+KILL_TIMEOUT_S = 6     # dist.timeout_s of the killed run: the survivor must not wait longer
+STOP_AT = 3 * STEPS_PER_EPOCH + 1   # the resumed run's rank 1 leaves again here (an injected exit)
+
+
+def _rank_pid(run: Path, rank: int) -> int | None:
+    path = run / "metrics" / f"rank-{rank}.jsonl"
+    starts = [r for r in read_jsonl(path) if r["kind"] == "start"] if path.exists() else []
+    return starts[-1]["pid"] if starts else None
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """The preset on 2 ranks, rank 1 SIGKILLed mid epoch 1: the run as it stands; then the same command
+    again, which resumes and goes on until rank 1 leaves again after epoch 3 (the reference's run length and
+    schedule, so every step can be compared with the reference's)."""
+    runs = tmp_path_factory.mktemp("killed")
+    overrides = ["--config", "configs/digits.yaml", "progress=false", f"checkpoint.every_steps={KILL_EVERY}",
+                 f"dist.timeout_s={KILL_TIMEOUT_S}"]
+    cmd, env = train_command(runs, "k", overrides)
+    log = runs / "k.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    pids, killed_at = {}, None
+    try:
+        while proc.poll() is None:
+            pids = {rank: pid for rank in (0, 1) if (pid := _rank_pid(runs / "k", rank))}
+            steps = records(runs / "k", 1, "step") if 1 in pids else []
+            if steps and steps[-1]["step"] >= KILL_AT:
+                os.kill(pids[1], signal.SIGKILL)
+                killed_at = time.time()
+                break
+            time.sleep(0.01)
+        assert killed_at is not None, f"the run ended before rank 1 reached step {KILL_AT}:\n{log.read_text()[-3000:]}"
+        proc.wait(timeout=scaled(300))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    run = runs / "k"
+    after = dict(rc=proc.returncode, out=log.read_text(errors="replace"), exit_s=time.time() - killed_at, pids=pids,
+                 latest=(run / "checkpoints" / "latest").read_text().strip(),
+                 summary=json.loads((run / "summary.json").read_text()),
+                 first_steps={rank: [r["step"] for r in records(run, rank, "step")] for rank in (0, 1)})
+    diag = subprocess.run([str(BIN / "dscluster"), "diagnose", str(run), "--json"], capture_output=True, text=True,
+                          timeout=120)
+    assert diag.returncode in (0, 1), diag.stderr
+    after["diagnosis"] = (diag.returncode, json.loads(diag.stdout))
+    rc2, out2, _ = mpirun(runs, "k", *overrides[3:], fault=f"exit:rank=1,step={STOP_AT}")
+    return dict(after, run=run, rc2=rc2, out2=out2)
+
+
+def test_killed_rank_stops_every_rank_within_the_timeout(killed):
+    print(f"rank 1 SIGKILLed at step >= {KILL_AT}: mpirun exited {killed['rc']} {killed['exit_s']:.1f} s later "
+          f"(process-group timeout {KILL_TIMEOUT_S} s)")
+    assert killed["rc"] != 0
+    assert killed["exit_s"] < scaled(KILL_TIMEOUT_S), killed["out"][-3000:]
+    assert all(not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+               for pid in killed["pids"].values()), "a rank outlived mpirun"
+
+
+def test_run_directory_names_the_dead_rank_and_host_and_the_summary_not_the_survivor(killed):
+    rc, doc = killed["diagnosis"]
+    assert rc == 1 and not doc["healthy"]
+    died = [f for f in doc["findings"] if f["kind"] == "rank_died"]
+    assert [f["rank"] for f in died] == [1], doc["findings"]
+    assert died[0]["host"] == socket.gethostname()
+    assert killed["summary"]["status"] == "failed"
+    assert killed["summary"]["failed_rank"] in (1, None), killed["summary"]
+
+
+def test_killed_mid_epoch_resumes_from_the_last_complete_checkpoint_like_the_uninterrupted_run(killed, reference):
+    """The invariant, not the moment the kill landed (under load rank 1's records trail its steps): `latest`
+    names a checkpoint every rank finished, on the schedule, no older than the last one due before rank 1 logged
+    step KILL_AT, and one rank 0 reached and logged (its log window is flushed before each save). The re-run
+    resumes from exactly there on every rank, no step is lost or repeated, and every step it trains is the
+    uninterrupted reference's step, with the same loss (the data position inside the epoch came back too), and
+    its held-out evaluations are the reference's."""
+    done = int(killed["latest"].rsplit("step", 1)[1])
+    assert done % KILL_EVERY == 0 and done >= KILL_AT // KILL_EVERY * KILL_EVERY, killed["latest"]
+    assert done in killed["first_steps"][0], (killed["latest"], killed["first_steps"][0][-5:])
+    assert killed["rc2"] != 0 and "resumed from" in killed["out2"], killed["out2"][-3000:]
     ref = {rank: {s["step"]: s["loss"] for s in records(reference[0], rank, "step")} for rank in (0, 1)}
     for rank in (0, 1):
-        starts = records(run, rank, "start")
-        assert [s["resumed_from_step"] for s in starts] == [0, STEPS_PER_EPOCH]
-        steps = records(run, rank, "step")
-        assert [s["step"] for s in steps] == list(range(1, stop)), "a step was repeated or lost"
+        starts = records(killed["run"], rank, "start")
+        assert [s["resumed_from_step"] for s in starts] == [0, done]
+        recs = read_jsonl(killed["run"] / "metrics" / f"rank-{rank}.jsonl")
+        again = recs[max(i for i, r in enumerate(recs) if r["kind"] == "start"):]
+        steps = [r for r in again if r["kind"] == "step"]
+        assert [s["step"] for s in steps] == list(range(done + 1, STOP_AT)), "a step was repeated or lost"
+        assert all(s["epoch"] == (s["step"] - 1) // STEPS_PER_EPOCH for s in steps)
         for s in steps:
             assert s["loss"] == pytest.approx(ref[rank][s["step"]], rel=1e-5), (rank, s["step"])
     ref_evals = {e["step"]: e["accuracy"] for e in records(reference[0], 0, "eval")}
-    evals = records(run, 0, "eval")
-    assert [e["step"] for e in evals] == [STEPS_PER_EPOCH * k for k in (1, 2, 3)]
+    evals = [e for e in records(killed["run"], 0, "eval") if e["step"] > done]
+    assert [e["step"] for e in evals] == [STEPS_PER_EPOCH * k for k in (2, 3)]
     assert all(e["accuracy"] == pytest.approx(ref_evals[e["step"]], abs=1e-9) for e in evals), (evals, ref_evals)
 
 
