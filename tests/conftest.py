@@ -44,14 +44,16 @@ def pytest_runtest_makereport(item, call):
 
 
 # `make test` runs three pytest-xdist workers that each take whole files (--dist loadfile), in collection
-# order. The files that take minutes go first, longest first (as `make test`'s --durations list showed
-# them), so that no worker is left alone with one of them at the end while the others have finished.
+# order. The files that take minutes go first, longest first (as `make test`'s --durations list showed them:
+# a fresh clone with one core busy, 2026-11-29), so that no worker is left alone with one of them at the end
+# while the others have finished.
 LONG_FILES_FIRST = (
-    "cluster/test_faults.py", "cluster/test_train_local.py", "cluster/test_launch_lab.py",
-    "unit/test_zero.py", "cluster/test_balanced_exact.py", "cluster/test_comm_local.py",
-    "cluster/test_no_shared_fs.py", "cluster/test_ethernet.py", "cluster/test_launchers_lab.py",
-    "unit/test_bench_cpu.py", "cluster/test_sync_local.py", "unit/test_plan_accuracy.py",
-    "cluster/test_byo_script.py", "cluster/test_plan_lab.py", "cluster/test_demo.py", "cluster/test_install.py",
+    "cluster/test_faults.py", "cluster/test_train_local.py", "cluster/test_comm_local.py",
+    "unit/test_bench_cpu.py", "cluster/test_launchers_lab.py", "cluster/test_no_shared_fs.py",
+    "unit/test_plan_accuracy.py", "cluster/test_ethernet.py", "cluster/test_launch_lab.py",
+    "cluster/test_sync_local.py", "cluster/test_demo.py", "cluster/test_zero_local.py", "cluster/test_plan_lab.py",
+    "cluster/test_byo_script.py", "cluster/test_install.py", "cluster/test_secrets_lab.py",
+    "cluster/test_balanced_exact.py", "unit/test_zero.py",
 )
 
 
