@@ -218,12 +218,13 @@ def ensure_single_process_group() -> None:
             os.environ.pop(k, None)
 
 
-# What a surviving rank sees when a peer died or never joined: the error is about the peer,
-# not about this rank (gloo: connection reset/closed, broken pipe, timed out waiting; NCCL:
-# the watchdog aborted the communicator).
 PEER_FAILURE = "a collective failed: another rank died"
 """How a rank's `end` error begins when a peer's absence failed its collective (loop.record_crash writes
 it; diagnose reads it: such a rank failed because of another, not on its own)."""
+
+# What a surviving rank sees when a peer died or never joined: the error is about the peer,
+# not about this rank (gloo: connection reset/closed, broken pipe, timed out waiting; NCCL:
+# the watchdog aborted the communicator).
 PEER_FAILURE_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Timed out waiting", "Broken pipe",
                         "NCCL communicator was aborted")
 
