@@ -52,3 +52,27 @@ def test_after_close_sigterm_is_the_default_again(tmp_path):
     rc, out = _run(tmp_path, close=True)
     assert rc == -signal.SIGTERM
     assert not Path(f"{out}.then").exists()
+
+
+def test_a_stopped_rank_0_writes_its_end_and_a_summary_only_where_the_run_has_none(tmp_path):
+    import json
+
+    from dscluster.fsutil import read_jsonl
+    from dscluster.rundir.writer import RunLog, RunRecord
+    from dscluster.train.stopped import record_stop
+
+    record = RunRecord(run_id="r", world_size=2, hosts=["node1"], model="m", dataset="digits", epochs=1)
+    for run, earlier in ((tmp_path / "bare", None), (tmp_path / "done", "complete"), (tmp_path / "failed", "failed")):
+        log = RunLog(run, rank=0, host="node1")
+        if earlier:  # the run's own summary (a complete run its launcher stops in its teardown; a rank's failure)
+            log.write_summary({"status": earlier})
+        record_stop(log, record, run, started=0.0, summary=True)()
+        log.close()
+        end = read_jsonl(run / "metrics" / "rank-0.jsonl")[-1]
+        assert (end["kind"], end["status"]) == ("end", "stopped")
+        summary = json.loads((run / "summary.json").read_text())
+        if earlier:
+            assert summary == {"status": earlier}
+        else:
+            assert summary["status"] == "failed" and summary["failed_rank"] is None
+            assert summary["error"].startswith("rank 0 was stopped by SIGTERM before it learned why")

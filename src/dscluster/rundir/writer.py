@@ -66,20 +66,24 @@ class RunLog:
         atomic_write_json(self.run_dir / layout.ENV_DIR / f"rank-{self.rank}.json",
                           redact.redact_doc(snap, values=self._secrets))
 
-    def write_summary(self, summary: dict, *, only_if_absent_or_not_failed: bool = False) -> None:
+    def write_summary(self, summary: dict, *, only_if_absent_or_not_failed: bool = False,
+                      only_if_absent: bool = False) -> None:
         write_summary(self.run_dir, summary, only_if_absent_or_not_failed=only_if_absent_or_not_failed,
-                      secrets=self._secrets)
+                      only_if_absent=only_if_absent, secrets=self._secrets)
 
     def close(self) -> None:
         self.metrics.close()
 
 
 def write_summary(run_dir: Path, summary: dict, *, only_if_absent_or_not_failed: bool = False,
-                  secrets=None) -> None:
+                  only_if_absent: bool = False, secrets=None) -> None:
     """summary.json, atomically, through the one secret rule (`secrets`: values to hide besides the
     environment's, redact.secret_values()); with `only_if_absent_or_not_failed` a failure already
-    there stays."""
+    there stays, with `only_if_absent` any summary already there (a stopped rank's guess never
+    replaces a run's own story, complete or failed)."""
     path = Path(run_dir) / layout.SUMMARY_FILE
+    if only_if_absent and path.exists():
+        return
     if only_if_absent_or_not_failed and path.exists():
         try:
             if json.loads(path.read_text()).get("status") == "failed":

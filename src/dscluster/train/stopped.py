@@ -21,8 +21,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from dscluster.rundir import layout
-
 EXIT_CODE = 128 + signal.SIGTERM
 
 
@@ -98,8 +96,8 @@ def record_stop(log, record, run_dir: Path, started: float, *, summary: bool) ->
 
     def then() -> None:
         log.record("end", status="stopped", error=STOPPED_END)
-        if summary and not (run_dir / layout.SUMMARY_FILE).exists():
+        if summary:
             log.write_summary(record.summary(status="failed", wall_s=round(time.time() - started, 3),
-                                             error=STOPPED.format(run_dir=run_dir)))
+                                             error=STOPPED.format(run_dir=run_dir)), only_if_absent=True)
 
     return then
