@@ -88,9 +88,11 @@ def test_plan_and_train_agree_on_the_run_shape(state, capsys, preset, probes_onc
 
 
 @pytest.mark.slow
-def test_a_training_start_decides_its_precision_once(tmp_path):
+def test_a_training_start_decides_its_precision_once_and_turns_the_collector_back_on(tmp_path):
     """precision.decide_here once per start: the compression check before anything is written and the
-    run itself use the same decision (made on the rank's own GPU), not two that could differ."""
+    run itself use the same decision (made on the rank's own GPU), not two that could differ. And the
+    garbage collector, off while the rank starts (train/startgc.py), is on again for training, with the
+    start-up's objects frozen out of its passes: off for a whole run, cycles would pile up for days."""
     import os
     import subprocess
     import sys
@@ -109,10 +111,14 @@ from dscluster.cli import main
 rc = main(["train", "--config", {str(REPO / "configs/digits.yaml")!r}, "max_steps=1", "epochs=1",
            "checkpoint.every_epochs=0", "progress=false", "comm.compression=fp16"])
 print("decide_here calls:", len(calls))
+import gc
+print("collector on:", gc.isenabled(), "frozen:", gc.get_freeze_count())
 sys.exit(rc)
 """
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
                          cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-4000:]
     assert "decide_here calls: 1" in res.stdout
+    frozen = int(res.stdout.split("frozen:")[1].split()[0])
+    assert "collector on: True" in res.stdout and frozen > 100_000, res.stdout  # torch and friends: ~410,000
     assert json.loads((tmp_path / "once" / "summary.json").read_text())["precision"] == "fp32"

@@ -72,6 +72,9 @@ def options(args: argparse.Namespace) -> PlanOptions:
 
 
 def plan_command(args: argparse.Namespace) -> int:
+    from dscluster.train import startgc
+
+    startgc.pause()  # until a compute probe's first step has imported what training imports (train/startgc.py)
     if args.measure_node:  # on a node, for the head's plan (plan/nodes.py)
         from dscluster.plan.nodeprobe import measure_here
 

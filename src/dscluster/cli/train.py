@@ -81,6 +81,9 @@ def throughput_words(outcome) -> str:
 
 
 def train_command(args: argparse.Namespace) -> int:
+    from dscluster.train import startgc
+
+    startgc.pause()  # until the engine is built (train/startgc.py)
     from dscluster.train.config import load_config, to_yaml
 
     # What the config points at (data folder, timm model, checkpoint to resume) is checked here,

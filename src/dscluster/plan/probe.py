@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, replace
 
 from dscluster.errors import UsageError
+from dscluster.train import startgc
 
 CPU_PROBE_BATCH = 4
 """On CPU the probe runs at most this many samples and scales linearly when the micro-batch is
@@ -240,6 +241,7 @@ def measure_compute(cfg, in_chans: int, num_classes: int, micro: int, slow_ms: i
         step()  # the first step pays once: compilation where training compiles, allocator, kernels
         probe.sync()
         first = time.perf_counter() - t0
+        startgc.settle()  # every import done (train/startgc.py), as training's engine build leaves it
         if probe.cuda:
             per_batch = gpu_seconds_per_step(step, probe.sync, samples=times)
         else:

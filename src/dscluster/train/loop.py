@@ -32,7 +32,7 @@ from dscluster.fsutil import atomic_write_json, atomic_write_text
 from dscluster.plan import predicted
 from dscluster.rundir import agree, layout
 from dscluster.rundir.writer import RunLog, RunRecord
-from dscluster.train import datacache, dist, evaluation, faults, guards, localsgd
+from dscluster.train import datacache, dist, evaluation, faults, guards, localsgd, startgc
 from dscluster.train.checkpoint import Checkpointer, Position
 from dscluster.train.config import TrainConfig, to_yaml
 from dscluster.train.config_checks import ConfigValueError, compression_conflict, sync_conflict
@@ -252,6 +252,7 @@ class Trainer:
                                  calibrate=calibrate, faults=fault_hook)
         self.b = build(cfg, rank.info, rank.device, rank.precision, evaluates=evaluation.evaluates(cfg, rank.primary),
                        node_local_checkpoints=self.ckpt.node_local, faults=fault_hook)
+        startgc.settle()  # every import done, the engine built: the collector back, past all of it
         self.boundary = StepBoundary(self.b.engine, cfg, rank.precision)
         self.spe, self.total = self.b.sampler.steps_per_epoch, self.b.total_steps
         if localsgd.local(cfg) and rank.info.world_size > 1:
