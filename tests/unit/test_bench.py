@@ -135,6 +135,32 @@ def test_repeats_report_the_median_run_and_never_hide_a_failure():
         vit.validate(vit.VitBenchOptions(repeat=0), device_count=1)
 
 
+
+def test_repeats_alternate_the_two_paths_and_keep_every_pair(tmp_path, monkeypatch):
+    # --repeat 2 on one GPU count: dscluster, baseline, dscluster, baseline (a drift of the host hits both alike),
+    # each its own run directory or result file; the median run of each path and both pairs' ratios are reported.
+    # The processes themselves run in unit/test_bench_cpu.py (one repeat there).
+    calls = []
+
+    def ds_run(opts, gpus, work, run_id):
+        calls.append(run_id)
+        return {"status": "complete", "images_per_s": {"ds-g1": 120.0, "ds-g1-r2": 100.0}[run_id], "micro_batch": 8}
+
+    def baseline_run(opts, gpus, micro, work, name):
+        calls.append(f"{name}@{micro}")
+        return {"status": "complete", "images_per_s": {"baseline-g1": 150.0, "baseline-g1-r2": 125.0}[name]}
+
+    monkeypatch.setattr(vit, "_ds_run", ds_run)
+    monkeypatch.setattr(vit, "_baseline_run", baseline_run)
+    doc, path = vit.run(vit.VitBenchOptions(model="tiny", device="cpu", repeat=2, out=str(tmp_path / "results"),
+                                            work_dir=str(tmp_path / "work")))
+    assert calls == ["ds-g1", "baseline-g1@8", "ds-g1-r2", "baseline-g1-r2@8"]
+    (row,) = doc["results"]
+    assert row["dscluster"]["images_per_s"] == 100.0 and row["dscluster"]["repeats"] == [120.0, 100.0]
+    assert row["baseline"]["images_per_s"] == 125.0 and row["baseline"]["repeats"] == [150.0, 125.0]
+    assert row["ratios"] == [120.0 / 150.0, 100.0 / 125.0] and row["ratio"] == 100.0 / 125.0
+    assert json.loads(path.read_text())["results"] == doc["results"]
+
 def _fake_run(run_dir, step_times, world=2, micro=8, status="complete", summary=None):
     """A run directory as `dscluster train` writes it (metrics contract): step i took step_times[i] s."""
     for rank in range(world):

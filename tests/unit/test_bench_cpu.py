@@ -28,7 +28,7 @@ def _bench(args, tmp_path):
 
 
 def test_bench_vit_cpu_runs_both_paths_and_writes_a_result(tmp_path):
-    out, files = _bench(["vit", "--gpus", "1", "--steps", "3", "--warmup", "1", "--repeat", "2"], tmp_path)
+    out, files = _bench(["vit", "--gpus", "1", "--steps", "3", "--warmup", "1"], tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert [f.name.endswith("-cpu.json") for f in files] == [True]
     doc = json.loads(files[0].read_text())
@@ -38,11 +38,9 @@ def test_bench_vit_cpu_runs_both_paths_and_writes_a_result(tmp_path):
     assert row["baseline"]["status"] == "complete" and row["baseline"]["images_per_s"] > 0
     assert row["baseline"]["micro_batch"] == row["dscluster"]["micro_batch"]
     assert row["ratio"] > 0
-    # --repeat 2: both paths ran twice, alternating, each its own run directory / result
-    assert len(row["dscluster"]["repeats"]) == 2 and len(row["baseline"]["repeats"]) == 2
-    assert len(row["ratios"]) == 2 and all(r > 0 for r in row["ratios"])
+    # each path its own run directory / result (--repeat's alternation: unit/test_bench.py)
     work = tmp_path / "work"
-    assert (work / "ds-g1-r2" / "metrics").is_dir() and (work / "baseline-g1-r2.json").is_file()
+    assert (work / "ds-g1" / "metrics").is_dir() and (work / "baseline-g1.json").is_file()
     assert "dscluster" in out.stdout and "baseline" in out.stdout  # the table
 
 
