@@ -137,7 +137,10 @@ def test_rank_killed_under_srun_ends_the_job_on_every_node_naming_the_rank(lab2,
     rc, out = ended(proc, log)
     print(f"rank 1 SIGKILLed under srun: launch --submit exited {rc} after {time.monotonic() - t0:.1f} s")
     assert rc not in (0, None) and job_state(slurm, job) == "FAILED", out[-3000:]
-    assert f"srun: error: {host}: task 1: Exited with exit code 137" in out, out[-3000:]  # streamed by launch
+    # streamed by launch: srun's word on task 1, its SIGKILL, unless rank 0 saw the closed connection and exited
+    # first, when srun reports task 0's exit and terminates task 1 (which one srun sees first is a race of the two
+    # nodes' exits); the rank that died is named by diagnose (below) either way
+    assert re.search(rf"srun: error: {host}: task 1: (Exited with exit code 137|Terminated)", out), out[-3000:]
     assert f"dscluster launch: Slurm job {job} ended FAILED" in out, out[-3000:]
     assert_gone_everywhere(lab2, run.name)
     assert json.loads((run / "summary.json").read_text())["status"] == "failed"
