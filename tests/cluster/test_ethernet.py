@@ -2,9 +2,9 @@
 before any run (exit 1, the node or pair named, the fix given), fixed the way the fix says, and
 then the README command trains.
 
-One lab carries four faults at once: node2 has MTU 9000 behind a 1500 switch and a firewall that
-leaves only ssh and the master port open, node3 a 20 Mbit/s cable, and node1 a second NIC whose route
-takes its traffic to the other nodes (one lab, one setup, two checks and two runs for all four).
+One lab carries three faults at once (node2: MTU 9000 behind a 1500 switch and a firewall that
+leaves only ssh and the master port open; node3: a 20 Mbit/s cable); a second, two-node lab has a
+second NIC on node2 whose route takes its traffic to the other node.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 from _wait import scaled
 from dscluster.sim.netfaults import SECOND_NIC, NetFaults, repair_argv
 
-# Slow, and must stay so: one lab with every fault, `check` with its active tests twice (before and after the
+# Slow, and must stay so: a lab per fault, `check` with its active tests twice (before and after the
 # fix), then the README command.
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -80,7 +80,9 @@ def readme_command_fails_within_the_timeout_and_diagnose_names_the_data_path(lab
                        f"{README_ARGS.replace('configs/', f'{REPO}/configs/')} dist.timeout_s=10", timeout=scaled(300))
     took = time.monotonic() - start
     assert res.returncode != 0, res.stdout[-2000:]
-    [run] = set((lab.shared / "work" / "runs").glob("*")) - before
+    new = set((lab.shared / "work" / "runs").glob("*")) - before
+    assert len(new) == 1, (new, res.returncode, res.stdout[-3000:], res.stderr[-3000:])  # mpirun itself ran
+    [run] = new
     diag = in_work(lab, f"{DSCLUSTER} diagnose {run} --json", timeout=120)
     kinds = [f["kind"] for f in json.loads(diag.stdout)["findings"]]
     assert kinds[0] == "data_path_blocked", kinds
@@ -130,20 +132,11 @@ def plain_mpirun_keeps_off_the_decoy_docker0(lab) -> None:
             conf.with_suffix(".aside").rename(conf)
 
 
-def test_mtu_firewall_slow_link_and_second_nic_are_named_before_the_run_and_the_fix_makes_it_train(lab_factory):
-    faults = NetFaults(mtu={"node2": 9000}, firewall={"node2": [29500]}, link={"node3": "20mbit"},
-                       second_nic=["node1"])
+def test_mtu_firewall_and_slow_link_are_named_before_the_run_and_the_fix_makes_it_train(lab_factory):
+    faults = NetFaults(mtu={"node2": 9000}, firewall={"node2": [29500]}, link={"node3": "20mbit"})
     lab = prepared(lab_factory, "ethlab", 3, faults)
     rc, doc = check(lab)
     assert rc == 1 and not doc["ok"]
-
-    # Second NIC: node1's traffic to the other nodes leaves by it, and check named it and chose the lab NIC
-    # for NCCL and gloo anyway.
-    [nic] = errors(doc, "nic")
-    iface1 = lab.node("node1").iface
-    assert nic["node"] == "node1" and f"leaves by {SECOND_NIC}, not by {iface1}" in nic["what"], nic
-    assert f"dev {SECOND_NIC}" in nic["what"] and "ip route del" in nic["fix"]
-    assert doc["network"]["iface"]["node1"] == iface1
 
     # MTU: the interface compared across nodes, and the don't-fragment frame from node2 lost.
     mtu = errors(doc, "mtu")
@@ -174,4 +167,22 @@ def test_mtu_firewall_slow_link_and_second_nic_are_named_before_the_run_and_the_
                      (doc["active"].get("mpi_hello") or {}).get("output"))
     assert doc["active"]["allreduce"]["ok"]
     plain_mpirun_keeps_off_the_decoy_docker0(lab)
+    readme_command_trains(lab)
+
+
+def test_traffic_leaving_by_a_second_nic_is_named_and_the_fix_makes_it_train(lab_factory):
+    lab = prepared(lab_factory, "ethnic", 2, NetFaults(second_nic=["node2"]))
+    rc, doc = check(lab)
+    assert rc == 1
+    [nic] = errors(doc, "nic")
+    iface = lab.node("node2").iface
+    assert nic["node"] == "node2" and f"leaves by {SECOND_NIC}, not by {iface}" in nic["what"], nic
+    assert f"dev {SECOND_NIC}" in nic["what"] and "ip route del" in nic["fix"]
+    # check chose the lab NIC, not the second one, for NCCL and gloo
+    assert doc["network"]["iface"]["node2"] == iface
+
+    repair(lab)
+    rc, doc = check(lab)
+    assert rc == 0, ([(f["node"], f["check"], f["what"]) for f in doc["findings"] if f["severity"] != "info"],
+                     (doc["active"].get("mpi_hello") or {}).get("output"))
     readme_command_trains(lab)
