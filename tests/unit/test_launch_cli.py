@@ -165,6 +165,26 @@ def test_torchrun_exit_code_is_the_first_failed_nodes():
     assert nodes_exit_code([NodeResult("node1", 1, ended=2.0), NodeResult("node2", 137, ended=1.0)]) == 137
 
 
+def test_the_node_where_a_rank_died_comes_first_even_when_the_survivors_node_ended_sooner(tmp_path):
+    # rank 1 on node2 SIGKILLed (its metrics stop without an end record); rank 0 on node1 failed at once on the
+    # closed connection and its torchrun ended first: the run directory, not the order of the ends, names node2
+    from dscluster.fsutil import JsonlWriter
+    from dscluster.launch.run import NodeResult, failed_first, nodes_exit_code
+
+    for rank, host in ((0, "node1"), (1, "node2")):
+        with JsonlWriter(tmp_path / "metrics" / f"rank-{rank}.jsonl") as w:
+            w.write({"kind": "start", "t": 1.0, "rank": rank, "host": host, "world_size": 2})
+            w.write({"kind": "step", "t": 2.0, "rank": rank, "host": host, "step": 1})
+            if rank == 0:
+                w.write({"kind": "end", "t": 3.0, "rank": 0, "host": host, "status": "failed",
+                         "error": "a collective failed: another rank died or never joined"})
+    results = [NodeResult("node1", 1, ended=3.0), NodeResult("node2", 2, ended=4.0)]
+    assert [r.host for r in failed_first(results, tmp_path)] == ["node2", "node1"]
+    assert nodes_exit_code(results, tmp_path) == 2
+    # no run directory to read (no shared filesystem): the first to end, as before
+    assert [r.host for r in failed_first(results, tmp_path / "absent")] == ["node1", "node2"]
+
+
 # --- a launcher that does not end by itself (run_job's watch) -------------------------------------
 
 PRTE_LOST = """cat >&2 <<'EOF'

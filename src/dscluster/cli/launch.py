@@ -273,17 +273,18 @@ def _run_torchrun(args: argparse.Namespace, report: dict, plan: builders.LaunchP
           f"(torchrun on {len(commands)} nodes, rendezvous {plan.master_addr}:{plan.master_port})", file=sys.stderr)
     results = run_over_ssh(commands, known_hosts=out.state_dir / "known_hosts",
                            key_filename=str(key) if key.exists() else None)
-    bad = failed_first(results)
+    bad = failed_first(results, report["run_dir"])
     for r in bad:
         print(f"dscluster launch: {r.host}: " + (r.error or f"torchrun exited {r.rc}"), file=sys.stderr)
     if bad:
-        # The first node to fail is where the job broke; torchrun's report above it names the rank.
+        # Where a rank died (the run directory) or else the first node to fail is where the job broke;
+        # torchrun's report above it names the rank.
         then = f" (then {', '.join(r.host for r in bad[1:])})" if bad[1:] else ""
         run_dir = report["run_dir"]
         print(f"dscluster launch: torchrun failed on {bad[0].host} first{then}; "
               f"per-rank logs and metrics are in {run_dir}; `dscluster diagnose {run_dir}` names the rank",
               file=sys.stderr)
-    return nodes_exit_code(results)
+    return nodes_exit_code(results, report["run_dir"])
 
 
 def _write_slurm(args: argparse.Namespace, report: dict, plan: builders.LaunchPlan, out: CheckOutput) -> int:

@@ -321,15 +321,33 @@ def run_over_ssh(commands: list[NodeCommand], *, known_hosts: Path, key_filename
     return [results.get(c.host, NodeResult(c.host, None, "stopped: another node failed")) for c in commands]
 
 
-def failed_first(results: list[NodeResult]) -> list[NodeResult]:
-    """The nodes whose command failed, the first to end first (stopped ones last)."""
-    return sorted((r for r in results if r.rc != 0), key=lambda r: r.ended)
+def died_on(run_dir: str | Path | None) -> set[str]:
+    """Hosts of the ranks whose metrics stop without an end record (a SIGKILL, the OOM killer, a crash), as the
+    run directory says here; empty where it cannot be read (no shared filesystem, no run yet)."""
+    if not run_dir:
+        return set()
+    from dscluster.analysis.load import load_run
+    from dscluster.errors import UsageError
+
+    try:
+        run = load_run(run_dir)
+    except (UsageError, OSError, ValueError):
+        return set()
+    return {rm.host for rm in run.ranks.values() if rm.end is None and rm.host}
 
 
-def nodes_exit_code(results: list[NodeResult]) -> int:
-    """The first failed node's own exit code; 1 when a node failed without one (no connection,
+def failed_first(results: list[NodeResult], run_dir: str | Path | None = None) -> list[NodeResult]:
+    """The nodes whose command failed: where a rank died first (`died_on`, by host name), then the first to end
+    first (stopped ones last). When a rank dies, the rank that only waited for it can end first (a closed
+    connection fails its collective at once), so the order of the nodes' ends alone named the wrong node."""
+    died = died_on(run_dir)
+    return sorted((r for r in results if r.rc != 0), key=lambda r: (r.host not in died, r.ended))
+
+
+def nodes_exit_code(results: list[NodeResult], run_dir: str | Path | None = None) -> int:
+    """The first failed node's own exit code (`failed_first`); 1 when a node failed without one (no connection,
     stopped, or an SSH server that sent no status: Paramiko's -1)."""
-    for r in failed_first(results):
+    for r in failed_first(results, run_dir):
         if r.rc:
             return r.rc if r.rc > 0 else 1
     return 1 if any(r.rc is None for r in results) else 0
