@@ -156,6 +156,9 @@ def test_plan_with_a_damaged_curves_file_exits_2_and_writes_nothing(tmp_path, mo
     assert "curves.json: damaged: field curves[0].points[0] is [78]" in err and "delete" in err
     assert sorted(p.name for p in (tmp_path / "state").iterdir()) == ["curves.json"]  # no plans.json written
     assert (tmp_path / "state" / "curves.json").read_text() == bad
+    import gc
+
+    assert gc.isenabled()  # plan, run inside this process, gave the garbage collector back (train/startgc.py)
 
 
 @pytest.mark.slow  # real `dscluster train` processes (torch and DeepSpeed start-ups, digits epochs)

@@ -74,7 +74,11 @@ def options(args: argparse.Namespace) -> PlanOptions:
 def plan_command(args: argparse.Namespace) -> int:
     from dscluster.train import startgc
 
-    startgc.pause()  # until a compute probe's first step has imported what training imports (train/startgc.py)
+    with startgc.start_up():  # the collector off until a compute probe's first step (train/startgc.py)
+        return _plan(args)
+
+
+def _plan(args: argparse.Namespace) -> int:
     if args.measure_node:  # on a node, for the head's plan (plan/nodes.py)
         from dscluster.plan.nodeprobe import measure_here
 

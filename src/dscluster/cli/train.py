@@ -83,7 +83,11 @@ def throughput_words(outcome) -> str:
 def train_command(args: argparse.Namespace) -> int:
     from dscluster.train import startgc
 
-    startgc.pause()  # until the engine is built (train/startgc.py)
+    with startgc.start_up():  # the collector off until the engine is built (train/startgc.py)
+        return _train(args)
+
+
+def _train(args: argparse.Namespace) -> int:
     from dscluster.train.config import load_config, to_yaml
 
     # What the config points at (data folder, timm model, checkpoint to resume) is checked here,
