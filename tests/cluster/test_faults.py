@@ -6,7 +6,7 @@ Real mpirun on localhost (2 CPU ranks, DeepSpeed on gloo), the digits preset shr
 overrides so each run is start-up plus a few seconds: marked slow. The disk-full test mounts a
 small tmpfs and so needs root (skipped with the reason otherwise). Each scenario is one
 module-scoped run shared by the tests that read it. A vanished node and Ctrl-C need several
-machines: those run on a simulated 3-node lab (marked cluster, root only), after the real
+machines: those run on a simulated 2-node lab (marked cluster, root only), after the real
 `dscluster setup` and `check`.
 
 Process-group timeout used here: dist.timeout_s = TIMEOUT_S (6 s; the preset's default is
@@ -196,8 +196,14 @@ def _disk_full_scenario(runs: Path, ckpt: Path) -> None:
 
 LAB_TIMEOUT_S = 30
 BOUND_S = 90            # the promise: the job has ended within dist.timeout_s + BOUND_S
-STARTUP_S = 300         # 3 ranks starting DeepSpeed on 2 shared cores
-LAB_AT = 10             # the fault comes once rank 2 has logged this step (a checkpoint was at 8)
+STARTUP_S = 300         # ranks starting DeepSpeed on 2 shared cores, beside other tests' jobs
+LAB_AT = 10             # the fault comes once the last rank has logged this step (a checkpoint was at 8)
+# node1 runs the commands; the other node is the one that vanishes. Two nodes show what three did (a node's
+# cable pulled, the head's own rank ending within the bound, the vanished node named) with one rank fewer to start
+# in each of the five jobs here.
+LAB_NODES = 2
+GONE = f"node{LAB_NODES}"
+LAST_RANK = LAB_NODES - 1
 LAB_ARGS = ("--config", "configs/digits.yaml", "data.limit=640", "epochs=3", "checkpoint.every_steps=4",
             "progress=false")
 
@@ -230,9 +236,9 @@ class LabJob:
 
 @pytest.fixture(scope="module")
 def faultlab(lab_factory):
-    """3 nodes after the real `dscluster setup` (which writes ~/.prte/mca-params.conf) and `check`;
+    """LAB_NODES nodes after the real `dscluster setup` (which writes ~/.prte/mca-params.conf) and `check`;
     commands run in node1 as the lab user from a working directory on the shared disk."""
-    lab = lab_factory("faultlab", nodes=3, slots=1)
+    lab = lab_factory("faultlab", nodes=LAB_NODES, slots=1)
     work = lab.shared / "work"
     work.mkdir(parents=True, exist_ok=True)
     os.chown(work, lab.uid, lab.gid)
@@ -259,7 +265,7 @@ def launch_cmd(run_id: str, timeout_s: int = LAB_TIMEOUT_S) -> str:
 
 def mpirun_cmd(run_id: str, lab, timeout_s: int) -> str:
     """The hand-typed command (with a fixed run id, so the test can find the run directory)."""
-    return (f"env DSCLUSTER_RUN_ID={run_id} {MPIRUN} -x DSCLUSTER_RUN_ID -np 3 --hostfile {lab.hostfile} "
+    return (f"env DSCLUSTER_RUN_ID={run_id} {MPIRUN} -x DSCLUSTER_RUN_ID -np {LAB_NODES} --hostfile {lab.hostfile} "
             f"{ROOT}/entry_cn.sh {' '.join(LAB_ARGS)} dist.timeout_s={timeout_s}")
 
 
@@ -294,21 +300,21 @@ def assert_resumes(faultlab, run_id: str, cmd: str) -> None:
     done = latest_step(job.run)
     rc, out = job.wait(scaled(STARTUP_S + 300))
     assert rc == 0, out[-3000:]
-    for rank in range(3):
+    for rank in range(LAB_NODES):
         again = last_attempt(job.run, rank)
         assert again[0]["resumed_from_step"] == done
         total = again[0]["steps_per_epoch"] * 3  # epochs=3
         assert [r["step"] for r in again if r["kind"] == "step"] == list(range(done + 1, total + 1))
 
 
-def pull_node3s_cable(job: LabJob, timeout_s: int) -> tuple:
-    """Disconnect node3 once rank 2 reached LAB_AT; wait (within the promised bound) for the
-    command and then for every process of the run on node1/node2; diagnose; reconnect.
+def pull_the_cable(job: LabJob, timeout_s: int) -> tuple:
+    """Disconnect GONE once its rank (the last) reached LAB_AT; wait (within the promised bound) for the
+    command and then for every process of the run on the other nodes; diagnose; reconnect.
     Returns (exit code or None, output, s to exit, s until the run's processes were gone,
     processes left per node, diagnose document)."""
-    job.reach_step(2, LAB_AT)
+    job.reach_step(LAST_RANK, LAB_AT)
     run_id, t0 = job.run.name, time.monotonic()
-    job.lab.disconnect("node3")
+    job.lab.disconnect(GONE)
     try:
         rc, out = job.wait(timeout_s + BOUND_S)
         took = time.monotonic() - t0
@@ -316,32 +322,32 @@ def pull_node3s_cable(job: LabJob, timeout_s: int) -> tuple:
         gone = time.monotonic() - t0
         doc = diagnose(job.run)[1]
     finally:
-        job.lab.reconnect("node3")
-    return rc, out, took, gone, {n: p for n, p in left.items() if n != "node3"}, doc
+        job.lab.reconnect(GONE)
+    return rc, out, took, gone, {n: p for n, p in left.items() if n != GONE}, doc
 
 
 @pytest.mark.cluster
 def test_launch_ends_within_the_timeout_when_a_node_vanishes_names_it_and_resumes_after_ctrl_c(faultlab):
     lab, _ = faultlab
     job = lab_start(faultlab, "vanish", launch_cmd("vanish"))
-    rc, out, took, _, left, doc = pull_node3s_cable(job, LAB_TIMEOUT_S)
-    print(f"node3 disconnected after step {LAB_AT}: launch returned {rc} after {took:.1f} s "
+    rc, out, took, _, left, doc = pull_the_cable(job, LAB_TIMEOUT_S)
+    print(f"{GONE} disconnected after step {LAB_AT}: launch returned {rc} after {took:.1f} s "
           f"(dist.timeout_s {LAB_TIMEOUT_S})")
     assert rc not in (None, 0), out[-3000:]
     assert took < LAB_TIMEOUT_S + BOUND_S
     assert not left, left
-    assert "dscluster launch: node3 vanished" in out, out[-2000:]
+    assert f"dscluster launch: {GONE} vanished" in out, out[-2000:]
     summary = json.loads((job.run / "summary.json").read_text())
-    assert summary["status"] == "failed" and summary["vanished_hosts"] == ["node3"], summary
-    assert summary["failed_host"] == "node3"
-    assert [(f["kind"], f["host"]) for f in doc["findings"]][0] == ("host_vanished", "node3"), doc["findings"]
-    assert not wait_until_gone(lab, "vanish", time.monotonic() + BOUND_S), "node3 kept its rank after reconnecting"
+    assert summary["status"] == "failed" and summary["vanished_hosts"] == [GONE], summary
+    assert summary["failed_host"] == GONE
+    assert [(f["kind"], f["host"]) for f in doc["findings"]][0] == ("host_vanished", GONE), doc["findings"]
+    assert not wait_until_gone(lab, "vanish", time.monotonic() + BOUND_S), f"{GONE} kept its rank after reconnecting"
     # The same command resumes from the checkpoint before the fault; Ctrl-C on it stops every rank and sampler
     # (below), and the same command again finishes the run.
     done = latest_step(job.run)
     resumed = lab_start(faultlab, "vanish", launch_cmd("vanish"))
     ctrl_c_stops_every_rank(faultlab, resumed, "launch", LAB_AT + 4)
-    for rank in range(3):
+    for rank in range(LAB_NODES):
         assert [r["resumed_from_step"] for r in records(job.run, rank, "start")][1] == done
     assert_resumes(faultlab, "vanish", launch_cmd("vanish"))
 
@@ -354,22 +360,22 @@ def test_hand_typed_mpirun_ends_when_a_node_vanishes_through_setups_keepalives(f
     timeout_s = LAB_TIMEOUT_S
     job = lab_start(faultlab, "vanish-mpirun", mpirun_cmd("vanish-mpirun", lab, timeout_s))
     # mpirun leaves node1's rank to fail on its own; that rank writes the summary as it goes
-    rc, out, took, stopped, left, doc = pull_node3s_cable(job, timeout_s)
-    print(f"node3 disconnected: hand-typed mpirun returned {rc} after {took:.1f} s, its last rank ended "
+    rc, out, took, stopped, left, doc = pull_the_cable(job, timeout_s)
+    print(f"{GONE} disconnected: hand-typed mpirun returned {rc} after {took:.1f} s, its last rank ended "
           f"after {stopped:.1f} s (dist.timeout_s {timeout_s})")
     assert rc is not None and took < timeout_s + BOUND_S, out[-3000:]
-    assert "Remote daemon" in out and "on node node3" in out
+    assert "Remote daemon" in out and f"on node {GONE}" in out
     assert not left, left
     summary = json.loads((job.run / "summary.json").read_text())
-    assert summary["vanished_hosts"] == ["node3"], summary
-    assert any(f["kind"] == "host_vanished" and f["host"] == "node3" for f in doc["findings"])
+    assert summary["vanished_hosts"] == [GONE], summary
+    assert any(f["kind"] == "host_vanished" and f["host"] == GONE for f in doc["findings"])
 
 
 def ctrl_c_stops_every_rank(faultlab, job: LabJob, how: str, at_step: int) -> None:
-    """Ctrl-C on the command once rank 2 has logged `at_step` (a checkpoint behind it): it ends within the
+    """Ctrl-C on the command once the last rank has logged `at_step` (a checkpoint behind it): it ends within the
     process-group timeout, with nothing of the run left on any node; launch exits 130."""
     lab, _ = faultlab
-    job.reach_step(2, at_step)
+    job.reach_step(LAST_RANK, at_step)
     assert latest_step(job.run) >= at_step - at_step % 4 - 4
     t0 = time.monotonic()
     os.killpg(job.proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
