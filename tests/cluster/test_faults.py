@@ -198,9 +198,10 @@ LAB_TIMEOUT_S = 30
 BOUND_S = 90            # the promise: the job has ended within dist.timeout_s + BOUND_S
 STARTUP_S = 300         # ranks starting DeepSpeed on 2 shared cores, beside other tests' jobs
 LAB_AT = 10             # the fault comes once the last rank has logged this step (a checkpoint was at 8)
-# node1 runs the commands; the other node is the one that vanishes. Two nodes show what three did (a node's
-# cable pulled, the head's own rank ending within the bound, the vanished node named) with one rank fewer to start
-# in each of the five jobs here.
+# node1 runs the commands; the other node is the one that vanishes: its cable pulled, the head's own rank ending
+# within the bound, the vanished node named, with one rank fewer to start in each of the five jobs here than on
+# three nodes. A bystander node's ranks, which mpirun ends through its daemon there whatever ended the job, are
+# watched on test_launch_lab.py's third node (test_a_killed_rank_tears_the_job_down_everywhere).
 LAB_NODES = 2
 GONE = f"node{LAB_NODES}"
 LAST_RANK = LAB_NODES - 1

@@ -5,7 +5,9 @@ Cluster commands run in node1 as the lab user from a working directory on the la
 disk (like an NFS home): `dscluster check` leaves .dscluster/ there, and mpirun starts every
 rank in that directory, so no exported variable is needed to find the check output or the run
 directory. The README's literal `mpirun -np 3 --hostfile H entry_cn.sh` (the preset to 90%, per-node
-interfaces, telemetry from every node) runs in test_demo.py, as `make demo` runs it.
+interfaces, telemetry from every node) runs in test_demo.py, as `make demo` runs it. Three nodes here, not two:
+a killed rank's job must end on node3 too, a bystander that neither runs mpirun nor lost the rank
+(test_faults.py's vanished node relies on this for the daemons' teardown).
 """
 
 from __future__ import annotations

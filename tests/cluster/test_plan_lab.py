@@ -23,7 +23,7 @@ def test_plan_measures_every_node_on_itself_and_names_the_slowed_one(cluster):
     # training's rank would: on CPU it sleeps 4 s a step, far above this machine's noise. The lab's
     # nodes share this machine's cores, so the probes run one thread each (OMP_NUM_THREADS travels
     # with them): with 2 threads each, 3 probes on a 2-core CI machine spun 6 s for a 0.04 s step. Two nodes:
-    # one slowed, one not, each measured on itself (a third, unslowed, showed nothing more for a probe's start-up)
+    # one slowed, one not, each measured on itself (a third, unslowed node cost a probe's start-up and showed no more)
     fault = "slow_gpu:rank=1,ms=4000"
     res = cluster.sh(f"OMP_NUM_THREADS=1 DSCLUSTER_FAULT={shlex.quote(fault)} {DSCLUSTER} plan "
                      f"--hostfile {cluster.hostfile} --config {REPO}/configs/digits.yaml --busbw 1.0 "
