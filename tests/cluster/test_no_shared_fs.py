@@ -224,7 +224,11 @@ def test_top_then_a_killed_rank_then_the_same_command_resumes_from_the_same_step
     cmd = (f"DSCLUSTER_RUN_ID={run_id} OMP_NUM_THREADS=1 {MPIRUN} -x DSCLUSTER_RUN_ID -np 3 --hostfile {lab.hostfile} "
            f"./entry_cn.sh --config configs/digits.yaml {SHRINK} data.limit=480 epochs=3 checkpoint.every_steps=4")
     rank1 = lab.path_on("node2", REPO / "runs" / run_id / "metrics" / "rank-1.jsonl")
-    argv = lab.command("node1", cmd)
+    # The first run only (test-only): rank 1 holds each step's last gradient bucket 250 ms, so that the 60 steps take
+    # 15 s or more. Unslowed, they ran out while top sampled the nodes on a machine with a busy core, and the kill
+    # found the run already finished (every node's `latest` at step 60).
+    slowed = cmd.replace("-x DSCLUSTER_RUN_ID", "-x DSCLUSTER_RUN_ID -x DSCLUSTER_FAULT", 1)
+    argv = lab.command("node1", f"DSCLUSTER_FAULT=slow_comm:rank=1,ms=250 {slowed}")
     proc = subprocess.Popen(argv, env=lab.env(node="node1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
@@ -240,6 +244,8 @@ def test_top_then_a_killed_rank_then_the_same_command_resumes_from_the_same_step
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode != 0, out[-3000:]
+    held = [r["comm_s"] for r in records(rank1, "step")]
+    assert held and min(held) >= 0.2, held  # the slowed first run: rank 1 held every step's last bucket
     latest = {node: lab.path_on(node, REPO / "runs" / run_id / "checkpoints" / "latest").read_text().strip()
               for node in ("node1", "node2", "node3")}
     # every node, mid-run; a kill that lands between two nodes' commits of `latest` leaves them one save apart
