@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -91,22 +92,32 @@ class JsonlWriter:
     back whole (the file is cut to where it was), so a full disk never leaves a torn line for the next
     record to run into; the write raises StorageFull naming the folder and its free space, and a later
     write tries again (records written once there is room again are whole).
+
+    Threads may share a writer: each record is written whole. A record written with `final=True` is the
+    file's last: later writes are dropped (a rank stopped by SIGTERM writes its `end` from a thread of its
+    own while the main thread may still be logging steps; readers take the last line for how it ended).
     """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(self.path, "ab")
+        self._lock = threading.Lock()
+        self._sealed = False
 
-    def write(self, record: dict) -> None:
+    def write(self, record: dict, *, final: bool = False) -> None:
         data = (json.dumps(record, sort_keys=True) + "\n").encode("utf-8")
-        end = self._f.tell()
-        try:
-            self._f.write(data)
-            self._f.flush()
-        except OSError as e:
-            self._rollback(end)
-            raise storage_error(self.path, e, "record not written, earlier records kept") from None
+        with self._lock:
+            if self._sealed:
+                return
+            end = self._f.tell()
+            try:
+                self._f.write(data)
+                self._f.flush()
+            except OSError as e:
+                self._rollback(end)
+                raise storage_error(self.path, e, "record not written, earlier records kept") from None
+            self._sealed = final
 
     def _rollback(self, end: int) -> None:
         """Drop what Python buffered of the failed record and cut the file back to `end`."""

@@ -67,6 +67,7 @@ def test_a_stopped_rank_0_writes_its_end_and_a_summary_only_where_the_run_has_no
         if earlier:  # the run's own summary (a complete run its launcher stops in its teardown; a rank's failure)
             log.write_summary({"status": earlier})
         record_stop(log, record, run, started=0.0, summary=True)()
+        log.record("step", step=99)  # the main thread still stepping while the stop is written: dropped
         log.close()
         end = read_jsonl(run / "metrics" / "rank-0.jsonl")[-1]
         assert (end["kind"], end["status"]) == ("end", "stopped")

@@ -45,18 +45,19 @@ def software_versions() -> dict[str, str | None]:
 
 
 class RunLog:
-    """This rank's writers; `record(kind, **fields)` stamps t, rank and host."""
+    """This rank's writers; `record(kind, **fields)` stamps t, rank and host (`final=True`: the file's last
+    record, see JsonlWriter)."""
 
     def __init__(self, run_dir: Path, rank: int, host: str):
         self.run_dir, self.rank, self.host = Path(run_dir), rank, host
         self.metrics = JsonlWriter(self.run_dir / layout.METRICS_DIR / f"rank-{rank}.jsonl")
         self._secrets = redact.secret_values()  # an error message may quote one: records never do
 
-    def record(self, kind: str, **fields) -> dict:
+    def record(self, kind: str, *, final: bool = False, **fields) -> dict:
         rec = {"kind": kind, "t": time.time(), "rank": self.rank, "host": self.host, **fields}
         if any(isinstance(v, str) for v in fields.values()):
             rec = redact.redact_doc(rec, values=self._secrets)
-        self.metrics.write(rec)
+        self.metrics.write(rec, final=final)
         return rec
 
     def write_env(self, **facts) -> None:

@@ -95,7 +95,7 @@ def record_stop(log, record, run_dir: Path, started: float, *, summary: bool) ->
     complete run a launcher stops in its teardown stays complete; a rank's own failure stays)."""
 
     def then() -> None:
-        log.record("end", status="stopped", error=STOPPED_END)
+        log.record("end", status="stopped", error=STOPPED_END, final=True)  # the main thread may still be stepping
         if summary:
             log.write_summary(record.summary(status="failed", wall_s=round(time.time() - started, 3),
                                              error=STOPPED.format(run_dir=run_dir)), only_if_absent=True)
