@@ -291,6 +291,19 @@ def wait_until_gone(lab, run_id: str, deadline: float) -> dict[str, list[str]]:
     return left
 
 
+def daemons(lab, node: str) -> list[str]:
+    """OpenMPI's daemons (prted) alive on `node`: mpirun starts one per node and job, over SSH."""
+    left = []
+    for pid in netns_pids(lab.node(node).netns):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if cmd and Path(cmd[0].decode(errors="replace")).name == "prted" and not pid_is_zombie(pid):
+            left.append(b" ".join(cmd).decode(errors="replace")[:120])
+    return left
+
+
 def latest_step(run: Path) -> int:
     return int((run / "checkpoints" / "latest").read_text().strip().rsplit("step", 1)[1])
 
@@ -312,7 +325,9 @@ def pull_the_cable(job: LabJob, timeout_s: int) -> tuple:
     """Disconnect GONE once its rank (the last) reached LAB_AT; wait (within the promised bound) for the
     command and then for every process of the run on the other nodes; diagnose; reconnect.
     Returns (exit code or None, output, s to exit, s until the run's processes were gone,
-    processes left per node, diagnose document)."""
+    processes left per node, diagnose document). Once back, GONE keeps no daemon of the ended job: the next
+    job's daemon there then starts on a node the last one has left (one started while the old one ended
+    failed to report back to mpirun once, on a busy machine)."""
     job.reach_step(LAST_RANK, LAB_AT)
     run_id, t0 = job.run.name, time.monotonic()
     job.lab.disconnect(GONE)
@@ -324,6 +339,10 @@ def pull_the_cable(job: LabJob, timeout_s: int) -> tuple:
         doc = diagnose(job.run)[1]
     finally:
         job.lab.reconnect(GONE)
+    back = time.monotonic()
+    while (old := daemons(job.lab, GONE)) and time.monotonic() < back + BOUND_S:
+        time.sleep(0.5)
+    assert not old, f"{GONE} kept the ended job's daemons {BOUND_S} s after it came back: {old}"
     return rc, out, took, gone, {n: p for n, p in left.items() if n != GONE}, doc
 
 
