@@ -325,9 +325,9 @@ def pull_the_cable(job: LabJob, timeout_s: int) -> tuple:
     """Disconnect GONE once its rank (the last) reached LAB_AT; wait (within the promised bound) for the
     command and then for every process of the run on the other nodes; diagnose; reconnect.
     Returns (exit code or None, output, s to exit, s until the run's processes were gone,
-    processes left per node, diagnose document). Once back, GONE keeps no daemon of the ended job: the next
-    job's daemon there then starts on a node the last one has left (one started while the old one ended
-    failed to report back to mpirun once, on a busy machine)."""
+    processes left per node, diagnose document). Once back, GONE keeps no daemon of the ended job, and the
+    next job's daemon starts on a node the old one has left (on a busy machine, the next mpirun's daemon there
+    once failed to report back, exit 213; the old one may still have been ending: not reproduced here)."""
     job.reach_step(LAST_RANK, LAB_AT)
     run_id, t0 = job.run.name, time.monotonic()
     job.lab.disconnect(GONE)
