@@ -92,7 +92,9 @@ def test_a_training_start_decides_its_precision_once_and_turns_the_collector_bac
     """precision.decide_here once per start: the compression check before anything is written and the
     run itself use the same decision (made on the rank's own GPU), not two that could differ. And the
     garbage collector, off while the rank starts (train/startgc.py), is on again for training, with the
-    start-up's objects frozen out of its passes: off for a whole run, cycles would pile up for days."""
+    start-up's objects frozen out of its passes: off for a whole run, cycles would pile up for days. The
+    engine, frozen with them, is still freed before the process group goes (left to interpreter exit, a
+    finished gloo rank aborted in teardown, exit 134)."""
     import os
     import subprocess
     import sys
@@ -100,25 +102,40 @@ def test_a_training_start_decides_its_precision_once_and_turns_the_collector_bac
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "RANK", "DSCLUSTER_"))}
     env.update(DSCLUSTER_RUNS=str(tmp_path), DSCLUSTER_RUN_ID="once")
     code = f"""
-import sys
+import json, sys
 from dscluster.train import loop, precision
 calls = []
 def counted(*args, **kwargs):
     calls.append(args)
     return precision.decide_here(*args, **kwargs)
 loop.decide_here = counted
+import gc, weakref
+from dscluster.train import dist, setup_engine, startgc
+seen = {{}}
+settle, build, destroy = startgc.settle, setup_engine.build, dist.destroy
+def settled():
+    settle()
+    seen["on"], seen["frozen"] = gc.isenabled(), gc.get_freeze_count()
+def built(*args, **kwargs):
+    b = build(*args, **kwargs)
+    seen["engine"] = weakref.ref(b.engine)
+    return b
+def destroyed():
+    seen["engine alive at the group's end"] = seen.pop("engine")() is not None
+    destroy()
+startgc.settle, setup_engine.build, dist.destroy = settled, built, destroyed
 from dscluster.cli import main
 rc = main(["train", "--config", {str(REPO / "configs/digits.yaml")!r}, "max_steps=1", "epochs=1",
            "checkpoint.every_epochs=0", "progress=false", "comm.compression=fp16"])
 print("decide_here calls:", len(calls))
-import gc
-print("collector on:", gc.isenabled(), "frozen:", gc.get_freeze_count())
+print("seen:", json.dumps(seen))
 sys.exit(rc)
 """
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
                          cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-4000:]
     assert "decide_here calls: 1" in res.stdout
-    frozen = int(res.stdout.split("frozen:")[1].split()[0])
-    assert "collector on: True" in res.stdout and frozen > 100_000, res.stdout  # torch and friends: ~410,000
+    seen = json.loads(res.stdout.split("seen:")[1].splitlines()[0])
+    assert seen["on"] and seen["frozen"] > 100_000, res.stdout  # while training; torch and friends: ~410,000
+    assert seen["engine alive at the group's end"] is False, res.stdout
     assert json.loads((tmp_path / "once" / "summary.json").read_text())["precision"] == "fp32"

@@ -17,7 +17,6 @@ unless DSCLUSTER_FAULT names this rank.
 
 from __future__ import annotations
 
-import gc
 import os
 import statistics
 import time
@@ -114,10 +113,10 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
     finally:
         ProgressBar.stop_all()
         log.close()
-        # The engine (and a DDP reducer in it) sits in reference cycles: free it while its
-        # process group still exists, not at interpreter exit (a rank then aborted in teardown,
-        # "terminate called without an active exception").
-        gc.collect()
+        # The engine (and a DDP reducer in it) sits in reference cycles, frozen with the start-up: free it
+        # while its process group still exists, not at interpreter exit (a rank then aborted in teardown,
+        # "terminate called without an active exception"; train/startgc.py).
+        startgc.release()
         dist.destroy()
         traces.close()
         stopped.close()

@@ -11,8 +11,13 @@ inside other programs, through `dscluster.cli.main`). `settle()`, once every imp
 and the engine is built, collects once (the start-up's cycles are freed, none is kept), moves every object
 alive then into the permanent generation (`gc.freeze`) and turns the collector back on: it runs as before on
 what training makes, but never walks the start-up's objects again. So a full pass during a step, which holds
-every other rank at the next all-reduce, and the full collection train/loop.py runs at teardown (the engine
-sits in reference cycles) cost what training's own objects cost (0.23 s → 0 for that last one here).
+every other rank at the next all-reduce, costs what training's own objects cost.
+
+`release()`, at the run's end and before the process group goes, unfreezes and collects once (about 0.2 s
+here): the engine and the DDP reducer in it sit in reference cycles, built before `settle()` and so frozen
+with the start-up. A plain collection left them alive past the group's end, to be torn down at interpreter
+exit, where a gloo rank of a finished run could abort ("terminate called without an active exception",
+exit 134: once in a busy suite, the demo's 3-rank job).
 """
 
 from __future__ import annotations
@@ -39,3 +44,10 @@ def settle() -> None:
     gc.collect()
     gc.freeze()
     gc.enable()
+
+
+def release() -> None:
+    """The run is over: what `settle()` froze back under the collector, and one full collection, so that the
+    engine's cycles are freed now, while its process group still exists, not at interpreter exit."""
+    gc.unfreeze()
+    gc.collect()
