@@ -270,18 +270,31 @@ def mpirun_cmd(run_id: str, lab, timeout_s: int) -> str:
             f"{ROOT}/entry_cn.sh {' '.join(LAB_ARGS)} dist.timeout_s={timeout_s}")
 
 
+def alive(node) -> list[tuple[list[bytes], list[bytes]]]:
+    """(argv, environment) of each live process on the node (its network namespace)."""
+    found = []
+    for pid in netns_pids(node.netns):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and not pid_is_zombie(pid):
+            found.append((argv, environ))
+    return found
+
+
+def shown(argv: list[bytes]) -> str:
+    return b" ".join(argv).decode(errors="replace")[:100]
+
+
 def job_processes(lab, run_id: str) -> dict[str, list[str]]:
     """Ranks, entry_cn.sh and telemetry samplers of this run still alive, per node."""
     left: dict[str, list[str]] = {}
     for node in lab.nodes:
-        for pid in netns_pids(node.netns):
-            try:
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if f"DSCLUSTER_RUN_ID={run_id}".encode() in environ and not pid_is_zombie(pid):
-                left.setdefault(node.name, []).append(cmd[:100])
+        for argv, environ in alive(node):
+            if f"DSCLUSTER_RUN_ID={run_id}".encode() in environ:
+                left.setdefault(node.name, []).append(shown(argv))
     return left
 
 
@@ -293,15 +306,7 @@ def wait_until_gone(lab, run_id: str, deadline: float) -> dict[str, list[str]]:
 
 def daemons(lab, node: str) -> list[str]:
     """OpenMPI's daemons (prted) alive on `node`: mpirun starts one per node and job, over SSH."""
-    left = []
-    for pid in netns_pids(lab.node(node).netns):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if cmd and Path(cmd[0].decode(errors="replace")).name == "prted" and not pid_is_zombie(pid):
-            left.append(b" ".join(cmd).decode(errors="replace")[:120])
-    return left
+    return [shown(argv) for argv, _ in alive(lab.node(node)) if argv[0].rsplit(b"/", 1)[-1] == b"prted"]
 
 
 def latest_step(run: Path) -> int:
