@@ -154,6 +154,12 @@ def test_cli_exec_timeout_stops_the_commands_children_too(lab):
                           f"{marker} & {marker} & wait"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 124 and "killed after 2 s" in res.stderr
     assert time.time() - t0 < scaled(30)  # the 2 s timeout plus start-up, not the children's 4242 s
+    # Lab.run's own timeout kills the same way, and its error ends with what the command printed before it hung
+    # (printed as 'a-b' from '%s-%s' a b: words the command line itself does not contain)
+    with pytest.raises(subprocess.TimeoutExpired) as hung:
+        lab.run("node2", ["sh", "-c", f"printf '%s-%s\\n' daemons started; printf '%s-%s\\n' waiting node3 >&2; "
+                          f"exec {marker}"], timeout=2)
+    assert "daemons-started" in str(hung.value) and "waiting-node3" in str(hung.value), str(hung.value)
     left = lab.run("node2", ["pgrep", "-f", marker], user="root")
     assert left.stdout.strip() == "", f"children outlived the timeout: {left.stdout}"
 

@@ -69,6 +69,19 @@ from dscluster.sim.private import host_path, plan_private
 __all__ = ["Lab", "SimNode", "SimError", "up", "down", "load", "status", "require_root", "repo_root"]
 
 
+class RunTimeout(subprocess.TimeoutExpired):
+    """`Lab.run` past its timeout. Unlike TimeoutExpired, its message ends with the last of what the
+    command printed before it was killed, so that a hang names the stage it hung in."""
+
+    def __str__(self) -> str:
+        def tail(printed: str | bytes | None) -> str:
+            text = printed.decode(errors="replace") if isinstance(printed, bytes) else (printed or "")
+            return text[-3000:] or "(nothing)"
+
+        return (f"{super().__str__()}\n--- its stdout, last lines\n{tail(self.stdout)}"
+                f"\n--- its stderr, last lines\n{tail(self.stderr)}")
+
+
 class Lab:
     """A running simulated lab (see module docstring); a thin handle on its LabState."""
 
@@ -162,7 +175,7 @@ class Lab:
             except ProcessLookupError:
                 pass
             out, err = proc.communicate()
-            raise subprocess.TimeoutExpired(argv, timeout, output=out, stderr=err) from None
+            raise RunTimeout(argv, timeout, output=out, stderr=err) from None
         res = subprocess.CompletedProcess(argv, proc.returncode, out, err)
         if check:
             res.check_returncode()
