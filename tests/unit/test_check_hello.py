@@ -17,7 +17,7 @@ def test_every_rank_answered_but_mpirun_never_returned_warns_and_check_goes_on()
     launch = RecordedLaunch([(False, HELLO + "\n" + TIMED_OUT.format(60.0)), (True, allreduce_output(1.19))])
     active, findings = run_active(launch, "/v/bin/python")
     assert active["mpi_hello"]["ok"] and active["allreduce"]["ok"] and len(launch.argvs) == 2
-    warning = next(f for f in findings if f.check == "mpi")
+    (warning,) = [f for f in findings if f.check == "mpi"]
     assert warning.severity == "warning" and not any(f.severity == "error" for f in findings)
     assert "all 4 ranks answered" in warning.what and "did not return within 14 s" in warning.what
     assert "PRRTE 3.0.14" in warning.fix and "nothing to fix for training" in warning.fix

@@ -8,7 +8,14 @@ import pytest
 
 from dscluster.errors import JobFailed, UsageError
 from dscluster.ranks import RankInfo
-from dscluster.train.checkpoint import Checkpointer, Position, commit_latest, find_latest, resume_decision
+from dscluster.train.checkpoint import (
+    Checkpointer,
+    Position,
+    commit_latest,
+    find_latest,
+    resume_decision,
+    zero_shard_ranks,
+)
 from dscluster.train.config import load_config
 from dscluster.train.faults import FaultHook, parse_fault
 from dscluster.train.guards import LossScaleGuard, TrainingAborted, check_equal_steps
@@ -166,6 +173,24 @@ def test_resume_decision_and_latest_pointer(tmp_path):
     assert resume_decision("true", tmp_path) == "epoch0001-step00000044"
     assert resume_decision("false", tmp_path) is None
     assert not [f for f in tmp_path.iterdir() if f.name.startswith(".")], "temp file left behind"
+
+
+def test_a_zero_checkpoint_saved_by_other_ranks_is_refused_with_what_to_run(tmp_path):
+    ckpt = checkpointer(tmp_path)
+    tag = ckpt.dir / "epoch0001-step00000008"
+    tag.mkdir(parents=True)
+    assert zero_shard_ranks(tag) == 0 and zero_shard_ranks(tmp_path / "nowhere") == 0
+    (tag / "mp_rank_00_model_states.pt").touch()  # ZeRO stage 0: one file, any rank count loads it
+    assert zero_shard_ranks(tag) == 0
+    # the files DeepSpeed's ZeRO-3 wrote for 2 ranks (cluster/test_zero_local.py lists them), fp16 and bf16 names
+    for name in ("zero_pp_rank_0_mp_rank_00_model_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"):
+        (tag / name).touch()
+    assert zero_shard_ranks(tag) == 2
+    commit_latest(ckpt.dir, tag.name)
+    with pytest.raises(UsageError, match="step00000008 holds ZeRO state partitioned over 2 ranks and this job has 1"
+                       ) as refused:
+        ckpt.resume()  # before DeepSpeed is asked (this checkpointer has no engine)
+    assert "mpirun -np 2" in str(refused.value) and "checkpoint.resume=false" in str(refused.value)
 
 
 # Recorded from a real DeepSpeed fp16 run on an H100 (see the file's "source").

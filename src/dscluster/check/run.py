@@ -277,7 +277,9 @@ def run_active(launch: ActiveLaunch, python: str) -> tuple[dict, list[Finding]]:
         findings.append(Finding("error", None, "mpi", f"MPI hello over {hf.path} failed after {secs:.0f} s: "
                                 f"{_tail(out)}", "fix the errors above first; then run the printed mpirun by hand"))
         return active, findings
-    findings.append(Finding("info", None, "mpi", f"MPI hello: {np_} ranks answered in {secs:.1f} s", "nothing to do"))
+    else:
+        findings.append(Finding("info", None, "mpi", f"MPI hello: {np_} ranks answered in {secs:.1f} s",
+                                "nothing to do"))
 
     argv = launch.argv(allreduce_program(python, launch.limit))
     ok, out, secs = launch.run(argv, launch.limit * 2)

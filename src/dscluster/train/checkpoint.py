@@ -21,6 +21,7 @@ the step counter and the sampler skips exactly the batches already trained on.
 from __future__ import annotations
 
 import errno
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -166,9 +167,39 @@ def after_save(ok: bool, message: str, failed_in_a_row: int) -> tuple[int, str]:
                              "fails too)")
 
 
+# DeepSpeed's ZeRO files, one per data-parallel rank (stage 1-2: optimizer state; stage 3: weights as well).
+_ZERO_SHARD = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_(?:optim|model)_states\.pt$")
+# DeepSpeed's refusal to load them at another rank count (ZeRORuntimeException).
+_ZERO_WORLD = re.compile(r"world size of (\d+) but the current world size is (\d+)")
+
+
+def zero_shard_ranks(tag_dir: Path) -> int:
+    """How many ranks saved the ZeRO shards this node sees in a checkpoint (the highest rank's + 1; 0 with
+    none: ZeRO stage 0, whose state any rank count loads)."""
+    try:
+        names = [p.name for p in Path(tag_dir).iterdir()]
+    except OSError:
+        return 0
+    return max((int(m.group(1)) + 1 for n in names if (m := _ZERO_SHARD.search(n))), default=0)
+
+
+def other_rank_count(where: str, saved: int, ranks: int) -> UsageError:
+    """A ZeRO checkpoint resumed at another rank count: what to run instead."""
+    return UsageError(
+        f"{where} holds ZeRO state partitioned over {saved} ranks and this job has {ranks}: DeepSpeed cannot "
+        f"load it at another rank count. Resume it with {saved} ranks (mpirun -np {saved} on the hosts it was "
+        "saved on), or train afresh with checkpoint.resume=false (or another DSCLUSTER_RUN_ID)")
+
+
 def load(engine, ckpt_dir: Path, tag: str) -> tuple[Position, dict]:
     """(where training stopped, the rest of the client state save() was given)."""
-    path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+    try:
+        path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+    except Exception as e:  # DeepSpeed's ZeRORuntimeException, when the rank counts differ
+        counts = _ZERO_WORLD.search(str(e))
+        if type(e).__name__ != "ZeRORuntimeException" or counts is None:
+            raise
+        raise other_rank_count(f"{ckpt_dir}/{tag}", int(counts.group(1)), int(counts.group(2))) from None
     if path is None or not client or "position" not in client:
         raise UsageError(f"{ckpt_dir}/{tag}: not a dscluster checkpoint (no position in its client state)")
     return position_of(client, f"{ckpt_dir}/{tag}"), client
@@ -233,6 +264,11 @@ class Checkpointer:
         tag = nodelocal.resume_agreement(tags, self.hosts, self.dir, self.shared)
         if not tag:
             return Position(0, 0, 0)
+        # the shards every node sees, so that every rank refuses alike (DeepSpeed's own refusal, in `load`, is
+        # for the ranks whose files exist: a rank with none would only find nothing to load)
+        saved = max(int(n) for n in dist.all_gather_strings(str(zero_shard_ranks(self.dir / tag))))
+        if saved and saved != self.info.world_size:
+            raise other_rank_count(f"{self.dir}/{tag}", saved, self.info.world_size)
         pos, client = load(self.engine, self.dir, tag)
         self.boundary.load_state_dict(client)
         note = None if self.comm is None else self.comm.restore(
