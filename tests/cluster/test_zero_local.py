@@ -40,11 +40,11 @@ def _needs_root():
         pytest.skip("ranks that share no files need root and unshare (a UTS and a mount namespace each)")
 
 
-def train(tmp: Path, fault: str | None = None, ranks: int = 2) -> subprocess.CompletedProcess:
+def train(tmp: Path, fault: str | None = None, ranks: int = 2, run_id: str = "z3") -> subprocess.CompletedProcess:
     nodes = tmp / "nodes"
     for n in ("node1", "node2"):
         (nodes / n).mkdir(parents=True, exist_ok=True)
-    cmd, env = train_command(tmp / "runs", "z3", ARGS, fault=fault,
+    cmd, env = train_command(tmp / "runs", run_id, ARGS, fault=fault,
                              env={"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "NODES": str(nodes)})
     cmd[cmd.index("-np") + 1] = str(ranks)
     (tmp / "runs").mkdir(exist_ok=True)
@@ -95,10 +95,14 @@ def test_zero3_trains_evaluates_and_a_killed_run_resumes_from_each_nodes_own_sha
     assert records(tmp_path, 0, "start")[0]["params"] == 228_202  # the whole model's, not a rank's partition
 
     # the same command on one rank (node2 gone, say): node1's shard is refused with what to run, not a traceback,
-    # and nothing is trained
+    # and nothing is trained; the advice to train afresh, as printed, trains on that one rank
     trained = len(records(tmp_path, 0, "step"))
     alone = train(tmp_path, ranks=1)
     assert alone.returncode == 2, alone.stdout[-3000:]
     assert ("epoch0001-step00000008 holds ZeRO state partitioned over 2 ranks and this job has 1" in alone.stdout
-            and "mpirun -np 2" in alone.stdout and "checkpoint.resume=false" in alone.stdout), alone.stdout[-3000:]
+            and "mpirun -np 2" in alone.stdout and "train afresh with another DSCLUSTER_RUN_ID" in alone.stdout
+            ), alone.stdout[-3000:]
     assert "Traceback" not in alone.stdout and len(records(tmp_path, 0, "step")) == trained
+    afresh = train(tmp_path, ranks=1, run_id="z3-alone")
+    assert afresh.returncode == 0, afresh.stdout[-3000:]
+    assert json.loads((tmp_path / "nodes" / "node1" / "z3-alone" / "summary.json").read_text())["steps"] == 8

@@ -190,7 +190,11 @@ def test_a_zero_checkpoint_saved_by_other_ranks_is_refused_with_what_to_run(tmp_
     with pytest.raises(UsageError, match="step00000008 holds ZeRO state partitioned over 2 ranks and this job has 1"
                        ) as refused:
         ckpt.resume()  # before DeepSpeed is asked (this checkpointer has no engine)
-    assert "mpirun -np 2" in str(refused.value) and "checkpoint.resume=false" in str(refused.value)
+    assert "mpirun -np 2" in str(refused.value) and "train afresh with another DSCLUSTER_RUN_ID" in str(refused.value)
+    # a checkpoint folder of the user's own: a new run id would not leave it, so the advice is another folder
+    own = checkpointer(tmp_path, f"checkpoint.dir={ckpt.dir}")
+    with pytest.raises(UsageError, match="train afresh with checkpoint.dir pointing at another folder"):
+        own.resume()
 
 
 # Recorded from a real DeepSpeed fp16 run on an H100 (see the file's "source").

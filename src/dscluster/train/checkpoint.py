@@ -183,23 +183,17 @@ def zero_shard_ranks(tag_dir: Path) -> int:
     return max((int(m.group(1)) + 1 for n in names if (m := _ZERO_SHARD.search(n))), default=0)
 
 
-def other_rank_count(where: str, saved: int, ranks: int) -> UsageError:
-    """A ZeRO checkpoint resumed at another rank count: what to run instead."""
-    return UsageError(
-        f"{where} holds ZeRO state partitioned over {saved} ranks and this job has {ranks}: DeepSpeed cannot "
-        f"load it at another rank count. Resume it with {saved} ranks (mpirun -np {saved} on the hosts it was "
-        "saved on), or train afresh with checkpoint.resume=false (or another DSCLUSTER_RUN_ID)")
+def deepspeed_rank_counts(e: BaseException) -> tuple[int, int] | None:
+    """(saved, now) when `e` is DeepSpeed's refusal of a ZeRO checkpoint at another rank count."""
+    counts = _ZERO_WORLD.search(str(e))
+    if type(e).__name__ != "ZeRORuntimeException" or counts is None:
+        return None
+    return int(counts.group(1)), int(counts.group(2))
 
 
 def load(engine, ckpt_dir: Path, tag: str) -> tuple[Position, dict]:
     """(where training stopped, the rest of the client state save() was given)."""
-    try:
-        path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
-    except Exception as e:  # DeepSpeed's ZeRORuntimeException, when the rank counts differ
-        counts = _ZERO_WORLD.search(str(e))
-        if type(e).__name__ != "ZeRORuntimeException" or counts is None:
-            raise
-        raise other_rank_count(f"{ckpt_dir}/{tag}", int(counts.group(1)), int(counts.group(2))) from None
+    path, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
     if path is None or not client or "position" not in client:
         raise UsageError(f"{ckpt_dir}/{tag}: not a dscluster checkpoint (no position in its client state)")
     return position_of(client, f"{ckpt_dir}/{tag}"), client
@@ -238,6 +232,7 @@ class Checkpointer:
                  faults):
         """Collective (every rank finds out whether it shares rank 0's run directory)."""
         self.dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(rdir) / layout.CHECKPOINT_DIR
+        self.own_dir = bool(cfg.checkpoint.dir)  # a folder of the user's, not the run directory's
         self.resume_mode = None if calibrate else cfg.checkpoint.resume
         self.every_steps = 0 if calibrate else cfg.checkpoint.every_steps
         self.every_epochs = 0 if calibrate else cfg.checkpoint.every_epochs
@@ -268,8 +263,14 @@ class Checkpointer:
         # for the ranks whose files exist: a rank with none would only find nothing to load)
         saved = max(int(n) for n in dist.all_gather_strings(str(zero_shard_ranks(self.dir / tag))))
         if saved and saved != self.info.world_size:
-            raise other_rank_count(f"{self.dir}/{tag}", saved, self.info.world_size)
-        pos, client = load(self.engine, self.dir, tag)
+            raise self.other_rank_count(tag, saved, self.info.world_size)
+        try:
+            pos, client = load(self.engine, self.dir, tag)
+        except Exception as e:
+            counts = deepspeed_rank_counts(e)
+            if counts is None:
+                raise
+            raise self.other_rank_count(tag, *counts) from None
         self.boundary.load_state_dict(client)
         note = None if self.comm is None else self.comm.restore(
             self.dir / tag, self.info.rank, self.info.world_size, self.device, dist.all_gather_strings)
@@ -278,6 +279,16 @@ class Checkpointer:
             if note:
                 console.err.print(f"[dim]dscluster train: {note}[/dim]")
         return pos
+
+    def other_rank_count(self, tag: str, saved: int, ranks: int) -> UsageError:
+        """A ZeRO checkpoint resumed at another rank count: what to run instead. Training afresh needs a
+        checkpoint folder of its own: in this one, its tags would land among the old run's shards."""
+        fresh = ("checkpoint.dir pointing at another folder" if self.own_dir
+                 else "another DSCLUSTER_RUN_ID (a run directory of its own)")
+        return UsageError(
+            f"{self.dir}/{tag} holds ZeRO state partitioned over {saved} ranks and this job has {ranks}: DeepSpeed "
+            f"cannot load it at another rank count. Resume it with {saved} ranks (mpirun -np {saved} on the hosts it "
+            f"was saved on), or train afresh with {fresh}")
 
     def _settle_interrupted_commit(self, tags: list[str]) -> list[str]:
         """Collective (every rank takes the same branch: `tags` is gathered). Without a shared
