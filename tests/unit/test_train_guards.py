@@ -8,14 +8,7 @@ import pytest
 
 from dscluster.errors import JobFailed, UsageError
 from dscluster.ranks import RankInfo
-from dscluster.train.checkpoint import (
-    Checkpointer,
-    Position,
-    commit_latest,
-    find_latest,
-    resume_decision,
-    zero_shard_ranks,
-)
+from dscluster.train.checkpoint import Checkpointer, Position, commit_latest, find_latest, resume_decision, zero_shards
 from dscluster.train.config import load_config
 from dscluster.train.faults import FaultHook, parse_fault
 from dscluster.train.guards import LossScaleGuard, TrainingAborted, check_equal_steps
@@ -175,26 +168,53 @@ def test_resume_decision_and_latest_pointer(tmp_path):
     assert not [f for f in tmp_path.iterdir() if f.name.startswith(".")], "temp file left behind"
 
 
-def test_a_zero_checkpoint_saved_by_other_ranks_is_refused_with_what_to_run(tmp_path):
-    ckpt = checkpointer(tmp_path)
+def zero3_tag(ckpt: Checkpointer, *ranks: int) -> Path:
+    """A checkpoint holding these ranks' ZeRO-3 files, named as DeepSpeed names them (cluster/test_zero_local.py
+    lists a real run's), with `latest` naming it."""
     tag = ckpt.dir / "epoch0001-step00000008"
     tag.mkdir(parents=True)
-    assert zero_shard_ranks(tag) == 0 and zero_shard_ranks(tmp_path / "nowhere") == 0
-    (tag / "mp_rank_00_model_states.pt").touch()  # ZeRO stage 0: one file, any rank count loads it
-    assert zero_shard_ranks(tag) == 0
-    # the files DeepSpeed's ZeRO-3 wrote for 2 ranks (cluster/test_zero_local.py lists them), fp16 and bf16 names
-    for name in ("zero_pp_rank_0_mp_rank_00_model_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"):
-        (tag / name).touch()
-    assert zero_shard_ranks(tag) == 2
+    for r in ranks:
+        (tag / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt").touch()
+        (tag / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt").touch()
     commit_latest(ckpt.dir, tag.name)
+    return tag
+
+
+def test_a_rank_with_no_zero_shard_of_its_own_refuses_with_what_to_run(tmp_path):
+    assert zero_shards(tmp_path / "nowhere") == set()
+    (tmp_path / "mp_rank_00_model_states.pt").touch()  # ZeRO stage 0: one file, any rank count loads it
+    assert zero_shards(tmp_path) == set()
+    # a 2-rank ZeRO-3 run's node2 (rank 1's shards), resumed there alone: this one rank (rank 0) has nothing of
+    # its own, where DeepSpeed would only find nothing to load
+    ckpt = checkpointer(tmp_path / "run")
+    assert zero_shards(zero3_tag(ckpt, 1)) == {1}
     with pytest.raises(UsageError, match="step00000008 holds ZeRO state partitioned over 2 ranks and this job has 1"
                        ) as refused:
         ckpt.resume()  # before DeepSpeed is asked (this checkpointer has no engine)
     assert "mpirun -np 2" in str(refused.value) and "train afresh with another DSCLUSTER_RUN_ID" in str(refused.value)
     # a checkpoint folder of the user's own: a new run id would not leave it, so the advice is another folder
-    own = checkpointer(tmp_path, f"checkpoint.dir={ckpt.dir}")
+    own = checkpointer(tmp_path / "run", f"checkpoint.dir={ckpt.dir}")
     with pytest.raises(UsageError, match="train afresh with checkpoint.dir pointing at another folder"):
         own.resume()
+
+
+def test_deepspeeds_own_refusal_of_another_rank_count_becomes_the_same_advice(tmp_path):
+    from deepspeed.runtime.zero.utils import ZeRORuntimeException
+
+    class Engine:  # DeepSpeed 0.19's words (runtime/engine.py, _load_zero_checkpoint)
+        def load_checkpoint(self, *_a, **_k):
+            raise ZeRORuntimeException("The checkpoint being loaded used a DP world size of 2 but the current world "
+                                       "size is 1. Automatic adjustment of ZeRO's optimizer state partitioning with "
+                                       "a new world size is not currently supported.")
+
+    ckpt = checkpointer(tmp_path)
+    zero3_tag(ckpt, 0, 1)  # rank 0 has its shard: DeepSpeed decides, from the rank count it recorded
+    ckpt.engine = Engine()
+    with pytest.raises(UsageError, match="partitioned over 2 ranks and this job has 1: DeepSpeed cannot load it"):
+        ckpt.resume()
+    ckpt.engine.load_checkpoint = lambda *_a, **_k: (_ for _ in ()).throw(ZeRORuntimeException("another problem"))
+    with pytest.raises(ZeRORuntimeException, match="another problem"):  # anything else is DeepSpeed's to say
+        ckpt.resume()
 
 
 # Recorded from a real DeepSpeed fp16 run on an H100 (see the file's "source").

@@ -173,14 +173,14 @@ _ZERO_SHARD = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_(?:optim|model)_states
 _ZERO_WORLD = re.compile(r"world size of (\d+) but the current world size is (\d+)")
 
 
-def zero_shard_ranks(tag_dir: Path) -> int:
-    """How many ranks saved the ZeRO shards this node sees in a checkpoint (the highest rank's + 1; 0 with
-    none: ZeRO stage 0, whose state any rank count loads)."""
+def zero_shards(tag_dir: Path) -> set[int]:
+    """The ranks whose ZeRO shards this node holds in a checkpoint (none: ZeRO stage 0, whose state any
+    rank count loads)."""
     try:
         names = [p.name for p in Path(tag_dir).iterdir()]
     except OSError:
-        return 0
-    return max((int(m.group(1)) + 1 for n in names if (m := _ZERO_SHARD.search(n))), default=0)
+        return set()
+    return {int(m.group(1)) for n in names if (m := _ZERO_SHARD.search(n))}
 
 
 def deepspeed_rank_counts(e: BaseException) -> tuple[int, int] | None:
@@ -259,10 +259,14 @@ class Checkpointer:
         tag = nodelocal.resume_agreement(tags, self.hosts, self.dir, self.shared)
         if not tag:
             return Position(0, 0, 0)
-        # the shards every node sees, so that every rank refuses alike (DeepSpeed's own refusal, in `load`, is
-        # for the ranks whose files exist: a rank with none would only find nothing to load)
-        saved = max(int(n) for n in dist.all_gather_strings(str(zero_shard_ranks(self.dir / tag))))
-        if saved and saved != self.info.world_size:
+        # DeepSpeed refuses ZeRO state saved at another rank count (caught below), but only on a rank that has a
+        # shard of its own to load: one without (a job with more ranks, or on the other node) finds nothing. So
+        # every rank says what it holds, and all refuse alike when one has no shard.
+        shards = zero_shards(self.dir / tag)
+        mine = f"{max(shards, default=-1) + 1} {int(self.info.rank in shards)}"  # ranks it saw saved, own shard
+        held = [s.split() for s in dist.all_gather_strings(mine)]
+        saved = max(int(count) for count, _ in held)
+        if saved and saved != self.info.world_size and any(own == "0" for _, own in held):
             raise self.other_rank_count(tag, saved, self.info.world_size)
         try:
             pos, client = load(self.engine, self.dir, tag)
