@@ -5,7 +5,8 @@ namespace each), as on a lab without NFS.
 
 What a user would notice: zero_stage=3 trains and evaluates on 2 ranks; a run killed after its first
 checkpoint leaves on each node that node's own shards only, and the same command resumes from them with
-the very losses the killed run had reached.
+the very losses the killed run had reached. On one rank the same command is refused with what to run instead,
+and that, as printed, trains.
 """
 
 from __future__ import annotations
