@@ -91,3 +91,16 @@ def test_the_process_start_counts_the_interpreter_and_its_imports(tmp_path):
     assert time.time() - started == pytest.approx(60.0, abs=1.0)  # booted 1,060 s ago, started at 1,000 s
     assert process_started(str(tmp_path / "none"), str(tmp_path / "uptime")) is None
     assert process_started() <= time.time()  # this test's own process, started before now
+
+
+def test_the_end_line_names_its_figure_by_what_it_left_out():
+    from dscluster.cli.train import throughput_words
+    from dscluster.train.loop import Outcome
+
+    long = throughput_words(Outcome("complete", images_per_s=4199.06, run_images_per_s=1287.4, steps_this_run=160))
+    assert long == "4,199 images/s steady (after 5 warm-up steps), 1,287 over the whole run (first step to end)"
+    # A 4-step run left no step out (is_timed): its figure must not claim a warm-up was left out
+    short = throughput_words(Outcome("complete", images_per_s=64.2, run_images_per_s=60.1, steps_this_run=4))
+    assert short.startswith("64 images/s over all 4 steps (too few to leave out 5 warm-up steps")
+    assert "steady" not in short
+    assert is_timed(4, 4) and not is_timed(WARMUP_STEPS, WARMUP_STEPS + 1)

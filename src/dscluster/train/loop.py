@@ -59,6 +59,8 @@ class Outcome:
     run_images_per_s: float | None = None
     """The whole run: images ÷ wall-clock from the first step's start to the end, final evaluation in."""
     run_dir: Path | None = None
+    steps_this_run: int = 0
+    """Steps this process trained (a resumed run's, not the run's total): at most WARMUP_STEPS leave none out."""
     scale_history: list[tuple[float, bool]] = field(default_factory=list)  # calibration runs only
 
 
@@ -381,7 +383,8 @@ class Trainer:
                 console.err.print(f"dscluster train: {self.watch.summary(self.watched)}")
         gb, record = self.record.global_batch, self.record
         out = Outcome(status="complete", accuracy=self.accuracy, steps=self.global_step,
-                      images_per_s=self.window.images_per_s(gb), run_dir=self.rdir, scale_history=self.scale_history)
+                      images_per_s=self.window.images_per_s(gb), run_dir=self.rdir, steps_this_run=self.steps_this_run,
+                      scale_history=self.scale_history)
         record.steps, record.images_per_s, record.accuracy = self.global_step, out.images_per_s, self.accuracy
         record.timed_steps, record.timed_s = self.window.window.timed_steps, round(self.window.window.timed_s, 4)
         run_s, out.run_images_per_s = self.window.window.whole_run(gb * self.steps_this_run)
