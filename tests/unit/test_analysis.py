@@ -198,3 +198,16 @@ def test_every_rank_has_its_own_colour_and_ranks_of_one_node_share_a_family(tmp_
     assert dominant_channel(colour[0]) == dominant_channel(colour[2])
     assert dominant_channel(colour[1]) == dominant_channel(colour[3])
     assert dominant_channel(colour[0]) != dominant_channel(colour[1])
+
+
+def test_a_run_too_short_for_its_warm_up_is_not_called_steady_in_the_report(tmp_path):
+    from dscluster.analysis.report import SHORT_RUN
+    from dscluster.analysis.stats import summary_row
+
+    assert SHORT_RUN not in dict(summary_table_rows(summary_row(load_run(make_run(tmp_path, "long")))))[STEADY_LABEL]
+    # 4 steps: every step counted (train/timing.py is_timed), from the records and from train's summary alike
+    short = make_run(tmp_path, "short", steps=4, summary=False)
+    assert dict(summary_table_rows(summary_row(load_run(short))))[STEADY_LABEL].endswith(SHORT_RUN)
+    (short / "summary.json").write_text(json.dumps({"status": "complete", "images_per_s": 64.2, "timed_steps": 4,
+                                                    "warmup_steps": 0}))
+    assert dict(summary_table_rows(summary_row(load_run(short))))[STEADY_LABEL] == "64.2" + SHORT_RUN

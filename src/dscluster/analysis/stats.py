@@ -121,6 +121,17 @@ def job_throughput(run: RunData) -> tuple[float | None, int]:
     return (slowest.images_per_s(batch) if batch else None), slowest.timed_steps
 
 
+def warmup_steps(run: RunData) -> int | None:
+    """How many first steps `job_throughput` left out: summary.json's record, else as `is_timed` decides from the
+    step records (0: a run of WARMUP_STEPS steps or fewer, every step counted, start-up and compilation in)."""
+    summary = run.summary or {}
+    if isinstance(summary.get("images_per_s"), (int, float)):  # job_throughput took summary.json's figure
+        recorded = summary.get("warmup_steps")
+        return recorded if isinstance(recorded, int) else None  # a summary from before the field: not known
+    longest = max((len(r.steps) for r in run.ranks.values()), default=0)
+    return None if not longest else (WARMUP_STEPS if longest > WARMUP_STEPS else 0)
+
+
 def throughput(run: RunData) -> float | None:
     """Images/s for the whole job (`job_throughput`)."""
     return job_throughput(run)[0]
@@ -177,6 +188,7 @@ def summary_row(run: RunData) -> dict[str, Any]:
         "hosts": hosts,
         "steps": max((s.last_step or 0 for s in stats), default=0),
         "images_per_s": throughput(run),
+        "warmup_steps": warmup_steps(run),
         "run_images_per_s": (run.summary or {}).get("run_images_per_s"),
         "accuracy": final_accuracy(run),
         "stragglers": find_stragglers(stats),

@@ -76,7 +76,7 @@ def throughput_words(outcome) -> str:
         return "images/s n/a"
     if 0 < outcome.steps_this_run <= WARMUP_STEPS:  # nothing was left out as warm-up (train/timing.py: is_timed)
         words = (f"{outcome.images_per_s:,.0f} images/s over all {outcome.steps_this_run} steps (too few to leave "
-                 f"out {WARMUP_STEPS} warm-up steps: compilation and start-up are in)")
+                 f"out {WARMUP_STEPS} warm-up steps: the first steps' compilation and allocation are in)")
     else:
         words = f"{outcome.images_per_s:,.0f} images/s steady (after {WARMUP_STEPS} warm-up steps)"
     if outcome.run_images_per_s is not None:

@@ -140,6 +140,8 @@ class RunRecord:
     """Rank 0's peak resident host memory (train/memory.py)."""
     timed_steps: int | None = None
     timed_s: float | None = None
+    warmup_steps: int | None = None
+    """The first steps of this process left out of images_per_s: 5, or 0 when it trained 5 or fewer (all counted)."""
     run_images_per_s: float | None = None
     """Images ÷ seconds from the first step's start to the end (train/timing.py `StepWindow.whole_run`);
     images_per_s is the steady figure, after the warm-up steps."""
