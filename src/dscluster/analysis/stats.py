@@ -12,7 +12,7 @@ from typing import Any
 
 from dscluster.analysis.load import RunData
 from dscluster.rankrecord import exit_text
-from dscluster.train.timing import WARMUP_STEPS, StepWindow, is_timed
+from dscluster.train.timing import WARMUP_STEPS, StepWindow, is_timed, warmup_left_out
 
 STRAGGLER_FACTOR = 1.15
 """A rank is a straggler when its median step time is this much above the median rank's.
@@ -123,13 +123,13 @@ def job_throughput(run: RunData) -> tuple[float | None, int]:
 
 def warmup_steps(run: RunData) -> int | None:
     """How many first steps `job_throughput` left out: summary.json's record, else as `is_timed` decides from the
-    step records (0: a run of WARMUP_STEPS steps or fewer, every step counted, start-up and compilation in)."""
+    step records (`timing.warmup_left_out`: 0 for a run too short to leave any out)."""
     summary = run.summary or {}
     if isinstance(summary.get("images_per_s"), (int, float)):  # job_throughput took summary.json's figure
         recorded = summary.get("warmup_steps")
         return recorded if isinstance(recorded, int) else None  # a summary from before the field: not known
     longest = max((len(r.steps) for r in run.ranks.values()), default=0)
-    return None if not longest else (WARMUP_STEPS if longest > WARMUP_STEPS else 0)
+    return warmup_left_out(longest) if longest else None
 
 
 def throughput(run: RunData) -> float | None:

@@ -70,11 +70,11 @@ def preflight(argv: list[str]) -> int:
 
 def throughput_words(outcome) -> str:
     """The end line's img/s: the steady figure named so, the whole run's beside it (train/timing.py)."""
-    from dscluster.train.timing import WARMUP_STEPS
+    from dscluster.train.timing import WARMUP_STEPS, warmup_left_out
 
     if outcome.images_per_s is None:
         return "images/s n/a"
-    if 0 < outcome.steps_this_run <= WARMUP_STEPS:  # nothing was left out as warm-up (train/timing.py: is_timed)
+    if outcome.steps_this_run and not warmup_left_out(outcome.steps_this_run):
         words = (f"{outcome.images_per_s:,.0f} images/s over all {outcome.steps_this_run} steps (too few to leave "
                  f"out {WARMUP_STEPS} warm-up steps: the first steps' compilation and allocation are in)")
     else:

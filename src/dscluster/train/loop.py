@@ -43,7 +43,7 @@ from dscluster.train.progress import ProgressBar
 from dscluster.train.step import TrainStep
 from dscluster.train.stopped import OnTerminate, record_stop
 from dscluster.train.syncwatch import SyncWatch
-from dscluster.train.timing import WARMUP_STEPS, ends_warmup, process_started
+from dscluster.train.timing import WARMUP_STEPS, ends_warmup, process_started, warmup_left_out
 from dscluster.train.traces import StackTraces
 
 
@@ -387,7 +387,7 @@ class Trainer:
                       scale_history=self.scale_history)
         record.steps, record.images_per_s, record.accuracy = self.global_step, out.images_per_s, self.accuracy
         record.timed_steps, record.timed_s = self.window.window.timed_steps, round(self.window.window.timed_s, 4)
-        record.warmup_steps = WARMUP_STEPS if self.steps_this_run > WARMUP_STEPS else 0
+        record.warmup_steps = warmup_left_out(self.steps_this_run)
         run_s, out.run_images_per_s = self.window.window.whole_run(gb * self.steps_this_run)
         record.run_s, record.run_images_per_s = round(run_s, 3), out.run_images_per_s
         record.time_to_accuracy = self.tta.summary()

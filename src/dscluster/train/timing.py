@@ -34,6 +34,12 @@ def is_timed(steps_done: int, steps_this_run: int) -> bool:
     return steps_done > WARMUP_STEPS or steps_this_run <= WARMUP_STEPS
 
 
+def warmup_left_out(steps_this_run: int) -> int:
+    """How many first steps `is_timed` leaves out of a run of `steps_this_run` steps: WARMUP_STEPS, or none (0)
+    when the run is not longer than that (its figure then counts every step, compilation in)."""
+    return WARMUP_STEPS if steps_this_run > WARMUP_STEPS else 0
+
+
 def ends_warmup(steps_done: int, steps_this_run: int) -> bool:
     """A window must close after this step, so that no window mixes warm-up and timed steps."""
     return steps_done == WARMUP_STEPS and steps_this_run > WARMUP_STEPS
