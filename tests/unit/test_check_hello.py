@@ -4,6 +4,8 @@ the hello's real output (setup/hello_mpi.py on a 4-node lab) through test_nccltu
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from test_nccltune import RecordedLaunch, allreduce_output
 
@@ -32,3 +34,21 @@ def test_a_hello_that_failed_is_an_error_and_nothing_else_runs(ok, out):
     active, findings = run_active(launch, "/v/bin/python")
     assert not active["mpi_hello"]["ok"] and "allreduce" not in active and len(launch.argvs) == 1
     assert [f.severity for f in findings] == ["error"] and "MPI hello over hosts.txt failed" in findings[0].what
+
+
+# One workstation (`localhost slots=1`, no sshd): what check's hello and gloo all-reduce printed on it, 2026-11-29.
+ONE_HELLO = "rank 0 of 1 on vm\nall 1 ranks answered from 1 hosts: vm\n"
+ONE_ALLREDUCE = json.dumps({
+    "backend": "gloo", "device": "cpu", "hosts": ["vm"], "iters": 10, "nccl": None, "peak_busbw_GBps": 0.0,
+    "results": [{"algbw_GBps": 1.906, "busbw_GBps": 0.0, "bytes": 65536, "time_us": 34.4},
+                {"algbw_GBps": 113.439, "busbw_GBps": 0.0, "bytes": 4194304, "time_us": 37.0}],
+    "torch": "2.14.1+cu130", "world_size": 1}) + "\n"
+
+
+def test_one_rank_is_one_rank_and_its_all_reduce_claims_no_bandwidth():
+    launch = RecordedLaunch([(True, ONE_HELLO), (True, ONE_ALLREDUCE)], nodes=1)
+    active, findings = run_active(launch, "/v/bin/python")
+    assert active["allreduce"]["ok"] and not any(f.severity != "info" for f in findings)
+    said = {f.check: f.what for f in findings}
+    assert said["mpi"] == "MPI hello: 1 rank answered in 14.0 s"
+    assert said["allreduce"] == "all-reduce gloo ran on its one rank: no link to measure"  # not "busbw 0.000 GB/s"

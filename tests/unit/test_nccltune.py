@@ -79,8 +79,8 @@ def allreduce_output(busbw: float, backend: str = "nccl") -> str:
 class RecordedLaunch(ActiveLaunch):
     """check's mpirun launcher, its runs answered from recorded outputs (no GPU nodes in unit tests)."""
 
-    def __init__(self, outputs: list[tuple[bool, str]]):
-        hf = parse_hostfile_text("".join(f"node{n} slots=1\n" for n in (1, 2, 3, 4)), "hosts.txt")
+    def __init__(self, outputs: list[tuple[bool, str]], nodes: int = 4):
+        hf = parse_hostfile_text("".join(f"node{n} slots=1\n" for n in range(1, nodes + 1)), "hosts.txt")
         super().__init__(hostfile=hf, cidr="10.77.1.0/24", mpirun="/v/bin/mpirun", env={},
                          exports=["MASTER_ADDR", "MASTER_PORT"], as_root=False, limit=60.0)
         self.outputs, self.argvs = list(outputs), []

@@ -278,8 +278,8 @@ def run_active(launch: ActiveLaunch, python: str) -> tuple[dict, list[Finding]]:
                                 f"{_tail(out)}", "fix the errors above first; then run the printed mpirun by hand"))
         return active, findings
     else:
-        findings.append(Finding("info", None, "mpi", f"MPI hello: {np_} ranks answered in {secs:.1f} s",
-                                "nothing to do"))
+        ranks = f"{np_} rank{'s' if np_ != 1 else ''}"
+        findings.append(Finding("info", None, "mpi", f"MPI hello: {ranks} answered in {secs:.1f} s", "nothing to do"))
 
     argv = launch.argv(allreduce_program(python, launch.limit))
     ok, out, secs = launch.run(argv, launch.limit * 2)
@@ -290,6 +290,9 @@ def run_active(launch: ActiveLaunch, python: str) -> tuple[dict, list[Finding]]:
         findings.append(Finding("error", None, "allreduce", f"all-reduce across {np_} ranks failed: {_tail(out)}",
                                 "check NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME and the firewall between nodes; "
                                 "NCCL_DEBUG=INFO on a re-run shows where it stops"))
+    elif result["world_size"] == 1:  # busbw = algbw × 2(n-1)/n: one rank moves nothing, 0.000 GB/s says nothing
+        findings.append(Finding("info", None, "allreduce", f"all-reduce {result['backend']} ran on its one rank: "
+                                "no link to measure", "nothing to do"))
     else:
         best = max(result["results"], key=lambda r: r["bytes"])
         findings.append(Finding("info", None, "allreduce",
