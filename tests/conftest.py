@@ -18,16 +18,41 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# The checkout's own state directory (`dscluster check` run in it writes there; ranks launched from it read it).
+# A test's commands keep state of their own: in this one they would read a developer's check.json and leave their
+# runs' curves and plan outcomes for the developer's next `plan`, which took them as measurements.
+CHECKOUT_STATE = ROOT / ".dscluster"
+_STATE_BEFORE = pytest.StashKey[dict]()
 _MAKE_EXPORT = re.compile(r"^export (\w+) := (.*)$", re.M)
 
 
 def pytest_configure(config):
+    config.stash[_STATE_BEFORE] = _checkout_state()
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if signal.getsignal(signal.SIGQUIT) is signal.SIG_IGN:
         signal.signal(signal.SIGQUIT, signal.SIG_DFL)
     for name, value in _MAKE_EXPORT.findall((ROOT / "Makefile").read_text(encoding="utf-8")):
         os.environ.setdefault(name, value.strip().replace("$(CURDIR)", str(ROOT)))
+
+
+def _checkout_state() -> dict[str, tuple[int, int]]:
+    files = CHECKOUT_STATE.rglob("*") if CHECKOUT_STATE.is_dir() else ()
+    return {p.relative_to(CHECKOUT_STATE).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in files if p.is_file()}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The whole run (pytest-xdist's controller, or a run without workers) fails when a test wrote into the
+    checkout's .dscluster."""
+    if hasattr(session.config, "workerinput"):
+        return
+    before, after = session.config.stash.get(_STATE_BEFORE, {}), _checkout_state()
+    changed = sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
+    if changed:
+        print(f"\nFAILED: the tests wrote into the checkout's state directory {CHECKOUT_STATE}: {', '.join(changed)}; "
+              "give the command a DSCLUSTER_STATE of its own (tests/cluster/_local_mpirun.py: train_command)")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.hookimpl(hookwrapper=True)

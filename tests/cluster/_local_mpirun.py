@@ -31,8 +31,11 @@ def require_mpirun() -> None:
 def train_command(runs: Path, run_id: str, train_args: list[str], *, fault: str | None = None,
                   env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) of 2 localhost ranks of `dscluster train TRAIN_ARGS` under mpirun; `env`
-    entries are set and exported to the ranks, DSCLUSTER_FAULT only when `fault` is given."""
-    extra = {"DSCLUSTER_RUNS": str(runs), "DSCLUSTER_RUN_ID": run_id, "MASTER_PORT": str(free_port()),
+    entries are set and exported to the ranks, DSCLUSTER_FAULT only when `fault` is given. The ranks keep
+    their state (curves.json, plans.json; check.json read) beside `runs`, unless `env` names another: in
+    the checkout's .dscluster they would read a developer's `check` and leave their curves to later plans."""
+    extra = {"DSCLUSTER_RUNS": str(runs), "DSCLUSTER_STATE": str(runs.with_name(runs.name + "-state")),
+             "DSCLUSTER_RUN_ID": run_id, "MASTER_PORT": str(free_port()),
              "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache/torch_extensions")),
              "PYTHONUNBUFFERED": "1", **(env or {})}
     if fault:
