@@ -132,6 +132,23 @@ def test_implied_busbw_at_1gbit_matches_what_check_measured():
     assert model.implied_busbw_GBps(lab(0.119), 0.01) is None  # compute alone explains it
 
 
+def test_one_rank_calibrated_by_its_own_run_is_all_of_itself_and_keeps_its_config():
+    # digits, one CPU rank, 2026-11-29: the probe's 0.0227 s per micro-batch of 64, and the first run's steps 8.4 ms
+    # longer than that (optimizer, engine): the run measured 1,900 img/s; the second plan had said 73 % of the node
+    # alone and recommended grad_accum 2 (global batch 128) to amortise the overhead
+    s = Scenario(nodes=(Node(name="localhost", compute_s=0.0227),), micro_batch=64, grad_bytes=4 * 228_202,
+                 busbw_GBps=1.0, compression="none", calibration=(("none", 0.0084),))
+    p = predict(s)
+    assert p.images_per_s == pytest.approx(64 / 0.0311)
+    assert p.node_images_per_s["localhost"] == pytest.approx(p.images_per_s)
+    assert p.efficiency == pytest.approx(1.0) and p.verdict == "one node: 100% of its ranks' summed speed"
+    rec = recommend(s)
+    assert rec.reached and rec.choice.grad_accum == 1
+    # on several ranks a calibration holds communication the model missed: the nodes alone stay compute alone
+    two = predict(replace(s, nodes=(Node(name="localhost", ranks=2, compute_s=0.0227),)))
+    assert two.node_images_per_s["localhost"] == pytest.approx(2 * 64 / 0.0227)
+
+
 def test_nvlink_host_scales_and_is_not_called_slower():
     # 4x H100, one host: check-like busbw ~338 GB/s, measured 12,066 img/s for the README command
     s = Scenario(nodes=(Node(name="localhost", ranks=4, compute_s=128 / 3050),), micro_batch=128,
