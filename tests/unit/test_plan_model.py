@@ -144,6 +144,8 @@ def test_one_rank_calibrated_by_its_own_run_is_all_of_itself_and_keeps_its_confi
     assert p.efficiency == pytest.approx(1.0) and p.verdict == "one node: 100% of its ranks' summed speed"
     rec = recommend(s)
     assert rec.reached and rec.choice.grad_accum == 1
+    faster = predict(replace(s, calibration=(("none", -0.002),)))  # runs faster than the probe: the same either way
+    assert faster.efficiency == pytest.approx(1.0) and faster.images_per_s == pytest.approx(64 / 0.0207)
     # on several ranks a calibration holds communication the model missed: the nodes alone stay compute alone
     two = predict(replace(s, nodes=(Node(name="localhost", ranks=2, compute_s=0.0227),)))
     assert two.node_images_per_s["localhost"] == pytest.approx(2 * 64 / 0.0227)

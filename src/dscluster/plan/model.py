@@ -134,10 +134,11 @@ class Node:
         """This node alone, its ranks' own communication left out (NVLink/PCIe is fast): at its own
         micro-batch where measured there (a GPU is faster per image at a larger batch; accumulation
         keeps the rate per image), else at the lab's `micro_batch`; `step_overhead_s` added to each
-        micro-batch's seconds (what runs of one rank measured beyond the model: `predict`)."""
-        if self.alone_micro and self.alone_compute_s:
-            return self.ranks * self.alone_micro / (self.alone_compute_s + step_overhead_s)
-        return self.ranks * micro_batch / (self.compute_s + step_overhead_s)
+        micro-batch's seconds (what runs of one rank measured beyond the model: `predict`) unless that
+        would leave nothing, as `predict` leaves the compute alone then."""
+        micro, seconds = ((self.alone_micro, self.alone_compute_s) if self.alone_micro and self.alone_compute_s
+                          else (micro_batch, self.compute_s))
+        return self.ranks * micro / (seconds + step_overhead_s if seconds + step_overhead_s > 0 else seconds)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -311,7 +312,7 @@ def predict(s: Scenario) -> Prediction:
     # On one rank there is no communication: a calibration there is the step's own overhead (optimizer, engine),
     # which the node alone pays too. Left out of the node, one rank read as 73 % of itself after its first run,
     # and plan recommended accumulating to amortise it (a CPU digits run, 2026-11-29).
-    alone = {n.name: n.images_per_s(s.micro_batch, extra if s.world == 1 and extra > 0 else 0.0) for n in s.nodes}
+    alone = {n.name: n.images_per_s(s.micro_batch, extra if s.world == 1 else 0.0) for n in s.nodes}
     fastest = max(alone, key=alone.__getitem__)
     speedup, efficiency = rate / alone[fastest], rate / sum(alone.values())
     slower = len(s.nodes) > 1 and speedup < 1
