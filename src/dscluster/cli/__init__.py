@@ -12,12 +12,12 @@ import sys
 
 from dscluster.errors import DsclusterError
 
-# The command table, in `--help` order: command -> its module. Modules are imported when the
-# parser is built (not when `dscluster.cli` is), so `import dscluster.cli.plot` stays cheap; a
-# module that is missing is an ImportError, never a command that quietly disappears. A command
-# line that names its command imports that command's module alone (main): all sixteen cost a
-# process 0.4 CPU-s more (paramiko, rich tables, the lab and check rules), paid by every rank's
-# `dscluster train` and every node's sampler.
+# The command table, in `--help` order: command -> its module, imported lazily: a module is
+# imported when the parser is built (build_parser), and a command line that names
+# its command imports that command's module alone, so every rank's `dscluster train` and every
+# node's sampler skip the others' domains (paramiko, rich tables, the lab and check rules). Each
+# command module imports its own domain at its top. A missing module is an ImportError, never a
+# command that quietly disappears.
 COMMANDS: dict[str, str] = {
     "hosts": "dscluster.cli.hosts",
     "sim": "dscluster.cli.sim",
@@ -46,6 +46,7 @@ class VersionAction(argparse.Action):
         super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):
+        # lazy: only --version reads package metadata (importlib.metadata), every other command line skips it
         from dscluster.cli.envreport import package_versions, versions_line
 
         print(versions_line(package_versions()))

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dscluster import console
+from dscluster.bench import mixed, vit
 from dscluster.errors import JobFailed, UsageError
 
 
@@ -124,8 +125,6 @@ def _print(doc: dict, path, header: list[str], rows: list[list[str]], title: str
 
 
 def vit_command(args: argparse.Namespace) -> int:
-    from dscluster.bench import vit
-
     opts = vit.VitBenchOptions(
         model=args.model, gpu_counts=args.gpus, precision=_default_precision(args), zero=args.zero,
         compile=args.compile, micro_batch=str(args.micro_batch), memory_cap_gb=args.memory_cap_gb,
@@ -144,8 +143,6 @@ def vit_command(args: argparse.Namespace) -> int:
 
 
 def balanced_command(args: argparse.Namespace) -> int:
-    from dscluster.bench import mixed
-
     opts = mixed.MixedBenchOptions(
         model=args.model, ranks=args.ranks, gpus=args.gpus, micro_batch=args.micro_batch,
         precision=_default_precision(args), steps=args.steps, warmup=args.warmup, device=args.device,

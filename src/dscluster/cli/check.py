@@ -16,11 +16,13 @@ import json
 from rich.markup import escape
 from rich.table import Table
 
-from dscluster import console, state
+from dscluster import console, paths, state
 from dscluster.check import checkfile
 from dscluster.check.checkfile import CheckFile, NodeResult
 from dscluster.check.rules import CHECKS, cell_status, deepspeed_env
 from dscluster.check.run import CheckOptions, CheckRun, envs, ok, run_check
+from dscluster.errors import UsageError
+from dscluster.train.config import load_config
 
 MARK = {"ok": "[green]✓[/]", "warning": "[yellow]![/]", "error": "[red]✗[/]"}
 SEVERITY_STYLE = {"error": "red", "warning": "yellow", "info": "cyan"}
@@ -69,7 +71,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def build_document(run: CheckRun, master_port: int, files: dict) -> CheckFile:
     per_node, _ = envs(run, master_port)
-    ev = run.evaluation
+    evaluation = run.evaluation
     nodes = []
     for h in run.hostfile.hosts:
         f = run.facts.get(h.name)
@@ -88,12 +90,12 @@ def build_document(run: CheckRun, master_port: int, files: dict) -> CheckFile:
         hostfile=run.hostfile.path,
         hostfile_sha256=run.hostfile_sha256,
         np=run.hostfile.total_slots,
-        head=ev.head,
-        precision={"value": ev.precision.value, "reason": ev.precision.reason,
-                   "deprecated_fp16": ev.precision.deprecated_fp16},
-        batching={"value": ev.batching.value, "reason": ev.batching.reason},
-        network=ev.network.to_dict(),
-        master={"addr": ev.network.address.get(ev.head), "port": master_port},
+        head=evaluation.head,
+        precision={"value": evaluation.precision.value, "reason": evaluation.precision.reason,
+                   "deprecated_fp16": evaluation.precision.deprecated_fp16},
+        batching={"value": evaluation.batching.value, "reason": evaluation.batching.reason},
+        network=evaluation.network.to_dict(),
+        master={"addr": evaluation.network.address.get(evaluation.head), "port": master_port},
         nodes=nodes,
         findings=[x.to_dict() for x in run.findings],
         active=run.active,
@@ -169,9 +171,6 @@ def data_folder(data: str | None, config: str | None) -> str | None:
     """The folder to compare on every node: --data, else the preset's data.path (None: none named)."""
     if data is not None or config is None:
         return data
-    from dscluster import paths
-    from dscluster.train.config import load_config
-
     return load_config(paths.config_path(config)).data.path or None
 
 
@@ -181,7 +180,6 @@ def check_command(args: argparse.Namespace) -> int:
                         show_progress=not args.json, data_dir=data_folder(args.data, args.config),
                         no_tune=args.no_tune)
     if opts.timeout <= 0:
-        from dscluster.errors import UsageError
         raise UsageError(f"--timeout {args.timeout}: expected a positive number of seconds")
     run = run_check(opts)
     files = write_outputs(run, opts.master_port)

@@ -14,6 +14,9 @@ from pathlib import Path
 
 from dscluster import console, state
 from dscluster.check import checkfile
+from dscluster.errors import UsageError
+from dscluster.launch.collect import push, timed_pull
+from dscluster.rundir.agree import split_message
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -53,10 +56,6 @@ def _runs_not_shared(path: str) -> bool:
 
 
 def collect_command(args: argparse.Namespace) -> int:
-    from dscluster.errors import UsageError
-    from dscluster.launch.collect import push, timed_pull
-    from dscluster.rundir.agree import split_message
-
     if args.push:
         if args.check_json and not _runs_not_shared(args.check_json):
             return 0   # a shared run directory (or no check saying otherwise): nothing to send

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import argparse
 
+import shtab
+
+from dscluster.cli import build_parser
+
 SHELLS = ("bash", "zsh")
 FILE_DESTS = {"hostfile", "config", "script", "out"}
 """Options and arguments whose value is a file (a hostfile, a YAML preset, an output file)."""
@@ -47,10 +51,6 @@ def _mark_paths(parser: argparse.ArgumentParser, shtab) -> None:
 
 
 def completion_script(shell: str) -> str:
-    import shtab
-
-    from dscluster.cli import build_parser
-
     parser = build_parser()
     _mark_paths(parser, shtab)
     return shtab.complete(parser, shell=shell)

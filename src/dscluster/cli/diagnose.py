@@ -8,7 +8,10 @@ import json
 from rich.markup import escape
 from rich.table import Table
 
-from dscluster import console, redact
+from dscluster import console, redact, state
+from dscluster.analysis.diagnose import diagnose
+from dscluster.analysis.load import load_run
+from dscluster.check import checkfile
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,9 +30,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _unshared_hosts() -> list[str]:
     """The hosts of the last check, when it found that they do not share the run directory."""
-    from dscluster import state
-    from dscluster.check import checkfile
-
     try:
         check = checkfile.load(state.check_json_path())
     except (FileNotFoundError, checkfile.CheckFileError):
@@ -38,9 +38,6 @@ def _unshared_hosts() -> list[str]:
 
 
 def diagnose_command(args: argparse.Namespace) -> int:
-    from dscluster.analysis.diagnose import diagnose
-    from dscluster.analysis.load import load_run
-
     result = redact.redact_doc(diagnose(load_run(args.run_dir), unshared_hosts=_unshared_hosts()))
     if args.json:
         print(json.dumps(result, indent=2))

@@ -3,40 +3,7 @@
 Paste its output into a bug report. Nothing goes over SSH (for every node at once, run
 `dscluster check`); secrets (dscluster.redact's rule) show "***".
 
-JSON schema (`dscluster env --json`), version 1. Keys are only ever added; a change in
-meaning bumps "schema".
-
-    {
-      "schema": 1,
-      "summary": str,              # the line `dscluster --version` prints
-      "versions": {"dscluster": str, "python": str,
-                   "torch": str|null, "deepspeed": str|null},  # package metadata; null: not installed
-      "python": {"version": str, "implementation": str, "executable": str, "platform": str},
-      "torch": {"version": str|null,         # torch.__version__ (with its local tag, e.g. +cu121)
-                "cuda_build": str|null,      # torch.version.cuda: the CUDA torch was built with
-                "cuda_available": bool,      # torch.cuda.is_available() here
-                "nccl": str|null,            # torch.cuda.nccl.version(), e.g. "2.21.5"
-                "error": str|null},
-      "gpus": [{"index": int, "name": str, "capability": "8.6", "memory_gib": float}],
-      "deepspeed": {"version": str|null, "accelerator": str|null,
-                    "ops": {op: {"installed": bool, "compatible": bool}}|null,  # as ds_report
-                    "ops_needed": {"ops": {"FusedAdam"|"FusedLamb"|"CPUAdam": "prebuilt"|"JIT-buildable"|
-                                   "cannot build"|"needs a GPU"}, "ok": bool, "line": str,
-                                   "fix": str|null}|null,  # check/dsops.py; null: no DeepSpeed
-                    "error": str|null},
-      "mpi": {"mpirun": str|null,            # the one `dscluster check` runs: beside this
-                                             # Python, else the checkout's venv, else PATH
-              "version": str|null,           # first line of `mpirun --version`
-              "error": str|null},
-      "env": {NAME: str},                    # NCCL_* GLOO_* MASTER_* OMPI_* DS_* DSCLUSTER_*
-                                             # TORCH_NCCL_* CUDA_VISIBLE_DEVICES; secrets "***"
-      "check": null |                        # null: no check.json in the state directory
-               {"path": str, "created": float|null, "ok": bool|null, "hostfile": str|null,
-                "errors": int, "warnings": int, "error": str|null,
-                "nodes": [{"name": str, "hostname": str|null,
-                           "status": "ok"|"warning"|"error"|"unreachable",
-                           "problems": [check]}]}
-    }
+The `--json` document's schema (version 1, keys only ever added) is in docs/schemas.md.
 Exit status: 0 (a missing piece is reported, not an error); 2 bad usage.
 """
 
@@ -66,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "`dscluster check`. Exit 0.",
         epilog="example: dscluster env --json > env.json",
     )
-    p.add_argument("--json", action="store_true", help="print the report as JSON (schema in the module docstring)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON (schema: docs/schemas.md)")
     p.add_argument("--no-ops", action="store_true", help="skip DeepSpeed's op compatibility probe")
     p.set_defaults(func=env_command)
 
@@ -80,7 +47,10 @@ def _ago(created: float, now: float) -> str:
 
 
 def _software_table(doc: dict) -> Table:
-    torch, ds, mpi, py = doc["torch"], doc["deepspeed"], doc["mpi"], doc["python"]
+    torch = doc["torch"]
+    ds = doc["deepspeed"]
+    mpi = doc["mpi"]
+    py = doc["python"]
     table = Table(title="software", title_justify="left")
     table.add_column("component", no_wrap=True)
     table.add_column("version")

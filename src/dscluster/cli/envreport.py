@@ -24,6 +24,7 @@ from dscluster import __version__, redact, state
 from dscluster.check import checkfile
 from dscluster.check.checkfile import CheckFile, CheckFileError
 from dscluster.check.dsops import ds_op_facts, ops_message, ops_verdict
+from dscluster.launch.mpirun import mpirun_path
 
 SCHEMA_VERSION = 1
 
@@ -87,7 +88,7 @@ def summarize_check(doc: CheckFile, path: str) -> dict:
 
 def build_report(*, versions: Mapping, python: Mapping, torch: Mapping, gpus: list, deepspeed: Mapping,
                  mpi: Mapping, env: Mapping, check: Mapping | None) -> dict:
-    """The `--json` document (schema in cli_env's docstring)."""
+    """The `--json` document (schema: docs/schemas.md)."""
     return {
         "schema": SCHEMA_VERSION,
         "summary": versions_line(versions),
@@ -127,7 +128,7 @@ def collect_torch() -> tuple[dict, list[dict]]:
     its NCCL, and the GPUs it sees."""
     info: dict = {"version": None, "cuda_build": None, "cuda_available": False, "nccl": None, "error": None}
     try:
-        import torch
+        import torch  # heavy: only `dscluster env` asks torch itself
     except ImportError as e:
         info["error"] = f"cannot import torch ({e})"
         return info, []
@@ -160,7 +161,7 @@ def collect_deepspeed(probe_ops: bool = True) -> dict:
     """
     info: dict = {"version": None, "accelerator": None, "ops": None, "error": None}
     with contextlib.redirect_stdout(sys.stderr):
-        try:
+        try:  # heavy: only `dscluster env` asks DeepSpeed itself
             import deepspeed
             from deepspeed.accelerator import get_accelerator
         except Exception as e:  # noqa: BLE001 - DeepSpeed fails in many ways on import
@@ -229,9 +230,6 @@ def load_check(environ: Mapping[str, str]) -> dict | None:
 
 
 def collect(environ: Mapping[str, str] | None = None, probe_ops: bool = True) -> dict:
-    # The mpirun rule has one owner: report the mpirun that `dscluster check` runs.
-    from dscluster.launch.mpirun import mpirun_path
-
     environ = os.environ if environ is None else environ
     torch_info, gpus = collect_torch()
     deepspeed = collect_deepspeed(probe_ops)
@@ -242,6 +240,7 @@ def collect(environ: Mapping[str, str] | None = None, probe_ops: bool = True) ->
         torch=torch_info,
         gpus=gpus,
         deepspeed=deepspeed,
+        # The mpirun rule has one owner: report the mpirun that `dscluster check` runs.
         mpi=collect_mpi(mpirun_path(sys.executable, dict(environ))),
         env=relevant_env(environ),
         check=load_check(environ),

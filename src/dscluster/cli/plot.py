@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
+from dscluster import redact
+from dscluster.analysis import analyse
 from dscluster.errors import DsclusterError, UsageError
 
 
@@ -30,17 +33,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def plot_command(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from dscluster.analysis import analyse
-
     if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
         raise UsageError(f"--out {args.out}: is a file, not a directory; pass a directory for the pictures and "
                          "report.html (it is created when missing), e.g. --out plots/")
     results = analyse(args.run_dirs, args.out)
     if args.json:
-        from dscluster import redact
-
         print(json.dumps(redact.redact_doc([{
             "run_dir": str(r.run.path), "report": str(r.report),
             "plots": {p.name: str(p.path) for p in r.plots}, "summary": r.summary,

@@ -68,7 +68,7 @@ def _password(user: str, interactive: bool) -> str | None:
 def build_options(args: argparse.Namespace) -> SetupOptions:
     if args.timeout <= 0:
         raise UsageError(f"--timeout must be positive, got {args.timeout:g}")
-    hf = parse_hostfile(args.hostfile)
+    hostfile = parse_hostfile(args.hostfile)
     user = args.user or getpass.getuser()
     key = Path.home() / ".ssh" / "id_ed25519"
     password = _password(user, interactive=True)
@@ -78,7 +78,7 @@ def build_options(args: argparse.Namespace) -> SetupOptions:
             f"`dscluster setup` in a terminal to be asked once; {key} does not exist yet"
         )
     return SetupOptions(
-        targets=[Target(name=h.name, host=h.name, port=22, user=user) for h in hf.hosts],
+        targets=[Target(name=h.name, host=h.name, port=22, user=user) for h in hostfile.hosts],
         known_hosts=known_hosts_path(),
         password=password,
         key_filename=str(key) if key.exists() else None,

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from dscluster.errors import UsageError
+from dscluster.telemetry.sampler import SamplerConfig, run_sampler
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,8 +30,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def telemetry_command(args: argparse.Namespace) -> int:
-    from dscluster.telemetry.sampler import SamplerConfig, run_sampler
-
     if not (0.05 <= args.period <= 3600):
         raise UsageError(f"--period {args.period:g}: choose between 0.05 and 3600 seconds (default 1.0)")
     if args.duration is not None and args.duration <= 0:

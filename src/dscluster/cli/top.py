@@ -12,17 +12,23 @@ import json
 import os
 import select
 import sys
+import termios
 import time
+import tty
 from contextlib import contextmanager
 from pathlib import Path
 
-from rich.console import Group
+from rich.console import Console, Group
+from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from dscluster import console
 from dscluster.errors import UsageError
+from dscluster.fsutil import atomic_write_text
+from dscluster.hosts import parse_hostfile
+from dscluster.telemetry.watch import Watcher, node_places
 
 HOT_C = 85
 """A GPU at or above this temperature shows red even before NVML reports thermal slowdown."""
@@ -53,9 +59,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def top_command(args: argparse.Namespace) -> int:
-    from dscluster.hosts import parse_hostfile
-    from dscluster.telemetry.watch import Watcher, node_places
-
     if args.json and not args.once:
         raise UsageError("--json prints one snapshot: use it with --once (dscluster top --once --json)")
     if args.svg is not None:
@@ -94,10 +97,6 @@ def check_svg_target(args: argparse.Namespace) -> None:
 
 def save_svg(view, path: Path, width: int = 140) -> None:
     """The view as rich draws it in a terminal `width` columns wide, saved as SVG (written atomically)."""
-    from rich.console import Console
-
-    from dscluster.fsutil import atomic_write_text
-
     with open(os.devnull, "w") as sink:
         rec = Console(record=True, width=width, file=sink, force_terminal=True, color_system="truecolor")
         rec.print(view)
@@ -105,8 +104,6 @@ def save_svg(view, path: Path, width: int = 140) -> None:
 
 
 def live(watcher, interval: float) -> int:
-    from rich.live import Live
-
     with _keys() as pressed, Live(console=console.out, screen=True, auto_refresh=False) as view:
         try:
             while True:
@@ -127,9 +124,6 @@ def _keys():
     if fd is None:
         yield lambda timeout: time.sleep(max(0.0, timeout))
         return
-    import termios
-    import tty
-
     saved = termios.tcgetattr(fd)
     tty.setcbreak(fd)
 

@@ -6,7 +6,13 @@ import argparse
 import json
 import sys
 
-from dscluster.errors import UsageError
+from dscluster.errors import DsclusterError, UsageError
+from dscluster.train import dist, startgc
+from dscluster.train.balanced import resolve_batching
+from dscluster.train.config import load_config, to_yaml
+from dscluster.train.losscale import recommend_initial_scale_power, write_initial_scale_power
+from dscluster.train.shape import resolve
+from dscluster.train.timing import WARMUP_STEPS, warmup_left_out
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -41,8 +47,6 @@ def check_batch_arithmetic(cfg, world_size: int) -> None:
     launcher's variables alone, so a mismatch stops every rank before a run directory is
     written or the process group waits for peers. (auto micro-batches and balanced shares are
     only known on the devices; setup_engine checks those.)"""
-    from dscluster.train.shape import resolve
-
     if cfg.batching == "uniform" and isinstance(cfg.micro_batch, int):
         resolve(cfg, world_size)
 
@@ -51,9 +55,6 @@ def preflight(argv: list[str]) -> int:
     """entry_cn.sh, before it starts the node's telemetry sampler or the run directory: do these train
     arguments parse and does the config load (with what it points at)? 0 yes (or help asked for), 2 no,
     with train's own message. `python -c 'from dscluster.cli.train import preflight; ...' ARGS`."""
-    from dscluster.errors import DsclusterError
-    from dscluster.train.config import load_config
-
     parser = argparse.ArgumentParser(prog="dscluster")
     register(parser.add_subparsers())
     try:
@@ -70,8 +71,6 @@ def preflight(argv: list[str]) -> int:
 
 def throughput_words(outcome) -> str:
     """The end line's img/s: the steady figure named so, the whole run's beside it (train/timing.py)."""
-    from dscluster.train.timing import WARMUP_STEPS, warmup_left_out
-
     if outcome.images_per_s is None:
         return "images/s n/a"
     if outcome.steps_this_run and not warmup_left_out(outcome.steps_this_run):
@@ -85,20 +84,14 @@ def throughput_words(outcome) -> str:
 
 
 def train_command(args: argparse.Namespace) -> int:
-    from dscluster.train import startgc
-
     with startgc.start_up():  # the collector off until the engine is built (train/startgc.py)
         return _train(args)
 
 
 def _train(args: argparse.Namespace) -> int:
-    from dscluster.train.config import load_config, to_yaml
-
     # What the config points at (data folder, timm model, checkpoint to resume) is checked here,
     # before train() creates the run directory; printing the config needs none of it.
     cfg = load_config(args.config, args.overrides, world=not args.print_config)
-    from dscluster.train.balanced import resolve_batching
-
     cfg.batching = resolve_batching(cfg.batching)
     if args.write_config and not (args.calibrate_loss_scale or cfg.calibrate_loss_scale):
         raise UsageError("--write-config goes with --calibrate-loss-scale")
@@ -108,10 +101,8 @@ def _train(args: argparse.Namespace) -> int:
         sys.stdout.write(to_yaml(cfg))
         return 0
     calibrate = args.calibrate_loss_scale or cfg.calibrate_loss_scale
-    from dscluster.train import dist
-
     check_batch_arithmetic(cfg, dist.detect_ranks().world_size)
-    from dscluster.train.loop import train
+    from dscluster.train.loop import train  # torch: loads only when training starts
 
     outcome = train(cfg, calibrate=calibrate)
     if not dist.is_primary():
@@ -120,8 +111,6 @@ def _train(args: argparse.Namespace) -> int:
               "accuracy": outcome.accuracy, "images_per_s": outcome.images_per_s,
               "run_images_per_s": outcome.run_images_per_s}
     if calibrate:
-        from dscluster.train.losscale import recommend_initial_scale_power, write_initial_scale_power
-
         points = [(s, o) for s, o in outcome.scale_history if s is not None]
         power = recommend_initial_scale_power(points)
         result.update(recommended_initial_scale_power=power, overflow_steps=sum(o for _, o in points),
