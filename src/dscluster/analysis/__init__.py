@@ -8,7 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dscluster import redact
+from dscluster.analysis.diagnose import diagnose
 from dscluster.analysis.load import RunData, load_run
+from dscluster.analysis.stats import summary_row
+from dscluster.analysis.tbexport import export as export_tensorboard
 from dscluster.fsutil import atomic_write_text
 from dscluster.rundir.layout import PLOTS_DIR, REPORT_FILE
 
@@ -29,12 +32,10 @@ def analyse(run_dirs: list[str | Path], out: str | Path | None = None) -> list[R
     Without --out, each run's pictures go to RUN/plots/ and its report to RUN/report.html.
     With --out and one run: OUT/*.png and OUT/report.html; with several: OUT/<run>/...
     """
-    from dscluster.analysis.diagnose import diagnose
+    # matplotlib: loads only when pictures are drawn, so `dscluster --help` (which imports this) stays quick
     from dscluster.analysis.monitor_plot import plot_monitor
     from dscluster.analysis.plots import plot_run, plot_scaling
     from dscluster.analysis.report import render_report
-    from dscluster.analysis.stats import summary_row
-    from dscluster.analysis.tbexport import export as export_tensorboard
 
     runs = [load_run(d) for d in run_dirs]  # all validated before anything is written
     names = [r.name for r in runs]

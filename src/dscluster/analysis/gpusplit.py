@@ -1,9 +1,9 @@
 """Each GPU's NVML utilisation beside the measured step split of the rank that used it.
 
 NVML counts a GPU as busy while any kernel runs, and an NCCL all-reduce kernel spinning on bytes
-from a 1 Gbit network is a kernel: on the GPU lab at 1 Gbit every GPU read 100 % while each step
-waited 96 % of its time for the network (the step split, train/split.py). This module pairs the
-two per GPU so the utilisation picture, the report and `diagnose` can say it in words.
+from a slow network is a kernel: a GPU can read 100 % busy while its steps wait for the network
+(the step split, train/split.py; docs/run-directory.md). This module pairs the two per GPU so the
+utilisation picture, the report and `diagnose` can say it in words.
 
 A rank's GPU: the one entry_cn.sh recorded for it (process/rank-R.json), else the local-rank-th
 of its host's sampled GPUs (the torchrun convention `dscluster train` follows).

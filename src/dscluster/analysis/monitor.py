@@ -1,14 +1,10 @@
 """DeepSpeed's own monitor series (the config's csv_monitor or tensorboard section) in a run directory.
 
-A script that never calls dscluster.userlog can still turn on DeepSpeed's monitor. Pointed into
-the run directory (`"csv_monitor": {"enabled": true, "output_path": os.environ["DSCLUSTER_RUN_DIR"]}`,
-docs/byo-script.md), its series are found here and `plot` draws the loss and learning rate.
-
-csv_monitor writes <output_path>/<job_name>/<Tag_With_Underscores>.csv with a header
-`step,<last part of the tag>` and one `step,value` row per event (DeepSpeed's engine logs
-Train/Samples/lr and Train/Samples/loss_scale against the global sample count; a script adds its
-own, e.g. Train/Samples/train_loss, through `engine.monitor.write_events`). TensorBoard event
-files are read through the tensorboard package only where it is installed.
+A script that never calls dscluster.userlog can still turn on DeepSpeed's monitor. Pointed into the
+run directory (docs/byo-script.md), its series are found here and `plot` draws the loss and learning
+rate. csv_monitor writes <output_path>/<job_name>/<Tag_With_Underscores>.csv, a `step,<last part of
+the tag>` header and one `step,value` row per event. TensorBoard event files are read through the
+tensorboard package only where it is installed.
 """
 
 from __future__ import annotations
@@ -49,7 +45,7 @@ def read_csv_series(path: Path) -> Series:
 
 def read_event_series(path: Path) -> dict[str, Series]:
     """Scalars of one TensorBoard event file, by tag; {} where tensorboard is not installed."""
-    try:
+    try:  # optional: the tensorboard package is installed only where wanted
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     except ImportError:
         return {}

@@ -14,6 +14,8 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
+from matplotlib import colormaps  # noqa: E402
+from matplotlib.colors import to_hex, to_rgb  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from dscluster.analysis.gpusplit import busy_but_waiting_words, gpu_views  # noqa: E402
@@ -57,9 +59,6 @@ def host_colours(run: RunData) -> dict[str, str]:
 
 def shade(family: str | None, k: int, n: int) -> str:
     """The k-th of n distinct shades of a node's family, dark to light (hex)."""
-    from matplotlib import colormaps
-    from matplotlib.colors import to_hex
-
     if family is None:
         return "#333333"
     level = 0.8 if n <= 1 else 0.9 - 0.5 * k / (n - 1)
@@ -164,7 +163,9 @@ def plot_throughput(run: RunData, out: Path) -> Plot:
         _empty(ax_t, "no step records in metrics/rank-*.jsonl")
         _empty(ax_b, "no step records")
         return _save(fig, plot, not run.completed)
-    box_data, box_labels, box_colours = [], [], []
+    box_data = []
+    box_labels = []
+    box_colours = []
     for rank in sorted(run.ranks):
         steps = run.ranks[rank].steps
         colour, ls, label = _rank_style(run, rank, colours)
@@ -343,8 +344,6 @@ SMOOTH = 10
 
 
 def _lighter(colour: str, amount: float) -> str:
-    from matplotlib.colors import to_hex, to_rgb
-
     return to_hex([c + (1 - c) * amount for c in to_rgb(colour)])
 
 

@@ -1,19 +1,11 @@
 """dscluster's series for TensorBoard, beside DeepSpeed's own, in RUN_DIR/tensorboard/dscluster/.
 
-With `deepspeed.tensorboard.enabled=true` DeepSpeed writes its series (learning rate, loss scale) into
-RUN_DIR/monitor/deepspeed/. The ones a user of this project looks for live in our files; `plot` writes
-them as TensorBoard scalars so one `tensorboard --logdir runs/<id>` shows both:
-
-    loss/rank_R                      training loss per optimizer step
-    accuracy/held_out                held-out accuracy (%)
-    throughput/images_per_s          the job's img/s per step (the ranks' samples/s summed)
-    throughput/rank_R                each rank's samples/s
-    step_split/{compute,comm,data,other}_s/rank_R   where each rank's step went (seconds)
-    gpu/<host>/gpuN/{util_percent,mem_used_gib,temp_c,power_w}, node/<host>/cpu_percent
-                                     the per-node telemetry, step = seconds since the run's start
-
-Written only where the run enabled a DeepSpeed tensorboard monitor (or already holds event files)
-and the tensorboard package is installed. The folder is ours: each `plot` replaces its events file.
+DeepSpeed's tensorboard monitor writes only its own series (learning rate, loss scale); the ones a
+user of this project looks for (loss, accuracy, img/s, step split, telemetry) live in our files, so
+`plot` writes them as TensorBoard scalars and one `tensorboard --logdir runs/<id>` shows both. The
+tags are listed in docs/run-directory.md. Written only where the run enabled a DeepSpeed tensorboard
+monitor (or already holds event files) and the tensorboard package is installed. The folder is ours:
+each `plot` replaces its events file.
 """
 
 from __future__ import annotations
@@ -80,7 +72,7 @@ def export(run: RunData) -> Path | None:
     tensorboard is not installed."""
     if not wanted(run):
         return None
-    try:
+    try:  # optional: the tensorboard package is installed only where wanted
         from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.compat.proto.summary_pb2 import Summary
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
