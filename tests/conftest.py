@@ -1,4 +1,8 @@
-"""Shared test policy: on CI (CI=true) a skipped cluster test is a failure, not a pass.
+"""Shared test policy: on CI (CI=true) a skip is a failure, not a pass, unless the test needs a GPU.
+
+CI installs everything else the suite needs (.ci/run): a skip there is a broken image hiding tests, whether
+it came from a skipif mark, a fixture, the test itself or a module skipped at import. NEEDS_A_GPU names the
+tests that may skip there.
 
 `python -m pytest` runs with the same cache folders as `make test`: the Makefile's exports
 (MPLCONFIGDIR, TORCH_EXTENSIONS_DIR, …) are read from it and set when unset. Without them
@@ -55,17 +59,56 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-@pytest.hookimpl(hookwrapper=True)
+# The tests that need hardware CI's machine does not have, a GPU: under CI=true these alone may skip. A folder
+# ends in "/"; a test is named as FILE::NAME, relative to tests/, and covers all its parameters.
+NEEDS_A_GPU = (
+    "gpu/",
+    "unit/test_comm.py::test_split_marks_on_a_gpu_are_events_read_after_the_window_without_a_host_sync",
+    "unit/test_comm.py::test_on_a_gpu_data_is_only_the_time_the_device_waited_for_the_batch",
+    "cluster/test_sim_gpu_lab.py::test_real_gpus_one_per_node_and_nccl_goes_through_the_shaped_link",
+)
+
+
+def needs_a_gpu(path: Path, nodeid: str) -> bool:
+    """Whether the test (or the module, collected from `path`) is one NEEDS_A_GPU names."""
+    try:
+        name = Path(path).resolve().relative_to(ROOT / "tests").as_posix()
+    except ValueError:
+        return False
+    if "::" in nodeid:
+        name += nodeid[nodeid.index("::"):]
+    return any(name.startswith(entry) if entry.endswith("/") else name == entry or name.startswith(entry + "[")
+               for entry in NEEDS_A_GPU)
+
+
+def _fail_a_skip_on_ci(report, path: Path) -> None:
+    # An expected failure (xfail) reports as skipped too: it is no skip, and strict ones fail when they pass.
+    if (os.environ.get("CI") != "true" or not report.skipped or hasattr(report, "wasxfail")
+            or needs_a_gpu(path, report.nodeid)):
+        return
+    reason = report.longrepr
+    if isinstance(reason, tuple):  # a skip's (file, line, message)
+        reason = f"{reason[0]}:{reason[1]}: {reason[2]}"
+    report.outcome = "failed"
+    report.longrepr = (f"skipped on CI (CI=true makes a skip a failure; only tests/conftest.py's NEEDS_A_GPU may "
+                       f"skip): {reason}")
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
-    outcome = yield
-    report = outcome.get_result()
-    if (
-        os.environ.get("CI") == "true"
-        and report.skipped
-        and item.get_closest_marker("cluster") is not None
-    ):
-        report.outcome = "failed"
-        report.longrepr = f"cluster test skipped on CI (CI=true makes a skip a failure): {report.longrepr}"
+    """Skips of a test: its skipif marks, pytest.skip in its fixtures or in its body."""
+    report = yield
+    _fail_a_skip_on_ci(report, item.path)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    """Skips of a whole module at import (pytest.skip(..., allow_module_level=True)): no test of it is ever run,
+    so only its collection can fail."""
+    report = yield
+    _fail_a_skip_on_ci(report, collector.path)
+    return report
 
 
 # `make test` runs three pytest-xdist workers that each take whole files (--dist loadfile), in collection

@@ -75,6 +75,8 @@ def yaml_text(value) -> str:
         return {float("inf"): ".inf", float("-inf"): "-.inf"}.get(value, ".nan" if value != value else repr(value))
     if isinstance(value, list):
         return "[" + ", ".join(map(yaml_text, value)) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{name}: {yaml_text(item)}" for name, item in value.items()) + "}"
     return str(value)
 
 
@@ -178,7 +180,14 @@ def rejections(tmp_path, key: str, values: list) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("key", sorted(FIELDS))
+# Switches and free text declare no range: nothing lies outside one, and no bound can be tried. They are cases
+# of their own tests below; a case here with no value to try would pass having checked nothing.
+UNRANGED = sorted(key for key in FIELDS if not out_of_range(key) and not boundaries(key))
+RANGED = sorted(key for key in FIELDS if out_of_range(key))
+BOUNDED = sorted(key for key in FIELDS if boundaries(key))
+
+
+@pytest.mark.parametrize("key", RANGED)
 def test_out_of_range_values_are_refused_naming_the_key_and_where(key, tmp_path):
     values = out_of_range(key)
     problems = rejections(tmp_path, key, values)
@@ -191,7 +200,7 @@ def test_wrong_types_are_refused_naming_the_key_and_where(key, tmp_path):
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("key", sorted(FIELDS))
+@pytest.mark.parametrize("key", BOUNDED)
 def test_boundary_values_load(key, tmp_path):
     companions = COMPANIONS.get(key, [])
     for value in boundaries(key):
@@ -199,6 +208,30 @@ def test_boundary_values_load(key, tmp_path):
         assert _get(cfg, key) == value
         path, _ = write_yaml(tmp_path, key, value)
         assert _get(load_config(path, companions), key) == value
+
+
+@pytest.mark.parametrize("key", UNRANGED)
+def test_a_key_without_a_range_is_a_switch_or_text(key):
+    # A number whose rule was lost would land here, with nothing outside its range tried: only a switch, free text
+    # or DeepSpeed's own section may declare no range.
+    f, tp = FIELDS[key]
+    assert _types(tp) in ({bool}, {str}, {dict[str, typing.Any]}), f"{key}: {tp} declares no range"
+    assert not f.metadata, f"{key}: {f.metadata} declares a rule the range tests do not try"
+
+
+def own_type_values(key: str) -> list:
+    """Values of the key's own type, not only its default: each must load and read back as given."""
+    (kind,) = _types(FIELDS[key][1])
+    return {bool: [True, False], str: ["vit_tiny_patch16_224", "/data/my-set"],
+            dict[str, typing.Any]: [{"wall_clock_breakdown": True}]}.get(kind, [])
+
+
+@pytest.mark.parametrize("key", UNRANGED)
+def test_a_key_without_a_range_takes_values_of_its_type(key, tmp_path):
+    for value in own_type_values(key):
+        assert _get(load_config(None, [f"{key}={yaml_text(value)}", *COMPANIONS.get(key, [])]), key) == value
+        path, _ = write_yaml(tmp_path, key, value)
+        assert _get(load_config(path, COMPANIONS.get(key, [])), key) == value
 
 
 def _get(cfg, key: str):
