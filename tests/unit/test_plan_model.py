@@ -22,6 +22,9 @@ from dscluster.plan.recommend import recommend
 VIT_B_PARAMS = 85_806_346
 H200_COMPUTE_S = 128 / 3000  # one GPU alone ~3,000 img/s at micro-batch 128
 RTX3070_COMPUTE_S = 0.2      # an 8 GB card, micro-batch 32
+# plan's predictions hold within ±15 % of what a run measured (docs/advisor.md, "What holds")
+TOLERANCE = 0.15
+MEASURED_10GBIT_STEP_S = 0.776  # the 1+1+2 lab at 10 Gbit, steady step (docs/plan.md)
 
 
 FP16_LADDER = ("none", "fp16")  # the recommendation before PowerSGD: what these lab figures were checked with
@@ -49,7 +52,7 @@ def lab(busbw, compute_s=H200_COMPUTE_S, micro=128, accum=1, **kw):
 
 def test_ring_allreduce_time_follows_nccl_tests_definition():
     # 344 MB × 2·3/4 ÷ 0.119 GB/s: the 4.3 s docs/gpu-lab.md derives for the 1 Gbit lab
-    assert model.ring_allreduce_s(344e6, 4, 0.119) == pytest.approx(4.336, abs=0.001)
+    assert model.ring_allreduce_s(344e6, 4, 0.119) == pytest.approx(344e6 * 2 * 3 / 4 / 0.119e9)
     assert model.ring_allreduce_s(344e6, 1, 0.119) == 0.0
     assert model.gradient_bytes(VIT_B_PARAMS) == 343_225_384
 
@@ -91,12 +94,18 @@ def test_1gbit_8gb_cards_recommend_accumulation_and_fp16_compression():
     s = lab(0.119, compute_s=RTX3070_COMPUTE_S, micro=32)
     assert predict(s).slower
     rec = recommend(s, compressions=FP16_LADDER)
-    assert rec.choice.grad_accum in (16, 32) and rec.choice.compression == "fp16"
+    # the most accumulation within global batch 4,096: 32 micro-steps × 32 images × 4 ranks
+    assert rec.choice.grad_accum == 32 and rec.choice.compression == "fp16"
     assert rec.choice.prediction.speedup > 1 and not rec.train_alone
-    # 80% is out of reach within 4096 (76%): the summary says so and names the best
-    if not rec.reached:
-        assert rec.summary.startswith("nothing within global batch 4,096 reaches 80%; the best is grad_accum")
-    assert rec.choice.prediction.efficiency == pytest.approx(0.76, abs=0.02)
+    # by hand: 32 × 0.2 s of compute; fp16 halves the 343 MB all-reduce, 171.6 MB × 2·3/4 ÷ 0.119 GB/s = 2.16 s,
+    # of which the last backward (2/3 of 0.2 s) hides 0.13 s: 6.4 ÷ (6.4 + 2.16 − 0.13) = 76 % of the ranks alone
+    compute = 32 * RTX3070_COMPUTE_S
+    allreduce = model.gradient_bytes(VIT_B_PARAMS) / 2 * 2 * 3 / 4 / 0.119e9
+    hidden = 2 / 3 * RTX3070_COMPUTE_S
+    assert rec.choice.prediction.efficiency == pytest.approx(compute / (compute + allreduce - hidden), rel=1e-3)
+    # 80% is out of reach within 4096: the summary says so and names the best
+    assert not rec.reached
+    assert rec.summary.startswith("nothing within global batch 4,096 reaches 80%; the best is grad_accum")
 
 
 def test_smallest_global_batch_wins_then_no_compression():
@@ -113,16 +122,31 @@ def test_smallest_global_batch_wins_then_no_compression():
     assert rec.without_compression.prediction.efficiency >= 0.8
 
 
-def test_10gbit_lab_is_optimistic_but_the_verdict_holds():
-    """docs/plan.md: with check's 1.19 GB/s the model gives 0.45 s against the 0.776 s measured
-    (no overlap assumption closes that: with none at all it is 0.48 s); the all-reduce in that run
-    reached about 0.68 GB/s. The verdict (slower than one node) is what the run showed."""
-    p = predict(lab(1.19))
-    assert p.step_s == pytest.approx(0.447, abs=0.01)
-    assert predict(lab(1.19, overlap_fraction=0.0)).step_s == pytest.approx(0.476, abs=0.01)
-    assert p.step_s < 0.776 * 0.85
-    assert p.slower  # measured 408 img/s against ~3,000 for one GPU
-    assert model.implied_busbw_GBps(lab(1.19), 0.776) == pytest.approx(0.68, abs=0.01)
+def test_10gbit_lab_step_is_compute_and_the_allreduce_less_what_backward_hides():
+    """By hand, from the lab's inputs: a micro-batch of 128 at 3,000 img/s is 0.0427 s; the ring all-reduce
+    of 343 MB on 4 ranks, × 2·3/4 ÷ 1.19 GB/s, 0.433 s; the last backward (2/3 of the compute, 0.028 s)
+    hides that much of it. 0.447 s; with no overlap at all, 0.475 s."""
+    compute = H200_COMPUTE_S
+    allreduce = model.gradient_bytes(VIT_B_PARAMS) * 2 * 3 / 4 / 1.19e9
+    backward = 2 / 3 * H200_COMPUTE_S
+    assert predict(lab(1.19)).step_s == pytest.approx(compute + allreduce - backward, rel=1e-3)
+    assert predict(lab(1.19, overlap_fraction=0.0)).step_s == pytest.approx(compute + allreduce, rel=1e-3)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="a known miss (docs/plan.md, 10 Gbit): 0.45 s a step predicted, 0.776 s measured (-42 %), "
+                   "outside the ±15 % plan holds to; no overlap assumption closes it")
+def test_10gbit_lab_step_is_within_the_tolerance_of_the_measured_step():
+    assert predict(lab(1.19)).step_s == pytest.approx(MEASURED_10GBIT_STEP_S, rel=TOLERANCE)
+
+
+def test_10gbit_lab_verdict_holds_and_the_measured_step_gives_the_bandwidth_training_reached():
+    assert predict(lab(1.19)).slower  # measured 408 img/s against ~3,000 for one GPU
+    # the measured step inverted by hand: 0.776 s − 0.0427 s of compute + the 0.028 s the backward hides leaves
+    # 0.762 s of all-reduce: 343 MB × 2·3/4 ÷ 0.762 s = 0.68 GB/s, 57 % of check's 1.19 GB/s
+    allreduce_s = MEASURED_10GBIT_STEP_S - H200_COMPUTE_S + 2 / 3 * H200_COMPUTE_S
+    by_hand = model.gradient_bytes(VIT_B_PARAMS) * 2 * 3 / 4 / allreduce_s / 1e9
+    assert model.implied_busbw_GBps(lab(1.19), MEASURED_10GBIT_STEP_S) == pytest.approx(by_hand, rel=1e-3)
 
 
 def test_implied_busbw_at_1gbit_matches_what_check_measured():
@@ -192,9 +216,13 @@ def test_powersgd_sends_r_times_n_plus_m_per_matrix_and_small_tensors_whole():
     # embedding cannot be made smaller by a rank-1 factor pair: sent whole
     assert model.powersgd_elements([(2304, 768)], 4) == 4 * (2304 + 768)
     assert model.powersgd_elements([(768, 1), (1, 197 * 768)], 4) == 768 + 197 * 768
-    assert model.powersgd_elements(vit_b_matrices(), 4) == 873_266  # 1.0% of the gradients
+    # ViT-B by hand: the patch embedding (768×768), each block's qkv, proj, fc1 and fc2 and the head (10×768) go
+    # as factor pairs; the class token, position embedding, biases and norms whole. 873,266: 1.0% of the gradients
+    factored = 4 * (768 + 768) + 12 * 4 * ((2304 + 768) + (768 + 768) + (3072 + 768) + (768 + 3072)) + 4 * (10 + 768)
+    whole = 768 + 197 * 768 + 768 + 12 * (4 * 768 + 2304 + 768 + 3072 + 768) + 2 * 768 + 10
+    assert model.powersgd_elements(vit_b_matrices(), 4) == factored + whole
     p = predict(lab(0.119, compression="powersgd"))
-    assert p.comm_s == pytest.approx(model.ring_allreduce_s(873_266 * 4, 4, 0.119))
+    assert p.comm_s == pytest.approx(model.ring_allreduce_s((factored + whole) * 4, 4, 0.119))
     half = lab(0.119, compression="powersgd", grad_format="bf16", grad_bytes=model.gradient_bytes(VIT_B_PARAMS, 2))
     assert predict(half).comm_s == pytest.approx(p.comm_s / 2)  # factors in the gradients' own format
     with pytest.raises(UsageError, match="powersgd needs the gradient matrices"):
@@ -355,11 +383,21 @@ def four_node_lab(accum: int, compute_s: float, powersgd_s: float, **kw) -> Scen
                     latency_s=0.000286, **kw)
 
 
-def test_calibration_from_the_lab_first_powersgd_run_predicts_its_recommended_run():
-    # the first run, PowerSGD at grad_accum 1: plan said 7,692 img/s, the README command measured 5,912
+MEASURED_FIRST_POWERSGD_IMAGES_PER_S = 5912.1  # the 4-node lab's first PowerSGD run, the README command
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="a known miss (docs/plan.md, docs/advisor.md): a first PowerSGD run on 4 ranks measured "
+                   "23 % below the model alone, outside the ±15 % plan holds to; calibration mends it")
+def test_the_first_powersgd_run_is_within_the_tolerance_of_the_model_alone():
     first = predict(four_node_lab(1, 0.04901, 0.01516))
-    assert first.images_per_s == pytest.approx(7692, rel=0.002)
-    extra = 512 / 5912.1 - first.model_step_s  # 20 ms a step the model did not see
+    assert first.images_per_s == pytest.approx(MEASURED_FIRST_POWERSGD_IMAGES_PER_S, rel=TOLERANCE)
+
+
+def test_calibration_from_the_lab_first_powersgd_run_predicts_its_recommended_run():
+    # the first run, PowerSGD at grad_accum 1, measured 5,912 img/s: what its step took beyond the model's
+    first = predict(four_node_lab(1, 0.04901, 0.01516))
+    extra = 512 / MEASURED_FIRST_POWERSGD_IMAGES_PER_S - first.model_step_s  # 20 ms a step the model did not see
     # the recommended run, grad_accum 8 (global 4,096): 9,436 img/s measured. Seconds per step
     # carry over (+0.5 %); a factor (1.30×) would have scaled the compute too and said 7,641 (-19 %)
     rec = predict(four_node_lab(8, 0.04920, 0.01599, calibration=(("powersgd", extra),)))
@@ -379,11 +417,12 @@ def test_a_node_alone_is_priced_at_the_micro_batch_it_trains_at_alone():
     own = replace(s, nodes=tuple(replace(n, alone_micro=alone[n.name][0], alone_compute_s=alone[n.name][1])
                                  for n in at_lab))
     before, after = predict(s), predict(own)
-    assert before.node_images_per_s["node3"] == pytest.approx(11_327, rel=1e-3)
-    assert after.node_images_per_s == pytest.approx({"node1": 8164, "node2": 8164, "node3": 16_203}, rel=1e-3)
+    at_lab_node3, own_node3 = 2 * 128 / 0.0226, 2 * 256 / 0.0316  # node3's two GPUs: 11,327 and 16,203 img/s
+    assert before.node_images_per_s["node3"] == pytest.approx(at_lab_node3)
+    assert after.node_images_per_s == pytest.approx({"node1": 8164, "node2": 8164, "node3": own_node3})
     assert after.fastest_node == "node3" and after.images_per_s == before.images_per_s  # the lab's step is its own
-    assert after.speedup == pytest.approx(before.speedup * 11_327 / 16_203, rel=1e-3)
-    assert after.efficiency == pytest.approx(before.efficiency * (4 * 5665) / (2 * 8164 + 16_203), rel=1e-3)
+    assert after.speedup == pytest.approx(before.speedup * at_lab_node3 / own_node3)
+    assert after.efficiency == pytest.approx(before.efficiency * (4 * 128 / 0.0226) / (2 * 8164 + own_node3))
     # the recommendation judges every option against the same nodes alone
     rec = recommend(own, compressions=FP16_LADDER)
     assert rec.choice.prediction.node_images_per_s == after.node_images_per_s
