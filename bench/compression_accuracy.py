@@ -4,15 +4,10 @@
     python bench/compression_accuracy.py                    # 3 ranks: none, fp16, bf16, powersgd
     python bench/compression_accuracy.py --seeds 0,1,2 --options none,powersgd,powersgd:comm.powersgd_rank=8
 
-Every option trains the digits preset (configs/digits.yaml: global batch 64, its epochs: 30 until
-2026-11-28, 20 since) with
-`comm.compression=<option>` (and the overrides after a colon), once per seed, one after the other
-in this invocation, so `none` is the baseline of the same machine, load and seeds. Writes
-bench/results/<date>-cpu-digits-compression.json: card "cpu", link "loopback", the date, and per
-option the held-out accuracy of each seed, their mean, the mean's difference from `none` in
-points, images/s and wall seconds (means over the seeds, and each run's), and the commit the ranks
-ran. Exit 1 when an option's mean ends more than --max-drop points below `none`'s. The held-out set
-has 359 images: one image is 0.28 points, so one seed alone cannot tell 1 point from chance.
+Every option trains the digits preset with `comm.compression=<option>` once per seed, one after the
+other in this invocation, so `none` is the baseline of the same machine, load and seeds. Writes
+bench/results/<date>-cpu-digits-compression.json (its fields: docs/performance.md). Exit 1 when an
+option's mean ends more than --max-drop points below `none`'s.
 """
 
 from __future__ import annotations
@@ -118,7 +113,7 @@ def main() -> int:
     base = results["none"]["accuracy"]
     for r in results.values():
         r["points_vs_none"] = round(100 * (r["accuracy"] - base), 2)
-    import torch
+    import torch  # torch: its version for the results file; the ranks load it themselves
 
     doc = {"bench": "compression_accuracy", "date": date, "card": "cpu",
            "link": "loopback" + (", each rank its own host name (UTS namespace)" if args.as_nodes else ""),

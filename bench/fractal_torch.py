@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torchvision.models.vision_transformer import VisionTransformer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from dscluster.train.fractal import MEAN, STD, FractalRenderer  # noqa: E402
@@ -32,15 +33,19 @@ class Batches(torch.utils.data.Dataset):
     """Item = one batch of indices -> rendered uint8 images and labels (class = i % C, image first + i // C)."""
 
     def __init__(self, renderer, classes: int, first: int, batches: list[np.ndarray]):
-        self.r, self.c, self.first, self.batches = renderer, classes, first, batches
+        self.renderer = renderer
+        self.classes = classes
+        self.first = first
+        self.batches = batches
 
     def __len__(self):
         return len(self.batches)
 
     def __getitem__(self, k):
         idx = self.batches[k]
-        labels = idx % self.c
-        return self.r.render(labels.tolist(), (self.first + idx // self.c).tolist()), torch.from_numpy(labels)
+        labels = idx % self.classes
+        images = self.renderer.render(labels.tolist(), (self.first + idx // self.classes).tolist())
+        return images, torch.from_numpy(labels)
 
 
 def loader(renderer, classes, first, n, batch, workers, shuffle_seed=None):
@@ -63,40 +68,43 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=14)
     p.add_argument("--out", type=Path, default=Path("fractal_torch.json"))
     p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke test)")
-    a = p.parse_args()
-    from torchvision.models.vision_transformer import VisionTransformer
+    args = p.parse_args()
 
-    dev = torch.device(a.device)
+    device = torch.device(args.device)
     t_setup = time.time()
-    r = FractalRenderer(0, a.classes, a.img)
-    n_hold = round(a.per_class * 0.2) * a.classes
-    n_train = a.per_class * a.classes - n_hold
-    doc = {"gpu": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu", "args": vars(a) | {"out": str(a.out)},
+    renderer = FractalRenderer(0, args.classes, args.img)
+    n_hold = round(args.per_class * 0.2) * args.classes
+    n_train = args.per_class * args.classes - n_hold
+    doc = {"gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+           "args": vars(args) | {"out": str(args.out)},
            "n_train": n_train, "n_holdout": n_hold, "class_setup_s": round(time.time() - t_setup, 2), "epochs": []}
     t = time.time()
     seen = 0
-    for x, _ in loader(r, a.classes, 0, 64 * 200, 64, a.workers, 0):
+    for x, _ in loader(renderer, args.classes, 0, 64 * 200, 64, args.workers, 0):
         seen += len(x)
     doc["loader_images_per_s"] = round(seen / (time.time() - t), 1)
-    print(f"loader alone: {doc['loader_images_per_s']} img/s with {a.workers} workers", flush=True)
-    model = VisionTransformer(image_size=a.img, patch_size=16, num_layers=12, num_heads=6, hidden_dim=384,
-                              mlp_dim=1536, num_classes=a.classes).to(dev).to(memory_format=torch.channels_last)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.05, fused=dev.type == "cuda")
-    steps_per_epoch = n_train // a.batch
-    total = steps_per_epoch * a.epochs
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / a.warmup) * (
-        0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, max(0, s - a.warmup) / max(1, total - a.warmup))))))
-    mean = torch.tensor(MEAN, device=dev).view(1, 3, 1, 1) * 255
-    std = torch.tensor(STD, device=dev).view(1, 3, 1, 1) * 255
-    prep = lambda x: ((x.to(dev, non_blocking=True).float() - mean) / std).contiguous(  # noqa: E731
+    print(f"loader alone: {doc['loader_images_per_s']} img/s with {args.workers} workers", flush=True)
+    model = VisionTransformer(image_size=args.img, patch_size=16, num_layers=12, num_heads=6, hidden_dim=384,
+                              mlp_dim=1536, num_classes=args.classes).to(device).to(memory_format=torch.channels_last)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05, fused=device.type == "cuda")
+    steps_per_epoch = n_train // args.batch
+    total = steps_per_epoch * args.epochs
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup) * (
+        0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, max(0, s - args.warmup) / max(1, total - args.warmup))))))
+    mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1) * 255
+    std = torch.tensor(STD, device=device).view(1, 3, 1, 1) * 255
+    prep = lambda x: ((x.to(device, non_blocking=True).float() - mean) / std).contiguous(  # noqa: E731
         memory_format=torch.channels_last)
-    start, images, step = time.time(), 0, 0
-    for epoch in range(a.epochs):
+    start = time.time()
+    images = 0
+    step = 0
+    for epoch in range(args.epochs):
         model.train()
-        te, loss_sum = time.time(), torch.zeros((), device=dev)
-        for x, y in loader(r, a.classes, 0, n_train, a.batch, a.workers, 1000 + epoch):
-            with torch.autocast(dev.type, dtype=torch.bfloat16):
-                loss = F.cross_entropy(model(prep(x)), y.to(dev, non_blocking=True))
+        epoch_start = time.time()
+        loss_sum = torch.zeros((), device=device)
+        for x, y in loader(renderer, args.classes, 0, n_train, args.batch, args.workers, 1000 + epoch):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(prep(x)), y.to(device, non_blocking=True))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -106,19 +114,19 @@ def main() -> int:
             step += 1
             images += len(y)
         float(loss_sum)  # the device has finished the epoch
-        train_s = time.time() - te
+        train_s = time.time() - epoch_start
         model.eval()
         correct = 0
-        with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16):
-            for x, y in loader(r, a.classes, n_train // a.classes, n_hold, 500, a.workers):
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+            for x, y in loader(renderer, args.classes, n_train // args.classes, n_hold, 500, args.workers):
                 correct += int((model(prep(x)).argmax(1).cpu() == y).sum())
         rec = {"epoch": epoch + 1, "step": step, "images": images, "seconds": round(time.time() - start, 1),
-               "train_images_per_s": round(steps_per_epoch * a.batch / train_s, 1),
+               "train_images_per_s": round(steps_per_epoch * args.batch / train_s, 1),
                "loss": round(float(loss_sum) / steps_per_epoch, 4), "holdout_accuracy": correct / n_hold}
         doc["epochs"].append(rec)
         print(json.dumps(rec), flush=True)
-        a.out.write_text(json.dumps(doc, indent=1))
-        if time.time() - start > a.seconds:
+        args.out.write_text(json.dumps(doc, indent=1))
+        if time.time() - start > args.seconds:
             break
     return 0
 

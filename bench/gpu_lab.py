@@ -2,68 +2,13 @@
 """The Ethernet journey on one host: `dscluster plan` against the README command, run by run, on a
 simulated lab with shaped links (GPU nodes with --gpus, CPU nodes with --nodes).
 
-    sudo .venv/bin/python bench/gpu_lab.py --link 10gbit --gpus 1,1 \\
-        'b1:1:--config configs/vit_base.yaml precision=fp16 micro_batch=128 global_batch=256 max_steps=12' \\
-        'b2:2:--config configs/vit_base.yaml precision=fp16 micro_batch=128 global_batch=256 max_steps=12' \\
-        'b2rec:2:--config configs/vit_base.yaml precision=fp16 max_steps=12 @rec comm.powersgd_start_step=2'
-    sudo .venv/bin/python bench/gpu_lab.py --link 1gbit --nodes 2 \\
+    sudo .venv/bin/python bench/gpu_lab.py --link 1gbit --nodes 2 \
         'd1:1:--config configs/digits.yaml max_steps=12' 'd2:2:--config configs/digits.yaml max_steps=12'
 
-It builds the lab (`dscluster sim up`), then runs `dscluster setup` and `dscluster check` from
-node1 as the lab user. Each RUN is NAME:NODES:OVERRIDES, and for each one, on the first NODES
-hosts, it runs `dscluster plan` with those overrides and then the README command as a user types
-it: `mpirun -np N --hostfile hostsN.txt entry_cn.sh OVERRIDES`, with no --bind-to.
-
-NODES counts machines: with several GPUs per node (--gpus 2,2) mpirun's -np is the sum of the
-first NODES hosts' slots, as the hostfile says.
-
-The runs go one after another, so the one-node and plain runs are the baseline of the same
-invocation, and each run's outcome is in plan's calibration for the runs after it. `@rec` stands
-for the latest multi-node run of the same --config with plan's recommendation for it applied (its
-overrides, then the recommended ones over them); a run whose `@rec` has nothing to stand for is
-skipped and says so. The lab
-comes down at the end, whatever happened.
-
-Writes bench/results/<date>-<card>-lab-<link>.json (or --out):
-- card (check's device), link, date and check's all-reduce;
-- accuracy_by_compression: where runs evaluated, the held-out accuracy per comm.compression
-  (each run's, the mean, points against none);
-- per run: images/s (summary.json: images ÷ wall-clock of the timed steps; run_images_per_s: of the
-  whole run), held-out accuracy where the run evaluated, plan's prediction (its whole run and time to
-  accuracy among it), the deviation, and the median step split of rank 0 after warm-up.
-
---calibrate plans each multi-node run with `dscluster plan --calibrate`: where PowerSGD is in play
-and no run on those ranks has measured it, plan first runs 12 PowerSGD steps there; the results
-keep that run (`calibration_runs`: its img/s and what the model alone gave).
-
---no-plan runs the README command alone: for runs that measure accuracy, not the prediction.
-
---tta CONFIG is the time-to-accuracy mode (dscluster.bench.tta): no RUN arguments; for each of
---seeds, the fastest node alone (the most GPUs, the first of equals) and then the whole lab with plan's
-recommendation pasted as printed, both with target_accuracy=--target (and any --set KEY=VALUE). plan
-runs once on the whole lab first, with the preset as is, for the recommendation. The results file
-(bench/results/<date>-<card>-tta-<link>.json) adds `time_to_accuracy`: per role the mean time to the
-target, how many seeds reached it, final accuracy and img/s, the speedup of the lab over the node
-alone and the accuracy difference in points, and `advice`: whether plan said to train on the
-fastest node alone, and whether the runs bore that out (which reached the target sooner).
-
-    sudo .venv/bin/python bench/gpu_lab.py --link 10gbit --gpus 1,1 --tta configs/vit_small_fractal.yaml \
-        --target 0.9 --seeds 1,2
-
---no-shared-fs builds the lab without a shared filesystem (`sim up --no-shared-fs`): every node its own
-clone and run directories. After check it runs `dscluster sync`; after each run `dscluster collect`
-(what the nodes' push at job end left behind), both timed, and each node's push line (its seconds)
-is kept from the run's output.
-
---observe, per multi-node run: `dscluster top --once --json` and `--once --svg` while the run trains
-(once rank 0 has timed steps), then `python analysis/plot.py` and `dscluster diagnose --json` on
-the run; their files go to --keep DIR (observe-<run>/).
-
---keep DIR copies each run directory (without checkpoints) there, for `analysis/plot.py` and for
-checking any figure against the per-rank metrics.
-
-A 12-step run times 7 steps. Keep an epoch boundary out of them: use a large enough
-data.synthetic_samples, and checkpoint.every_epochs=0.
+Each RUN is NAME:NODES:OVERRIDES: on the first NODES hosts, `dscluster plan`, then the README command
+as a user types it. The runs go one after another, so the one-node runs are the baseline of the same
+invocation. Every mode (--tta, --no-shared-fs, --observe, --calibrate) and the results file are in
+docs/gpu-lab.md.
 """
 
 from __future__ import annotations

@@ -3,18 +3,10 @@
 
     .venv/bin/python bench/onehost_gpu.py [--work DIR] [--steps 400]
 
-In a fresh working directory, with `TORCH_CUDA_ARCH_LIST` as the shell has it (a GPU host image
-exports `9.0a`, which DeepSpeed's op builder cannot parse):
-1. `dscluster check --hostfile hosts.txt` (hosts.txt: `localhost slots=1`; no `setup`, no sshd): what it
-   wrote into the node's env file for TORCH_CUDA_ARCH_LIST;
-2. the README command `mpirun -np 1 --hostfile hosts.txt ./entry_cn.sh --config <config> precision=fp16
-   max_steps=N`, and while it trains `dscluster top --hostfile hosts.txt --run-dir RUN --once --json`:
-   the node's source and its GPU figures;
-3. a plain DeepSpeed script whose config asks for DeepSpeed's own Adam (FusedAdam, a JIT-built op)
-   through entry_cn.sh: its summary.json status and whether the op was built.
-
-Writes bench/results/<date>-<card>-onehost.json (or --out) with the card, the date and each step's
-outcome; exits 1 when a step did not do what the README says.
+In a fresh working directory it runs `dscluster check`, the README command (with `dscluster top
+--once --json` while it trains) and a plain DeepSpeed script that needs a JIT-built op, each as the
+README says; what each step checks is in docs/performance.md. Writes
+bench/results/<date>-<card>-onehost.json (or --out); exits 1 when a step did not do what the README says.
 """
 
 from __future__ import annotations
@@ -104,27 +96,27 @@ def main() -> int:
     ap.add_argument("--config", default="configs/vit_small_fractal.yaml")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--out", type=Path)
-    a = ap.parse_args()
-    shutil.rmtree(a.work, ignore_errors=True)
-    a.work.mkdir(parents=True)
-    (a.work / "hosts.txt").write_text("localhost slots=1\n")
-    env = {**os.environ, "DSCLUSTER_STATE": str(a.work / ".dscluster")}
-    check = sh([sys.executable, "-m", "dscluster", "check", "--hostfile", "hosts.txt"], a.work, env, timeout=600)
-    env_files = sorted((a.work / ".dscluster").rglob("*.env"))
+    args = ap.parse_args()
+    shutil.rmtree(args.work, ignore_errors=True)
+    args.work.mkdir(parents=True)
+    (args.work / "hosts.txt").write_text("localhost slots=1\n")
+    env = {**os.environ, "DSCLUSTER_STATE": str(args.work / ".dscluster")}
+    check = sh([sys.executable, "-m", "dscluster", "check", "--hostfile", "hosts.txt"], args.work, env, timeout=600)
+    env_files = sorted((args.work / ".dscluster").rglob("*.env"))
     arch_lines = [ln for f in env_files for ln in f.read_text().splitlines() if "TORCH_CUDA_ARCH_LIST" in ln]
-    import torch
+    import torch  # torch: only for the card's name, after check has run without it
 
     card = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     doc = {"what": "one machine, hostfile localhost, no sshd: check, the README command with top, a DeepSpeed-Adam "
                    "script through entry_cn.sh", "date": datetime.date.today().isoformat(), "card": card,
            "link": "none (one host)", "inherited_arch_list": os.environ.get("TORCH_CUDA_ARCH_LIST"),
            "check": {"rc": check.returncode, "arch_lines": arch_lines, "tail": check.stdout[-2500:]}}
-    doc["readme_run"] = readme_run_with_top(a.work, env, a.config, a.steps)
-    doc["deepspeed_adam"] = adam_through_entry(a.work, env)
+    doc["readme_run"] = readme_run_with_top(args.work, env, args.config, args.steps)
+    doc["deepspeed_adam"] = adam_through_entry(args.work, env)
     ok = (check.returncode == 0 and doc["readme_run"]["status"] == "complete" and doc["readme_run"]["top_shows_gpu"]
           and doc["deepspeed_adam"]["status"] == "complete")
     doc["ok"] = ok
-    out = a.out or ROOT / "bench" / "results" / f"{doc['date']}-{card.lower().replace(' ', '-')}-onehost.json"
+    out = args.out or ROOT / "bench" / "results" / f"{doc['date']}-{card.lower().replace(' ', '-')}-onehost.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
     print(json.dumps({k: v for k, v in doc.items() if k != "check"}, indent=1)[:6000])

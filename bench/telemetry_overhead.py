@@ -37,7 +37,7 @@ CHILD = (
 
 def device_name() -> tuple[str, bool]:
     """(device description, whether NVML works here)."""
-    try:
+    try:  # optional: NVML answers only where an NVIDIA driver exists
         import pynvml
 
         pynvml.nvmlInit()

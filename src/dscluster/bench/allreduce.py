@@ -3,13 +3,10 @@
     mpirun -np 4 --hostfile hosts.txt python -m dscluster.bench.allreduce --json   # across nodes
     python -m dscluster.bench.allreduce --json                                     # one host, all its GPUs
 
-Bandwidth follows nccl-tests' definitions so figures compare with theirs:
-    algbw = bytes / time            busbw = algbw * 2 (n - 1) / n
-(busbw is what each link carries in a ring all-reduce, independent of the rank count).
-Rank and world size come from the launcher (`dscluster.ranks`, the rule training uses) or,
-without one, this process spawns one rank per local GPU (or 2 on CPU).
-When MASTER_ADDR is set and GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME are not, each rank picks
-its own interface on MASTER_ADDR's subnet: names differ between lab machines.
+Bandwidth follows nccl-tests' definitions (algbw = bytes / time, busbw = algbw * 2 (n - 1) / n), so
+figures compare with theirs. Ranks come from the launcher (`dscluster.ranks`, training's rule), else
+this process spawns one per local GPU (2 on CPU). With MASTER_ADDR set, each rank picks its own
+interface on MASTER_ADDR's subnet (GLOO/NCCL_SOCKET_IFNAME): names differ between lab machines.
 """
 
 from __future__ import annotations
@@ -24,6 +21,7 @@ import time
 from datetime import timedelta
 
 from dscluster.cpus import free_launcher_binding
+from dscluster.netif import free_port, iface_for_address, merge_interfaces, parse_ip_addr, parse_ip_link
 from dscluster.ranks import detect_ranks
 
 # 64 KiB: the start-up latency of one all-reduce (plan's latency term; PowerSGD's factors are this
@@ -52,8 +50,6 @@ def _pick_ifaces(master_addr: str) -> None:
     if os.environ.get("GLOO_SOCKET_IFNAME") and os.environ.get("NCCL_SOCKET_IFNAME"):
         return
     try:
-        from dscluster.netif import iface_for_address, merge_interfaces, parse_ip_addr, parse_ip_link
-
         addr = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True, timeout=5).stdout
         link = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, timeout=5).stdout
         iface = iface_for_address(merge_interfaces(parse_ip_link(link), parse_ip_addr(addr)),
@@ -67,6 +63,7 @@ def _pick_ifaces(master_addr: str) -> None:
 
 def run_rank(rank: int, world: int, local_rank: int, sizes: list[int] | None, iters: int,
              warmup: int, timeout_s: float) -> dict | None:
+    # torch: loads only in a rank that measures, so the size and bandwidth rules stay torch-free
     import torch
     import torch.distributed as dist
 
@@ -154,13 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         if out is not None:
             _emit(out, args)
         return 0
-    import torch
+    import torch  # torch: loads only when this process spawns the ranks itself
     import torch.multiprocessing as mp
 
-    n = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
-    from dscluster.netif import free_port
-
-    mp.spawn(_spawned, args=(n, args, free_port()), nprocs=n, join=True)
+    nprocs = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    mp.spawn(_spawned, args=(nprocs, args, free_port()), nprocs=nprocs, join=True)
     return 0
 
 

@@ -1,15 +1,12 @@
 """The plain-PyTorch baseline dscluster's training path is measured against.
 
-One process per GPU under torchrun (RANK / LOCAL_RANK / WORLD_SIZE / MASTER_*), the
-fastest simple recipe people actually use: DistributedDataParallel, bf16 autocast,
-torch.compile, fused AdamW, synthetic data generated once on the GPU, no host sync inside
-the timed loop. Same model, micro-batch and image size as the DeepSpeed run it is
-compared with.
+One process per GPU under torchrun, the fastest simple recipe people actually use: DistributedDataParallel,
+bf16 autocast, torch.compile, fused AdamW, synthetic data made once on the GPU, no host sync inside the
+timed loop; same model, micro-batch and image size as the DeepSpeed run it is compared with. Rank 0
+writes one JSON object (images_per_s over all ranks, peak memory, …) to --out.
 
-    torchrun --nproc-per-node 4 -m dscluster.bench.ddp_baseline --model vit_base_patch16_224 \\
+    torchrun --nproc-per-node 4 -m dscluster.bench.ddp_baseline --model vit_base_patch16_224 \
         --micro-batch 256 --precision bf16 --compile --out result.json
-
-Rank 0 writes one JSON object (images_per_s over all ranks, peak memory, …) to --out.
 """
 
 from __future__ import annotations
@@ -21,6 +18,7 @@ import sys
 import time
 from datetime import timedelta
 
+from dscluster.bench.models import build_model, model_spec
 from dscluster.fsutil import atomic_write_json
 
 
@@ -40,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _amp(device_type: str, precision: str):
-    import torch
+    import torch  # torch: loads only in the rank, never for --help or the argv tests
 
     if precision == "fp32":
         return contextlib.nullcontext()
@@ -50,7 +48,7 @@ def _amp(device_type: str, precision: str):
 
 def _this_rank_device(args: argparse.Namespace, local_rank: int):
     """This rank's GPU (capped and with TF32 on, as the DeepSpeed run it is compared with), or the CPU."""
-    import torch
+    import torch  # torch: as in _amp
 
     if args.device != "cuda":
         return torch.device("cpu")
@@ -87,11 +85,9 @@ def _result(args: argparse.Namespace, world: int, cuda: bool, gathered: list[lis
 
 
 def run(args: argparse.Namespace) -> dict:
-    import torch
+    import torch  # torch: as in _amp
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from dscluster.bench.models import build_model, model_spec
 
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))

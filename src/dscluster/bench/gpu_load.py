@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=3600.0, help="stop by itself after this long")
     p.add_argument("--size", type=int, default=8192, help="square matrix side")
     args = p.parse_args(argv)
-    import torch
+    import torch  # torch: after the arguments, so --help answers at once
 
     if not torch.cuda.is_available():
         print("gpu_load: no GPU visible", file=sys.stderr)

@@ -1,19 +1,12 @@
 """`python bench/imagefolder.py`: training img/s from an ImageFolder of JPEGs against synthetic data.
 
-It builds an ImageFolder of generated JPEGs on this host (no download: 1000 classes of photo-like
-images, enough for the steps asked for), then runs the README's own command twice on one GPU,
-
-    mpirun -np 1 --hostfile <localhost slots=1> entry_cn.sh --config configs/vit_base.yaml precision=fp16 ...
-
-once on synthetic data (made on the GPU: what the model alone can do) and once on the folder
-(decoded by the loader workers, train/loader.py), reads each run's summary.json images_per_s (the
-one throughput definition, train/timing.py) and writes bench/results/<date>-<card>-imagefolder.json.
-The whole call is bounded by --timeout (default 290 s); a run cut short is reported as such. The
-JPEGs were just written, so they are read from the page cache, as a data set that fits in RAM is
-from its second epoch on.
+It writes an ImageFolder of generated, photo-like JPEGs on this host (no download), then runs the
+README's own command twice on one GPU: on synthetic data (what the model alone can do) and on the
+folder (decoded by the loader workers, train/loader.py). Both figures are summary.json's images_per_s,
+the one throughput definition (train/timing.py). The method is in docs/performance.md.
 
     python bench/imagefolder.py                                        # on a GPU host
-    python bench/imagefolder.py --device cpu --config configs/digits.yaml --classes 10 --image-size 24 \\
+    python bench/imagefolder.py --device cpu --config configs/digits.yaml --classes 10 --image-size 24 \
         --steps 12 --micro-batch 16 --precision fp32 --out /tmp/x      # the plumbing, on a CPU
 """
 
@@ -37,6 +30,7 @@ from dscluster.errors import UsageError
 from dscluster.fsutil import atomic_write_json, read_jsonl
 from dscluster.launch.mpirun import App, mpirun_argv, mpirun_path
 from dscluster.rundir.layout import METRICS_DIR, SUMMARY_FILE
+from dscluster.train.config import load_config
 
 TARGET_RATIO = 0.9
 """The goal: real data at no less than 0.9× the synthetic-data throughput on one GPU."""
@@ -74,7 +68,7 @@ def images_per_class(global_batch: int, steps: int, classes: int) -> int:
 
 def photo_like(index: int, cls: int, size: int) -> np.ndarray:
     """A size×size RGB image that compresses like a photo: smooth shapes around a class colour, then grain."""
-    from PIL import Image
+    from PIL import Image  # Pillow: loads only where images are written
 
     rng = np.random.default_rng(index)
     colour = np.random.default_rng(cls).integers(40, 216, 3)
@@ -86,7 +80,7 @@ def photo_like(index: int, cls: int, size: int) -> np.ndarray:
 
 def _write_images(job: tuple[Path, int, int, int, int, int]) -> int:
     root, cls, first, count, size, quality = job
-    from PIL import Image
+    from PIL import Image  # Pillow: as in photo_like
 
     written = 0
     folder = root / f"n{cls:05d}"
@@ -163,8 +157,6 @@ def read_run(run_dir: Path, job: runner.JobResult) -> dict:
 
 
 def global_batch_of(opts: Options) -> int:
-    from dscluster.train.config import load_config
-
     # entry_cn.sh reads a relative --config that is not here as the checkout's preset: so does this
     config = opts.config if Path(opts.config).exists() else paths.assets_root() / opts.config
     cfg = load_config(config, [f"precision={opts.precision}", f"micro_batch={opts.micro_batch}", *opts.train_args])
@@ -182,8 +174,8 @@ def run(opts: Options) -> tuple[dict, Path]:
     info = runner.device_info(opts.device)
     if opts.device == "cuda" and not info.get("device_count"):
         raise UsageError(f"no CUDA GPU here ({info.get('error', 'torch sees none')}); on a CPU use --device cpu")
-    gb = global_batch_of(opts)
-    per_class = images_per_class(gb, opts.steps, opts.classes)
+    global_batch = global_batch_of(opts)
+    per_class = images_per_class(global_batch, opts.steps, opts.classes)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     work = Path(opts.work_dir or f"runs/bench-imagefolder-{stamp}").absolute()
     folder = Path(opts.data_dir or f"runs/bench-imagefolder-data/{opts.classes}x{per_class}-{opts.image_size}px")
@@ -205,24 +197,25 @@ def run(opts: Options) -> tuple[dict, Path]:
             runs[kind] = {"status": "not run", "error": f"{left:.0f} s of --timeout left"}
             continue
         run_id = f"{kind}-{stamp}"
-        argv = train_argv(mpirun, hostfile, opts, data_args(kind, opts, folder / "train", (opts.steps + 1) * gb),
-                          as_root=os.geteuid() == 0)
+        data = data_args(kind, opts, folder / "train", (opts.steps + 1) * global_batch)
+        argv = train_argv(mpirun, hostfile, opts, data, as_root=os.geteuid() == 0)
         env = runner.child_env(opts.device, {"DSCLUSTER_RUNS": str(work / "runs"), "DSCLUSTER_RUN_ID": run_id})
         print(f"bench imagefolder: {kind} run ({budget:.0f} s at most): {' '.join(argv)}", flush=True)
         job = runner.run_job(argv, env, work / f"{kind}.log", timeout=budget)
         runs[kind] = read_run(work / "runs" / run_id, job)
         print(f"bench imagefolder: {kind}: {runs[kind]['status']}, {runner.cell(runs[kind]['images_per_s'], '.1f')} "
               f"img/s in {runs[kind]['wall_s']} s", flush=True)
-    syn, real = runs["synthetic"].get("images_per_s"), runs["imagefolder"].get("images_per_s")
-    from dscluster.train.loader import default_workers
+    synthetic = runs["synthetic"].get("images_per_s")
+    real = runs["imagefolder"].get("images_per_s")
+    from dscluster.train.loader import default_workers  # torch: train.loader imports it at its top
 
     card = info.get("device_name") if opts.device == "cuda" else "cpu"
     doc = {
         "bench": "imagefolder", "date": time.strftime("%Y-%m-%d"), "created": time.time(),
         "card": card, "link": "none", **info, "cpu_count": os.cpu_count(),
         "workers": opts.workers if opts.workers is not None else default_workers(1),
-        "synthetic_images_per_s": syn, "imagefolder_images_per_s": real,
-        "ratio": _ratio(real, syn), "target_ratio": TARGET_RATIO,
+        "synthetic_images_per_s": synthetic, "imagefolder_images_per_s": real,
+        "ratio": _ratio(real, synthetic), "target_ratio": TARGET_RATIO,
         "second_half_ratio": _ratio(runs["imagefolder"].get("second_half_images_per_s"),
                                     runs["synthetic"].get("second_half_images_per_s")),
         "folder": {**made, "path": str(folder), "page_cache": "just written (or reused): read from RAM"},

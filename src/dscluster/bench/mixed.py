@@ -1,15 +1,11 @@
 """`dscluster bench balanced`: uniform vs balanced batches on ranks of unequal speed.
 
-The heterogeneity is real, not simulated. busy-gpu: one rank per GPU, and one GPU also
-runs another process's matrix products (a busy neighbour, bench/gpu_load), so the rank there
-gets about half the card. share-gpu: more ranks than devices, ranks sharing one (CPU/gloo
-only: NCCL ≥ 2.5 refuses two ranks of one communicator on one GPU, "Duplicate GPU
-detected", NVIDIA/nccl#418). memory-cap: `--memory-cap-gb` on one rank makes it an 8 GB
-card beside full-memory ones. Each scenario
-runs `dscluster train` twice with the same global batch, `batching=uniform` then
-`batching=balanced`, and reports images/s, the speed-up, and the time each run needs to
-reach the same loss (the loss both runs reach; balanced batching keeps the update the
-global-batch mean, so the per-step loss curve should match).
+The heterogeneity is real, not simulated. busy-gpu: one GPU also runs another process's matrix products
+(a busy neighbour, bench/gpu_load), so its rank gets part of the card. share-gpu: more ranks than devices
+(CPU/gloo only: NCCL refuses two ranks of one communicator on one GPU, NVIDIA/nccl#418). memory-cap:
+`--memory-cap-gb` on one rank. Each scenario runs `dscluster train` twice with the same global batch,
+uniform then balanced, and reports images/s, the speed-up and the time each run needs to reach the loss
+both reach (balanced batching keeps the update the global-batch mean, so the loss curves should match).
 """
 
 from __future__ import annotations
@@ -196,26 +192,27 @@ def run(opts: MixedBenchOptions) -> tuple[dict, Path]:
 
 def compare(name: str, layout: tuple[int, int], runs: dict, target_loss: float | None) -> dict:
     """Speed-up and time to a common loss for one scenario's uniform/balanced pair."""
-    (uni, uni_losses), (bal, bal_losses) = runs["uniform"], runs["balanced"]
-    out = {"scenario": name, "ranks": layout[0], "gpus": layout[1], "uniform": uni, "balanced": bal}
-    if uni.get("images_per_s") and bal.get("images_per_s"):
-        out["speedup"] = bal["images_per_s"] / uni["images_per_s"]
-    finals = [x for x in (uni.get("smoothed_final_loss"), bal.get("smoothed_final_loss")) if x is not None]
+    (uniform, uniform_losses), (balanced, balanced_losses) = runs["uniform"], runs["balanced"]
+    out = {"scenario": name, "ranks": layout[0], "gpus": layout[1], "uniform": uniform, "balanced": balanced}
+    if uniform.get("images_per_s") and balanced.get("images_per_s"):
+        out["speedup"] = balanced["images_per_s"] / uniform["images_per_s"]
+    finals = [x for x in (uniform.get("smoothed_final_loss"), balanced.get("smoothed_final_loss")) if x is not None]
     target = target_loss if target_loss is not None else (max(finals) if len(finals) == 2 else None)
     out["target_loss"] = target
     if target is not None:
-        uni["time_to_target_s"] = runner.time_to_loss(uni_losses, target)
-        bal["time_to_target_s"] = runner.time_to_loss(bal_losses, target)
-        if uni["time_to_target_s"] and bal["time_to_target_s"]:
-            out["time_to_target_ratio"] = uni["time_to_target_s"] / bal["time_to_target_s"]
+        uniform["time_to_target_s"] = runner.time_to_loss(uniform_losses, target)
+        balanced["time_to_target_s"] = runner.time_to_loss(balanced_losses, target)
+        if uniform["time_to_target_s"] and balanced["time_to_target_s"]:
+            out["time_to_target_ratio"] = uniform["time_to_target_s"] / balanced["time_to_target_s"]
     # Same global batch at every step (one shared order), so the global-batch loss per step
     # should agree up to float noise: report the largest gap over the steps both logged.
-    u = {s: loss for s, _, loss in uni_losses}
-    b = {s: loss for s, _, loss in bal_losses}
-    common = sorted(set(u) & set(b))
+    uniform_curve = {s: loss for s, _, loss in uniform_losses}
+    balanced_curve = {s: loss for s, _, loss in balanced_losses}
+    common = sorted(set(uniform_curve) & set(balanced_curve))
     if common:
-        out["loss_curve_max_abs_diff"] = max(abs(u[s] - b[s]) for s in common)
-        out["loss_curve_max_rel_diff"] = max(abs(u[s] - b[s]) / max(abs(u[s]), 1e-12) for s in common)
+        gaps = {s: abs(uniform_curve[s] - balanced_curve[s]) for s in common}
+        out["loss_curve_max_abs_diff"] = max(gaps.values())
+        out["loss_curve_max_rel_diff"] = max(gaps[s] / max(abs(uniform_curve[s]), 1e-12) for s in common)
     return out
 
 

@@ -11,9 +11,10 @@ import functools
 from dataclasses import dataclass
 
 from dscluster.errors import UsageError
+from dscluster.train.config import ModelConfig
 
 # ViT sizes small enough for a CPU smoke run: "tiny" is a 0.45 M-parameter ViT (dim 96, depth 4,
-# patch 4), the digits preset's model until 2026-11-29.
+# patch 4).
 TINY_VITS = {
     "tiny": dict(img_size=32, patch_size=4, embed_dim=96, depth=4, num_heads=3, num_classes=10),
 }
@@ -49,8 +50,7 @@ class ModelSpec:
 
 
 def _model_config(name: str):
-    from dscluster.train.config import ModelConfig
-    from dscluster.train.model import SMALL_IMAGE
+    from dscluster.train.model import SMALL_IMAGE  # torch: train.model imports it at its top
 
     if name in TINY_VITS:
         kw = TINY_VITS[name]
@@ -61,7 +61,7 @@ def _model_config(name: str):
 
 def build_model(name: str, num_classes: int | None = None):
     """The very ViT `dscluster train` builds for the same name (dscluster.train.model)."""
-    from dscluster.train.model import build_model as train_build_model
+    from dscluster.train.model import build_model as train_build_model  # torch: as in _model_config
 
     img_size, classes = _input_spec(name)
     return train_build_model(_model_config(name), in_chans=3, num_classes=num_classes or classes, img_size=img_size)
@@ -71,7 +71,7 @@ def _input_spec(name: str) -> tuple[int, int]:
     """(image size, classes) without building the model."""
     if name in TINY_VITS:
         return TINY_VITS[name]["img_size"], TINY_VITS[name]["num_classes"]
-    import timm
+    import timm  # timm: loads only for a model the tables do not name
 
     if not timm.is_model(name):
         raise UsageError(f"--model {name!r}: not a timm model; use e.g. vit_base_patch16_224, or 'tiny'")
@@ -85,7 +85,7 @@ def model_spec(name: str) -> ModelSpec:
     img_size, classes = _input_spec(name)
     if name in TRAIN_FLOPS_PER_IMAGE:
         return ModelSpec(name, img_size, classes, TRAIN_FLOPS_PER_IMAGE[name], "3 x 35 GFLOPs forward")
-    import torch
+    import torch  # torch: only to count an unnamed model's parameters
 
     with torch.device("meta"):  # shapes only: no memory, no init time
         model = build_model(name)

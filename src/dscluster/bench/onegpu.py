@@ -1,7 +1,34 @@
 """One GPU, a first and a second plan: `dscluster plan` against the README command it stands for, run as
 a user pastes them on one GPU workstation (bench/plan_onegpu.py is the entry point).
 
-In a fresh work folder (its own state and runs folders, and by default its own torch.compile caches, so
+The steps it runs and how each figure is compared are METHOD below: the results file carries that text
+as its "what", so a reader of the file needs no checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dscluster import paths
+from dscluster.analysis.load import load_run
+from dscluster.bench import tta
+from dscluster.errors import UsageError
+from dscluster.fsutil import atomic_write_json, read_jsonl
+from dscluster.rundir import layout
+from dscluster.train.config import load_config
+from dscluster.train.timing import WARMUP_STEPS
+
+METHOD = """In a fresh work folder (its own state and runs folders, and by default its own torch.compile caches, so
 that the first plan is a new user's), with the hostfile `localhost slots=1`:
 
 1. `dscluster plan --hostfile H --config configs/vit_small_fractal.yaml precision=fp16 --json` (the first plan)
@@ -18,21 +45,7 @@ fifth), an epoch end as the median held-out pass of those before the last (rank 
 loader's refill for the next epoch under each), and the start-up before the first step less the data
 cache's fill (summary.json `plan.measured_startup_s`; only a second plan predicts it, from the first run).
 """
-
-from __future__ import annotations
-
-import datetime as dt
-import os
-import shlex
-import statistics
-from pathlib import Path
-
-from dscluster import paths
-from dscluster.analysis.load import load_run
-from dscluster.bench import tta
-from dscluster.fsutil import read_jsonl
-from dscluster.rundir import layout
-from dscluster.train.timing import WARMUP_STEPS
+"""What the results file says it measured (its "what" field), word for word."""
 
 PRESET = "configs/vit_small_fractal.yaml"
 STEPS = (("first_plan", "plan"), ("first_run", "run"), ("second_plan", "plan"), ("second_run", "run"))
@@ -130,8 +143,6 @@ def results_name(device: str | None, date: str | None = None) -> str:
 
 
 def parser():
-    import argparse
-
     p = argparse.ArgumentParser(prog="bench/plan_onegpu.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, help="work folder: hostfile, state, runs, plans and log (default "
@@ -152,10 +163,6 @@ def _sh(cmd: str, env: dict[str, str], log, timeout: float, stdout: Path | None 
     """Run a command as typed (its words, no shell) from the checkout, in its own process group: past
     `timeout` the whole group is killed (mpirun and its rank), rc 124. Its output goes to the log, or its
     stdout to `stdout` (a plan's --json)."""
-    import signal
-    import subprocess
-    import time
-
     print(f"$ {cmd}", file=log, flush=True)
     t0 = time.monotonic()
     out = open(stdout, "w", encoding="utf-8") if stdout else log
@@ -176,8 +183,6 @@ def _sh(cmd: str, env: dict[str, str], log, timeout: float, stdout: Path | None 
 
 
 def _plan_doc(path: Path) -> dict | None:
-    import json
-
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -186,13 +191,6 @@ def _plan_doc(path: Path) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import sys
-    import time
-
-    from dscluster.errors import UsageError
-    from dscluster.fsutil import atomic_write_json
-    from dscluster.train.config import load_config
-
     args = parser().parse_args(argv)
     overrides = [f"precision={args.precision}", *args.set]
     try:
@@ -212,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                  "cpu_cores": os.cpu_count(), "preset": args.preset, "overrides": overrides,
                  "compile_cache": "this machine's" if args.warm_compile_cache else "the work folder's own, empty at "
                  "first (a new user's machine)", "as_root": os.geteuid() == 0, "error_percent": "(predicted − "
-                 "measured) ÷ measured", "what": __doc__.split("\n\n", 1)[1], "steps": []}
+                 "measured) ÷ measured", "what": METHOD, "steps": []}
     plans: dict[str, dict | None] = {}
     with open(work / "bench.log", "w", encoding="utf-8") as log:
         for name, kind in STEPS:

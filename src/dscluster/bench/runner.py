@@ -9,6 +9,7 @@ never from a bench-only hook.
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import json
 import os
 import platform
@@ -18,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from dscluster import __version__
 from dscluster.analysis.load import RankMetrics, load_run
 from dscluster.analysis.stats import job_throughput, overflow_counts
 from dscluster.errors import UsageError
@@ -223,8 +225,6 @@ def device_info(device: str) -> dict:
 
 
 def versions() -> dict:
-    import importlib.metadata as md
-
     out = {"python": platform.python_version()}
     for pkg in ("torch", "deepspeed", "timm", "dscluster"):
         try:
@@ -232,8 +232,6 @@ def versions() -> dict:
         except md.PackageNotFoundError:
             out[pkg] = None
     if out["dscluster"] is None:  # run from a checkout on PYTHONPATH, not installed
-        from dscluster import __version__
-
         out["dscluster"] = __version__
     return out
 

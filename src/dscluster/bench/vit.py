@@ -1,13 +1,10 @@
 """`dscluster bench vit`: dscluster's DeepSpeed training path vs plain PyTorch DDP, 1..N GPUs.
 
-For each GPU count both paths train the same ViT on synthetic data with the same
-micro-batch, one process per GPU, in one invocation on the same cards. Reported per
-count: images/s, images/s per GPU, scaling efficiency (img/s at N ÷ (N × img/s at 1)), MFU
-(training FLOPs per image × img/s ÷ (N × the card's dense bf16 peak)), peak memory, and the
-ratio dscluster ÷ baseline. With `--repeat N` both paths run N times, alternating, and the median
-run of each is reported (every run's rate and the per-pair ratios are kept too). The DeepSpeed path
-is `dscluster train` itself, with `micro_batch=auto` resolved by its own auto-fit; the baseline then
-uses the micro-batch that auto-fit chose, so both see the same batch.
+For each GPU count both paths train the same ViT on synthetic data with the same micro-batch, one
+process per GPU, on the same cards, in one invocation. Reported per count: images/s, images/s per GPU,
+scaling efficiency, MFU (bench/models.py), peak memory and the ratio dscluster ÷ baseline; with
+`--repeat N`, the median of N alternating runs (docs/performance.md). The DeepSpeed path is `dscluster
+train` itself with `micro_batch=auto`; the baseline then uses the micro-batch that auto-fit chose.
 """
 
 from __future__ import annotations

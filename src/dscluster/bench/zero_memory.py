@@ -1,23 +1,9 @@
 """`python bench/zero_memory.py`: what each ZeRO stage, and ZeRO-Offload, saves of a rank's GPU memory.
 
-On one GPU host it runs the README's own command once a setting, one after the other,
-
-    mpirun -np N --hostfile <localhost slots=N> entry_cn.sh --config configs/vit_base.yaml precision=fp16 \\
-        zero_stage=S [offload_optimizer=cpu] micro_batch=M global_batch=M*N max_steps=K ...
-
-for S in 0, 1, 2, 3 and 3 with offload_optimizer=cpu, on N = 1 and 2 GPUs (--gpus; those the host has),
-and reads each run's figures through analysis.load: peak_mem_mb (the largest of its ranks' `end` records:
-each rank's CUDA peak from the engine's start, train/memory.py), peak_host_mb likewise, and img/s
-(summary.json, train/timing.py's one definition). The stage-0 run of the same N in the same call is the
-baseline every other run is compared with. Writes bench/results/<date>-<card>-zero-memory.json.
-
-What the runs leave out, so the whole call stays within --timeout (default 340 s) on an H200: the
-preset's synthetic data (no held-out split, so no evaluation), checkpoints, compile (compile=false:
-torch.compile under ZeRO-3 is not what this table measures) and gradient accumulation (global_batch
-M×N: one micro-step a step; accumulation adds no memory beyond the gradients every stage keeps).
-precision=fp16 is amp at stage 0 (fp32 weights, autocast, GradScaler) and DeepSpeed's fp16 optimizer
-at stages 1-3 (fp16 weights, fp32 master copies): each is what `zero_stage=S` gives a user. The first
-offload run compiles DeepSpeed's CPUAdam op once (its wall time, not its figures, shows that).
+On one GPU host it runs the README's own command once a setting (zero_stage 0 to 3, and 3 with
+offload_optimizer=cpu, on 1 and 2 GPUs) and reads each run's peak GPU and host memory and img/s
+through analysis.load; the stage-0 run of the same GPU count is the baseline of the others. What the
+runs leave out, and why, is in docs/performance.md.
 
     python bench/zero_memory.py                      # every stage on 1 and 2 GPUs
     python bench/zero_memory.py --dry-run            # the commands, nothing run or written
@@ -35,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dscluster import paths
+from dscluster.analysis.load import load_run
 from dscluster.bench import runner
 from dscluster.errors import UsageError
 from dscluster.fsutil import atomic_write_json
@@ -99,7 +86,6 @@ def command(run: Run, opts: Options, hostfile: Path, *, as_root: bool) -> list[s
 
 def figures(run_dir: Path, job: runner.JobResult) -> dict:
     """One run's figures from its run directory (analysis.load), each rank's peaks beside the largest."""
-    from dscluster.analysis.load import load_run
 
     fig = runner.read_train_run(run_dir)
     ends: dict[int, dict] = {}
