@@ -101,13 +101,13 @@ def build(state: LabState) -> None:
 
 def write_node_files(state: LabState, node: SimNode, pw_hash: str) -> list[subprocess.Popen]:
     """Lay out the node's overlay layers and home; start its host-key generation (returned)."""
-    nd = Path(node.nodedir)
+    node_dir = Path(node.nodedir)
     for sub, mode in (("etc-upper", 0o755), ("etc-work", 0o700), ("root-upper", 0o711),
                       ("root-work", 0o700), ("home", 0o755)):
-        (nd / sub).mkdir(parents=True, exist_ok=True)
-        os.chmod(nd / sub, mode)
-    _make_mount_dirs(state, nd)
-    etc = nd / "etc-upper"
+        (node_dir / sub).mkdir(parents=True, exist_ok=True)
+        os.chmod(node_dir / sub, mode)
+    _make_mount_dirs(state, node_dir)
+    etc = node_dir / "etc-upper"
     days = int(time.time() // 86400)
     home_in_node = f"/home/{state.user}"
     host_passwd = Path("/etc/passwd").read_text()
@@ -148,9 +148,9 @@ def write_node_files(state: LabState, node: SimNode, pw_hash: str) -> list[subpr
         os.lchown(p, state.uid, state.gid)
     os.chmod(home, 0o755)
 
-    atomic_write_text(nd / "anchor.sh", anchor_script(hostname=node.hostname, nodedir=nd, mounts=state.mounts,
-                                                    private=anchor_lines(state.private, str(nd))),
-                      mode=0o755)
+    anchor = anchor_script(hostname=node.hostname, nodedir=node_dir, mounts=state.mounts,
+                           private=anchor_lines(state.private, str(node_dir)))
+    atomic_write_text(node_dir / "anchor.sh", anchor, mode=0o755)
     procs = []
     for t in HOST_KEY_TYPES:
         key = ssh / f"ssh_host_{t}_key"
@@ -164,18 +164,18 @@ def write_node_files(state: LabState, node: SimNode, pw_hash: str) -> list[subpr
     return procs
 
 
-def _make_mount_dirs(state: LabState, nd: Path) -> None:
+def _make_mount_dirs(state: LabState, node_dir: Path) -> None:
     """Host-side directories the anchor's reach mounts use (sim_reach): where a shared directory
     is set aside, an overlay's layers, and mount points in the node's own /home."""
     for i, (kind, path) in enumerate(state.mounts):
         if kind in (REBIND, HOME_BIND):
-            (nd / "keep" / str(i)).mkdir(parents=True, exist_ok=True)
+            (node_dir / "keep" / str(i)).mkdir(parents=True, exist_ok=True)
         if kind == OVERLAY:
             for sub, mode in (("upper", 0o711), ("work", 0o700)):
-                (nd / "reach" / str(i) / sub).mkdir(parents=True, exist_ok=True)
-                os.chmod(nd / "reach" / str(i) / sub, mode)
+                (node_dir / "reach" / str(i) / sub).mkdir(parents=True, exist_ok=True)
+                os.chmod(node_dir / "reach" / str(i) / sub, mode)
         if kind == HOME_BIND:
-            point = nd / "home"
+            point = node_dir / "home"
             for part in Path(path).relative_to("/home").parts:
                 point = point / part
                 if not point.exists():
@@ -186,23 +186,24 @@ def build_network(state: LabState) -> None:
     """The switch namespace with its bridge, the host's cable to it, and one cable per node
     (node end named like a real NIC, in the node's namespace; other end a bridge port)."""
     prefix = ipaddress.IPv4Network(state.subnet).prefixlen
-    sw = state.switch_netns
+    switch_ns = state.switch_netns
     up_host, up_switch = uplink_names(state.index)
-    if not netns_exists(sw):
-        sh(["ip", "netns", "add", sw])
-    sh(["ip", "-n", sw, "link", "add", "name", state.bridge, "type", "bridge", "forward_delay", "0"])
-    sh(["ip", "-n", sw, "link", "set", state.bridge, "up"])
+    if not netns_exists(switch_ns):
+        sh(["ip", "netns", "add", switch_ns])
+    sh(["ip", "-n", switch_ns, "link", "add", "name", state.bridge, "type", "bridge", "forward_delay", "0"])
+    sh(["ip", "-n", switch_ns, "link", "set", state.bridge, "up"])
     # The host's address sits on its end of a plain veth: nothing is bridged in its namespace.
-    sh(["ip", "link", "add", up_host, "type", "veth", "peer", "name", up_switch, "netns", sw])
-    sh(["ip", "-n", sw, "link", "set", up_switch, "master", state.bridge, "up"])
+    sh(["ip", "link", "add", up_host, "type", "veth", "peer", "name", up_switch, "netns", switch_ns])
+    sh(["ip", "-n", switch_ns, "link", "set", up_switch, "master", state.bridge, "up"])
     sh(["ip", "addr", "replace", f"{state.host_ip}/{prefix}", "dev", up_host])
     sh(["ip", "link", "set", up_host, "up"])
     for node in state.nodes:
         ns = node.netns
         if not netns_exists(ns):
             sh(["ip", "netns", "add", ns])
-        sh(["ip", "-n", sw, "link", "add", node.switch_port, "type", "veth", "peer", "name", node.iface, "netns", ns])
-        sh(["ip", "-n", sw, "link", "set", node.switch_port, "master", state.bridge, "up"])
+        sh(["ip", "-n", switch_ns, "link", "add", node.switch_port, "type", "veth",
+            "peer", "name", node.iface, "netns", ns])
+        sh(["ip", "-n", switch_ns, "link", "set", node.switch_port, "master", state.bridge, "up"])
         sh(["ip", "-n", ns, "link", "set", "lo", "up"])
         sh(["ip", "-n", ns, "addr", "add", f"{node.ip}/{prefix}", "dev", node.iface])
         sh(["ip", "-n", ns, "link", "set", node.iface, "up"])
@@ -215,7 +216,7 @@ def build_network(state: LabState) -> None:
             # tbf shapes what leaves an interface: the node's end limits what the node sends,
             # the bridge port what it receives.
             sh(tbf_argv(ns, node.iface, state.link))
-            sh(tbf_argv(sw, node.switch_port, state.link))
+            sh(tbf_argv(switch_ns, node.switch_port, state.link))
     apply_faults(state, sh)
 
 

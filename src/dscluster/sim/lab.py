@@ -1,19 +1,12 @@
 """The simulated lab: N "machines" on one Linux host, for tests and the demo (root only).
 
-Each node is a network namespace cabled to a private switch (a bridge in a namespace of its
-own) with its own hostname, its own sshd on port 22 with its own host key, and its own /etc
-(passwd, shadow, hosts, ssh) and /home laid over the host's through a private mount namespace,
-so nothing on the host is edited. Software (the repository and its .venv) is visible at the
-same path on every node, like NFS, and so is `Lab.shared`, the place for run directories and
-state. On a host with NVIDIA GPUs each node can own some of them (`gpus=[1, 1, 2]`), and every
-node's cable can be shaped to a link rate (`link="1gbit"`).
-
-    lab = up(nodes=3, lab="dslab")        # idempotent for the same arguments
-    lab.run("node1", ["hostname"])        # inside node1, as the lab user, cwd = repo root
-    down("dslab")                          # returns once no namespace, link or process is left
-
-State lives in /run/dscluster-sim/<lab>/state.json so `down`/`status` work from any process.
-The plan (names, addresses, paths) is in `sim.plan`, the namespace plumbing in `sim.ns`.
+Each node is a network namespace cabled to a private switch, with its own hostname, sshd and host
+key, and its own /etc and /home laid over the host's in a private mount namespace, so nothing on
+the host is edited (docs/simulated-lab.md). The repository, its .venv and `Lab.shared` are at the
+same path on every node, like NFS; nodes can own GPUs (`gpus=[1, 1, 2]`) and shaped cables.
+`up(nodes=3, lab="dslab")` is idempotent, `lab.run("node1", [...])` runs inside a node, `down()`
+returns once nothing is left. State lives in /run/dscluster-sim/<lab>/state.json so `down` and
+`status` work from any process; the plan is `sim.plan`'s, the namespace plumbing `sim.ns`'s.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """Per-node network faults of `sim up`: what breaks real Ethernet labs, built on purpose.
 
-    --mtu node2=9000          node2's NIC sends jumbo frames; the switch ports stay at 1500
+    --mtu node2=9000          jumbo frames on node2's NIC; the switch ports stay at 1500
     --link node2=100mbit      node2's cable shaped to that rate (tc tbf, both directions)
-    --firewall node2[=P,...]  node2 drops inbound TCP except ssh (22) and the listed ports
-                              (default 29500, the master port): the rendezvous works, NCCL's and
-                              gloo's data connections to ephemeral ports hang
-    --second-nic node2        node2 gets a second NIC on the lab subnet and a more specific route
-                              through it: its traffic to the other nodes leaves by the wrong NIC
+    --firewall node2[=P,...]  inbound TCP dropped except ssh and the ports (default 29500)
+    --second-nic node2        a second NIC and a more specific route: traffic leaves by it
 
 Parsing and the commands are pure (unit-tested); `apply_faults` runs them while the lab is built.
-Every mistake is exit 2 before anything exists.
+Every mistake is exit 2 before anything exists (docs/simulated-lab.md).
 """
 
 from __future__ import annotations

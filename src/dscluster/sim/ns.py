@@ -1,14 +1,10 @@
 """Namespace plumbing for the simulated lab: anchors, nsenter, sshd, process teardown.
 
-A node is three namespaces: network (made by `ip netns add`, so it has a name), mount and UTS
-(made by `unshare` inside it). Something must live in the mount and UTS namespaces to keep them,
-so each node has an *anchor*: `ip netns exec NS unshare --mount --uts ... sh anchor.sh`, which
-mounts the node's own /etc, /root and /home, sets the hostname and then sleeps forever. Every
-command that runs "on" a node is `nsenter -t <anchor> -m -u -n`.
-
-Processes started here are detached with `setsid -f` so that they are orphans of PID 1, not
-children of the Python process that built the lab (a killed child of a long-lived pytest would
-stay a zombie until pytest exits, and teardown waits for processes to be *gone*).
+A node is a named network namespace plus mount and UTS namespaces that its *anchor* keeps alive:
+`ip netns exec NS unshare --mount --uts ... sh anchor.sh` mounts the node's /etc, /root and /home,
+sets the hostname and sleeps; a command "on" a node is `nsenter -t <anchor> -m -u -n`. Processes
+are detached with `setsid -f`, orphans of PID 1 rather than children of the builder: a killed
+child of a long-lived pytest would stay a zombie, and teardown waits for processes to be *gone*.
 """
 
 from __future__ import annotations

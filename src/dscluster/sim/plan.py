@@ -1,16 +1,11 @@
 """The simulated lab's plan: names, addresses and files, decided before anything is built.
 
-Everything here is pure (no root, no processes) so it can be unit-tested and so that `sim up`
-writes the whole plan to the state file *before* it creates the first namespace: a crash
-half-way leaves a state file that `sim down` can use to remove what was made.
-
-Address plan: lab number k (1..250) owns 10.77.k.0/24; the host's own address on the lab is
-10.77.k.254 and node i is 10.77.k.(10+i). The nodes' cables meet on a bridge `dsl<k>sw` inside a
-switch namespace of its own (`dscluster-<lab>-sw`): a bridge in the host's namespace is subject to
-the host's firewall (on a Docker host its FORWARD policy drops bridged traffic), one in its own
-namespace is not. The host joins the switch through one veth pair (`dsl<k>h` on the host,
-`dsl<k>up` on the bridge), so it reaches the nodes without forwarding anything. Kernel interface
-names are at most 15 characters, so they carry the lab number, not the lab name.
+Pure (no root, no processes), so it is unit-tested and `sim up` writes the whole plan to the state
+file before the first namespace: a crash half-way leaves what `sim down` needs to clean up.
+Lab k (1..250) owns 10.77.k.0/24: the host is .254, node i is .(10+i). The cables meet on a bridge
+`dsl<k>sw` in a switch namespace of its own, out of reach of the host's firewall (Docker's FORWARD
+policy drops bridged traffic); the host joins through one veth pair (`dsl<k>h`/`dsl<k>up`), so
+nothing is forwarded. Interface names carry the lab number: the kernel allows 15 characters.
 """
 
 from __future__ import annotations
@@ -286,10 +281,10 @@ def same_lab_or_refuse(state: LabState, nodes: int, gpus, link: str, env, shared
                        faults: NetFaults | None = None) -> None:
     """`up` again changes no node, GPU, link, environment, file layout or network fault of a running
     lab: say how to rebuild."""
-    def described(n, g, lk, e, fs, fl) -> list[str]:
-        return [f"{n} nodes", f"GPUs {','.join(map(str, g))}" if g else "no GPUs", f"link {lk}",
-                f"env {' '.join(f'{k}={v}' for k, v in e.items()) or 'none'}",
-                "a shared filesystem" if fs else "no shared filesystem", f"faults {fl.describe()}"]
+    def described(node_count, gpus, link, env, shared_fs, faults) -> list[str]:
+        return [f"{node_count} nodes", f"GPUs {','.join(map(str, gpus))}" if gpus else "no GPUs", f"link {link}",
+                f"env {' '.join(f'{k}={v}' for k, v in env.items()) or 'none'}",
+                "a shared filesystem" if shared_fs else "no shared filesystem", f"faults {faults.describe()}"]
     had = described(len(state.nodes), [len(n.gpus) for n in state.nodes] if state.uses_gpus else None,
                     state.link, state.env, state.shared_fs, NetFaults.from_dict(state.faults))
     asked = described(nodes, gpus, link, dict(env or {}), shared_fs, faults or NetFaults())
@@ -340,12 +335,10 @@ def node_session_env(state: LabState, node: SimNode | None) -> dict[str, str]:
 
     The nodes share the host's cores. Each rank gets its share of them as PyTorch's thread count
     (OMP_NUM_THREADS: the host's cores over the lab's slots, at least 1), as `cpus.share_cores` splits
-    one machine's cores between its ranks: each node sizing its threads to all the host's cores had
-    3 one-rank nodes run 6 threads on 2 cores (3 digits ranks, 5 epochs, 2 cores: 26.5 CPU-s and
-    17.4 s with 2 threads each, 23.7 CPU-s and 13.8 s with 1). Idle OpenMP threads sleep instead of
-    spinning (OMP_WAIT_POLICY=PASSIVE): spinning threads of one node took the cores another node's
-    ranks were waiting for (two 2-thread digits runs beside a busy core: 41 s and 63 CPU-s, 18 s and
-    24 CPU-s passive). Neither changes a result; --env can override both."""
+    one machine's cores between its ranks, not each node all the host's cores. Idle OpenMP threads
+    sleep instead of spinning (OMP_WAIT_POLICY=PASSIVE), so one node's idle threads do not take the
+    cores another node's ranks wait for (docs/simulated-lab.md). Neither changes a result; --env can
+    override both."""
     env = {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": str(rank_threads(state))}
     if state.extra_path:
         env["PATH"] = node_path(state.extra_path)

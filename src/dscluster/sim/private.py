@@ -1,18 +1,11 @@
 """A lab without a shared filesystem (`sim up --no-shared-fs`): each node its own files.
 
-Many labs of workstations have no NFS: every machine has its own clone of the checkout at the
-same path, its own home, and writes its run directories and checkpoints to its own disk. In
-such a lab every node gets, in its own mount namespace:
-
-- its own clone of the checkout at the checkout's path: the tracked files as the host has them
-  at `sim up` (mode and mtime kept) committed into a git repository of its own (one commit, the
-  same on every node), owned by the lab user, so `dscluster sync` can update it;
-- its own `Lab.shared` (empty at first), so a working directory there is one per node;
-- the software the checkout holds (its .venv) bound back from the host on top of the copy:
-  read-only software installed the same way on every machine, as `make venv` on each would.
-
-Plan first (pure), then the anchor's mount lines, then the host-side files. The ops are stored
-in the lab state, and everything they use lies in the node's directory, which `sim down` removes.
+Like workstations without NFS, every node gets in its own mount namespace: its own clone of the
+checkout at its path (the host's tracked files, mode and mtime kept, in one commit that is the same
+on every node, owned by the lab user so `dscluster sync` can update it); its own `Lab.shared`; and
+the checkout's .venv bound back from the host, software installed the same way on every machine.
+Plan first (pure), then the anchor's mount lines, then the host-side files. The ops are stored in
+the lab state, and all they use lies in the node's directory, which `sim down` removes.
 """
 
 from __future__ import annotations
@@ -85,13 +78,13 @@ def make_private_dirs(ops: list[list[str]], nodedir: str, uid: int, gid: int, fi
                       git_from: str | None = None) -> None:
     """The node's copies (the checkout's `files` as a one-commit clone, an empty shared folder) and
     the set-aside points. `git_from`: a node directory whose clone's .git to copy (the same commit)."""
-    nd = Path(nodedir)
+    node_dir = Path(nodedir)
     private = 0
     for i, (kind, path) in enumerate(ops):
         if kind == KEEP_SOFTWARE:
-            (nd / "keep-sw" / str(i)).mkdir(parents=True, exist_ok=True)
+            (node_dir / "keep-sw" / str(i)).mkdir(parents=True, exist_ok=True)
         elif kind == PRIVATE:
-            dest = nd / "private" / str(private)
+            dest = node_dir / "private" / str(private)
             private += 1
             dest.mkdir(parents=True, exist_ok=True)
             if private == 1:   # the checkout
@@ -104,7 +97,7 @@ def make_private_dirs(ops: list[list[str]], nodedir: str, uid: int, gid: int, fi
             _chown_tree(dest, uid, gid)
             os.chmod(dest, 0o755)
         elif kind == RESTORE_SOFTWARE:
-            point = nd / "private" / "0" / os.path.relpath(path, ops_checkout(ops))
+            point = node_dir / "private" / "0" / os.path.relpath(path, ops_checkout(ops))
             point.mkdir(parents=True, exist_ok=True)   # the mount point, inside the copy
 
 

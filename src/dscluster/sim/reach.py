@@ -1,22 +1,12 @@
 """What the lab user must reach inside the nodes, and the mounts that make it reachable.
 
-The nodes share the host's files at the same paths (the checkout, the venv, the Python it links
-to, `Lab.shared`), but they run as a non-root lab user. A fresh clone in a 0700 `mktemp -d`
-folder, a checkout in a 0750 home, or a pyenv Python in /root (0700) cannot be reached by that
-user, and the failures that follow (exit 126, PermissionError, empty output) name none of them.
-So `sim up` plans, per *target* directory the nodes use:
-
-- an ancestor the lab user cannot traverse is shown inside the nodes through an overlay whose
-  top layer is mode 0711 (contents as on the host; the host's own directory is never chmod'ed);
-- a target under such an overlay is bind-mounted back from the host on top of it, so writes to
-  it (run directories, caches) land in the host's directory and every node sees them, instead
-  of in one node's overlay layer;
-- a target under /home (each node has its own /home) is bind-mounted into the node's /home at
-  the same path, on directories made for it;
-- a directory *inside* a target that the lab user cannot enter, or an ancestor of the lab's own
-  state directory, cannot be fixed this way: `sim up` refuses with the directory and the fix.
-
-Pure: the host's modes come in through a `stat` callable, so the plan is unit-tested.
+Nodes share the host's files at the same paths but run as a non-root lab user, who cannot reach a
+clone in a 0700 `mktemp -d`, a 0750 home or a pyenv Python in /root, and the failures (exit 126,
+PermissionError) name none of them. So per target directory: an ancestor the user cannot traverse
+is overlaid in the nodes with a 0711 top layer (the host's directory is never chmod'ed); a target
+under it is bind-mounted back so writes land on the host; a target under /home is bind-mounted into
+the node's own /home. A directory inside a target that the user cannot enter, or above the lab's
+state directory, is refused with the fix (docs/simulated-lab.md). Pure: modes come from `stat`.
 """
 
 from __future__ import annotations
