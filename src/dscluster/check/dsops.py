@@ -1,16 +1,12 @@
 """DeepSpeed's ops a user's script commonly needs: prebuilt, JIT-buildable, or bound to fail.
 
-A DeepSpeed config whose optimizer is DeepSpeed's own Adam or Lamb loads FusedAdam/FusedLamb (and
-CPUAdam under ZeRO-Offload) at `deepspeed.initialize`. A pip-installed DeepSpeed ships none of them
-built: they are compiled on first use, which needs ninja, an nvcc whose CUDA major version matches
-torch's, and a TORCH_CUDA_ARCH_LIST DeepSpeed's builder can parse. Its parser reads every entry as
-numbers ("8.6", "9.0+PTX"); "9.0a" (a form torch itself accepts) makes it raise ValueError before
-anything compiles. `dscluster train` needs none of these ops but CPUAdam, and that only with
-offload_optimizer=cpu, so a gap here is a warning with the fix.
-
-`ds_op_facts()` runs on each node inside check's probe (its source is sent with the probe script:
-standard library only, no import of torch or DeepSpeed) and in `dscluster env`; `ops_verdict()`
-and `arch_list_problem()` are the pure rules over those facts.
+A DeepSpeed Adam or Lamb optimizer loads FusedAdam/FusedLamb (CPUAdam under ZeRO-Offload) at
+`deepspeed.initialize`; a pip-installed DeepSpeed compiles them on first use, which needs ninja, an
+nvcc matching torch's CUDA major and a TORCH_CUDA_ARCH_LIST its builder can parse ("9.0a", which
+torch accepts, makes it raise ValueError). `dscluster train` needs only CPUAdam, and only with
+offload_optimizer=cpu, so a gap is a warning with the fix. `ds_op_facts()` runs on each node inside
+check's probe (its source is sent alone: standard library only) and in `dscluster env`;
+`ops_verdict()` and `arch_list_problem()` are the pure rules over those facts.
 """
 
 from __future__ import annotations
@@ -25,7 +21,8 @@ _ARCH_ENTRY = re.compile(r"^\d+\.\d+(\+PTX)?$")
 
 
 def ds_op_facts() -> dict:
-    """This machine's facts for the rule, without importing torch or DeepSpeed (seconds each)."""
+    """This machine's facts for the rule, without importing torch or DeepSpeed."""
+    # Imports stay inside: check/probe.py sends this function's source alone to each node.
     import importlib.util
     import os
     import re as _re

@@ -1,15 +1,10 @@
 """What a node is, parsed from the text the probe printed on it. Pure code, no I/O.
 
-The probe (dscluster.check.probe) runs one shell command per node and prints sections:
-
-    @@dscluster-section NAME
-    ...whatever the command printed (stdout and stderr)...
-    @@dscluster-rc NAME RC
-
-Parsing lives here, apart from the SSH plumbing, so every format can be tested on recorded
-real output (tests/data/facts/). A missing tool (rc 127) or a failing one is a fact recorded
-in `NodeFacts.missing` / `NodeFacts.problems`, never an exception: one odd node must not stop
-the check of the others.
+The probe (dscluster.check.probe) prints sections, each `@@dscluster-section NAME`, the command's
+output, then `@@dscluster-rc NAME RC`. Parsing lives here, apart from the SSH plumbing, so every
+format is tested on recorded real output (tests/data/facts/). A missing tool (rc 127) or a failing
+one is a fact in `NodeFacts.missing` / `NodeFacts.problems`, never an exception: one odd node must
+not stop the check of the others.
 """
 
 from __future__ import annotations
@@ -291,19 +286,19 @@ def node_facts(name: str, text: str, *, clock_offset_s: float | None = None,
     f = NodeFacts(name=name, clock_offset_s=clock_offset_s, ssh_address=ssh_address)
 
     def ok(key: str, tool: str | None = None) -> Section | None:
-        sec = s.get(key)
-        if sec is None:
+        section = s.get(key)
+        if section is None:
             f.problems.append(f"{key}: no output (probe cut off?)")
             return None
-        if sec.rc == 127:
+        if section.rc == 127:
             if (tool or key) not in f.missing:
                 f.missing.append(tool or key)
             return None
-        if sec.rc not in (0, None):
-            first = (sec.text.strip().splitlines() or [""])[0][:200]
-            f.problems.append(f"{key}: exit {sec.rc}: {first}")
+        if section.rc not in (0, None):
+            first = (section.text.strip().splitlines() or [""])[0][:200]
+            f.problems.append(f"{key}: exit {section.rc}: {first}")
             return None
-        return sec
+        return section
 
     if sec := ok("hostname"):
         f.hostname = sec.text.strip().splitlines()[0].strip() if sec.text.strip() else None

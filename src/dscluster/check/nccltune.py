@@ -1,18 +1,11 @@
 """NCCL's socket transport, tuned by measurement. Pure: measured grid in, env and finding out.
 
-Over plain TCP (NET/Socket) NCCL's bandwidth is set by how many helper threads it runs per
-connection (NCCL_SOCKET_NTHREADS) times the sockets each thread drives (NCCL_NSOCKS_PERTHREAD).
-With the defaults (1 x 1 outside AWS and GCP) a 10 GbE link stayed 4-8 % under its line rate on
-our GPU lab. So on links of 10 Gbit/s or faster (the slowest pair of check's link tests) and
-with NCCL, check's all-reduce is run once more per point of `GRID`, the largest message only, and
-the best point is written into the env files when it beats the defaults by `MIN_GAIN` or more;
-otherwise the defaults stay and check says so. check/run.py runs the grid; this module decides.
-
-The measurement record, `check.json` active.nccl_socket:
-    {"link_bps": 9410000000,          # the slowest pair's TCP rate (check.json active.links.slowest)
-     "grid": [{"NCCL_SOCKET_NTHREADS": 1, "NCCL_NSOCKS_PERTHREAD": 1, "busbw_GBps": 1.146,
-               "bytes": 268435456, "seconds": 14.2}, ...]}    # busbw_GBps null and "error": a failed run
-or {"skipped": why} where the grid did not run (gloo, a slower link, --no-tune).
+Over plain TCP (NET/Socket) NCCL's bandwidth is set by NCCL_SOCKET_NTHREADS times
+NCCL_NSOCKS_PERTHREAD, and the defaults (1 x 1 outside AWS and GCP) leave part of a 10 GbE link
+unused (docs/troubleshooting.md). So on fast links with NCCL, check runs its all-reduce once more
+per point of `GRID` (check/run.py), and this module writes the best point into the env files when
+it beats the defaults by `MIN_GAIN` or more; otherwise the defaults stay and check says so. The
+record is check.json's active.nccl_socket (docs/schemas.md).
 """
 
 from __future__ import annotations
@@ -25,8 +18,8 @@ DEFAULT = (1, 1)
 # NCCL allows threads <= 16 and threads x sockets <= 64. Short: each point is one more mpirun.
 GRID = ((1, 1), (4, 2), (4, 4), (8, 2))
 # The 10 Gbit/s class as check's link test measures it: one Python TCP stream for 0.4 s carries at most
-# 94 % of the line rate (1448 of 1538 bytes a frame at MTU 1500), less on a busy host (the 4-node CPU
-# lab's unshaped links measured 5.6-7.5 Gbit/s); 2.5 GbE stays under it.
+# 94 % of the line rate (1448 of 1538 bytes a frame at MTU 1500), less on a busy host
+# (docs/troubleshooting.md); 2.5 GbE stays under it.
 MIN_LINK_BPS = 5 * 10**9
 MIN_GAIN = 0.05
 

@@ -1,20 +1,12 @@
 """Pairwise link tests between every two nodes: what the data connections of a run will meet.
 
-NCCL and gloo open their data connections to *ephemeral* ports (not the master port), send
-full-size frames and run at the pace of the slowest cable, and the kernel's routing table, not
-NCCL_SOCKET_IFNAME, picks the NIC a connection leaves by. So, for each ordered pair (A, B):
-- **ports**: A connects to several TCP ports that B's kernel picked from its ephemeral range;
-- **mtu**: A sends one UDP datagram as large as its own interface's MTU allows, with
-  do-not-fragment set (IP_PMTUDISC_DO), and B answers with its length: a frame dropped on the
-  way (a switch port or a peer at 1500) gets no answer;
-- **speed**: A sends TCP to B for a fraction of a second and B returns the bytes it got;
-- **nic**: around that send, A reads every interface's tx byte counter
-  (/sys/class/net/<if>/statistics/tx_bytes): the bytes must leave by the chosen interface.
-
-Each node runs one small server for the whole phase; the pairs run in rounds (in round r node i
-sends to node i+r), so each node receives from one peer at a time and the rates are its link's.
-The scripts are plain Python (no torch), so a round costs about one interpreter start per node.
-The findings are pure functions of the recorded results (check.netrules).
+NCCL and gloo connect to *ephemeral* ports, send full-size frames, run at the slowest cable's pace
+and leave by the NIC the routing table picks. So for each ordered pair (A, B): **ports** (A connects
+to TCP ports B's kernel picked), **mtu** (one do-not-fragment UDP datagram of A's MTU, answered by
+B), **speed** (A sends TCP briefly, B returns the byte count) and **nic** (A's per-interface
+tx_bytes around that send: the bytes must leave by the chosen interface). Each node runs one small
+server; the pairs run in rounds (in round r node i sends to node i+r) so each node receives from
+one peer at a time. The scripts are plain Python (no torch); the findings are check.netrules'.
 """
 
 from __future__ import annotations
@@ -170,7 +162,9 @@ def run_pairs(sessions: dict, python: str, address: dict[str, str], mtu: dict[st
     node -> why its server did not start). `start_server(client, command, seconds)` returns
     (channel, first line) or (None, reason) (check.probe.start_ready)."""
     names = [n for n in address if n in sessions]
-    servers, ready, failed = {}, {}, {}
+    servers = {}
+    ready = {}
+    failed = {}
     seconds = max(30.0, timeout * (len(names) + 1))
     for name in names:
         chan, line = start_server(sessions[name], server_command(python, address[name], seconds), seconds)

@@ -1,12 +1,11 @@
 """What runs on each node: one probe script over SSH, plus the mesh and master-port tests.
 
-Why one script per node rather than one SSH command per fact: a check of five machines must
-finish in seconds, and every round trip (and every Python start, since importing torch costs
-about two seconds, far more on a loaded machine) multiplies by the node count; on nodes
-without a GPU the probe reads torch's version file instead of importing it. The script is fed to `bash -s` on stdin so
-nothing about it depends on the node's login shell beyond starting bash, and it runs the
-same interpreter path as the head (`sys.executable`): launchers start ranks at the head's
-path, so that is the Python whose versions matter.
+One script per node rather than one SSH command per fact: a check must finish in seconds, and
+every round trip and Python start (an `import torch` above all) multiplies by the node count, so
+on nodes without a GPU the probe reads torch's version file instead of importing it. The script
+is fed to `bash -s` on stdin, so it depends on the login shell only to start bash, and it runs the
+head's interpreter path (`sys.executable`): launchers start ranks at that path, so that is the
+Python whose versions matter.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from pathlib import Path
 from dscluster import remote
 from dscluster.check.dsops import ds_op_facts
 from dscluster.check.facts import NodeFacts, clock_offset, node_facts
+from dscluster.rundir.layout import runs_root
 
 GPU_QUERY = "index,name,uuid,compute_cap,memory.total,driver_version,ecc.errors.uncorrected.volatile.total"
 GPU_QUERY_OLD = "index,name,uuid,memory.total,driver_version,ecc.errors.uncorrected.volatile.total"
@@ -284,6 +284,4 @@ def start_ready(client, command: str, seconds: float):
 
 def runs_dir_for_probe() -> str:
     """Absolute path of where runs are written (ranks run in the head's cwd on every node)."""
-    from dscluster.rundir.layout import runs_root
-
     return os.path.abspath(runs_root())

@@ -376,8 +376,8 @@ def evaluate(facts: dict[str, NodeFacts], hostfile: Hostfile, *, unreachable: di
     findings += rule_duplicate_addresses(facts)
     findings += rule_versions(facts, head)
     findings += rule_gpus(facts, hostfile)
-    precision, pf = decide_precision(facts, allow_deprecated_fp16)
-    findings += pf
+    precision, precision_findings = decide_precision(facts, allow_deprecated_fp16)
+    findings += precision_findings
     findings.append(Finding("info", None, "precision", f"precision {precision.value}: {precision.reason}",
                             "nothing to do: written to DSCLUSTER_PRECISION"))
     batching = decide_batching(facts)
@@ -442,5 +442,5 @@ def has_errors(findings: list[Finding]) -> bool:
 
 def cell_status(findings: list[Finding], node: str, check: str) -> str:
     """'error' | 'warning' | 'ok' for one table cell."""
-    sev = {f.severity for f in findings if f.node == node and f.check == check}
-    return "error" if "error" in sev else "warning" if "warning" in sev else "ok"
+    severities = {f.severity for f in findings if f.node == node and f.check == check}
+    return "error" if "error" in severities else "warning" if "warning" in severities else "ok"

@@ -71,9 +71,9 @@ class CheckRun:
     layout: dict = field(default_factory=dict)
 
 
-def probe_all(hf: Hostfile, opts: CheckOptions, settings: ProbeSettings):
+def probe_all(hostfile: Hostfile, opts: CheckOptions, settings: ProbeSettings):
     """Probe every node in parallel; keep the sessions for the reachability phase."""
-    targets = [remote.Target(name=h.name, host=h.name, user=opts.user) for h in hf.hosts]
+    targets = [remote.Target(name=h.name, host=h.name, user=opts.user) for h in hostfile.hosts]
     sessions: dict[str, object] = {}
 
     def work(t: remote.Target) -> NodeFacts:
@@ -100,7 +100,7 @@ def _reason(err: BaseException | None) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def reach_phase(hf: Hostfile, targets, sessions, facts, ev: Evaluation, opts: CheckOptions,
+def reach_phase(hostfile: Hostfile, targets, sessions, facts, ev: Evaluation, opts: CheckOptions,
                 python: str) -> list[Finding]:
     """Passwordless mesh (every node to every other) and the master port, from every node."""
     findings: list[Finding] = []
@@ -119,7 +119,7 @@ def reach_phase(hf: Hostfile, targets, sessions, facts, ev: Evaluation, opts: Ch
                                     f"something already uses port {opts.master_port} (a previous run still alive?): "
                                     "stop it, or pass --master-port with a free port"))
             master_addr = None
-    live = [h.name for h in hf.hosts if h.name in facts]
+    live = [h.name for h in hostfile.hosts if h.name in facts]
 
     def work(t: remote.Target):
         others = [n for n in live if n != t.name]
@@ -166,7 +166,7 @@ def mca_phase(sessions, facts, ev: Evaluation, opts: CheckOptions, python: str) 
     """Pin a hand-typed mpirun's own traffic to the cluster subnet: OpenMPI's and PRRTE's parameter
     files in every node's home (launch.mcaparams). Not for a hostfile of one node: its ranks and mpirun's
     daemon meet on the machine itself, and the pin would bind every later mpirun of the account to the
-    interface check chose (on a one-H200 VM PRRTE warned at each start that no interface matched it)."""
+    interface check chose, and PRRTE warns at each start on a machine where no interface matches it."""
     subnet = ev.network.subnet
     if not subnet or len(facts) < 2:
         return []
@@ -240,12 +240,12 @@ class ActiveLaunch:
     limit: float
 
     @classmethod
-    def of(cls, hf: Hostfile, ev: Evaluation, opts: CheckOptions, python: str) -> ActiveLaunch:
+    def of(cls, hostfile: Hostfile, ev: Evaluation, opts: CheckOptions, python: str) -> ActiveLaunch:
         env, exports = dict(os.environ), []
         if ev.network.address.get(ev.head):
             env.update(MASTER_ADDR=ev.network.address[ev.head], MASTER_PORT=str(opts.master_port))
             exports = ["MASTER_ADDR", "MASTER_PORT"]
-        return cls(hostfile=hf, cidr=ev.network.subnet, mpirun=mpirun_path(python), env=env, exports=exports,
+        return cls(hostfile=hostfile, cidr=ev.network.subnet, mpirun=mpirun_path(python), env=env, exports=exports,
                    as_root=os.geteuid() == 0, limit=max(60.0, opts.timeout * 2))
 
     def argv(self, program: list[str], values: dict[str, str] | None = None) -> list[str]:
@@ -259,26 +259,28 @@ class ActiveLaunch:
 def run_active(launch: ActiveLaunch, python: str) -> tuple[dict, list[Finding]]:
     """The MPI hello, then the all-reduce bandwidth test."""
     findings: list[Finding] = []
-    hf = launch.hostfile
-    np_ = hf.total_slots
+    hostfile = launch.hostfile
+    rank_count = hostfile.total_slots
     active: dict = {}
 
     argv = launch.argv(hello_program(python))
     ok, out, secs = launch.run(argv, launch.limit)
-    lost_exit = not ok and out.rstrip().endswith(TIMED_OUT.format(launch.limit)) and f"all {np_} ranks answered" in out
+    lost_exit = (not ok and out.rstrip().endswith(TIMED_OUT.format(launch.limit))
+                 and f"all {rank_count} ranks answered" in out)
     active["mpi_hello"] = {"ok": ok or lost_exit, "seconds": round(secs, 2), "argv": argv, "output": out[-2000:]}
     if lost_exit:
         findings.append(Finding(
-            "warning", None, "mpi", f"MPI hello: all {np_} ranks answered and met at a barrier, but mpirun did not "
-            f"return within {secs:.0f} s and was stopped", "nothing to fix for training: OpenMPI 5.0.11's runtime "
-            "(PRRTE 3.0.14) can lose a process that ends within moments of starting, and then waits for it forever; "
+            "warning", None, "mpi", f"MPI hello: all {rank_count} ranks answered and met at a barrier, but mpirun "
+            f"did not return within {secs:.0f} s and was stopped",
+            "nothing to fix for training: OpenMPI 5.0.11's runtime (PRRTE 3.0.14) can lose a process that ends "
+            "within moments of starting, and then waits for it forever; "
             "training ranks live far longer. If it comes back on every check, run the printed mpirun by hand"))
     elif not ok:
-        findings.append(Finding("error", None, "mpi", f"MPI hello over {hf.path} failed after {secs:.0f} s: "
+        findings.append(Finding("error", None, "mpi", f"MPI hello over {hostfile.path} failed after {secs:.0f} s: "
                                 f"{_tail(out)}", "fix the errors above first; then run the printed mpirun by hand"))
         return active, findings
     else:
-        ranks = f"{np_} rank{'s' if np_ != 1 else ''}"
+        ranks = f"{rank_count} rank{'s' if rank_count != 1 else ''}"
         findings.append(Finding("info", None, "mpi", f"MPI hello: {ranks} answered in {secs:.1f} s", "nothing to do"))
 
     argv = launch.argv(allreduce_program(python, launch.limit))
@@ -287,7 +289,8 @@ def run_active(launch: ActiveLaunch, python: str) -> tuple[dict, list[Finding]]:
     active["allreduce"] = {"ok": ok and result is not None, "seconds": round(secs, 2), "argv": argv,
                            "result": result, "output": None if result else out[-2000:]}
     if not ok or result is None:
-        findings.append(Finding("error", None, "allreduce", f"all-reduce across {np_} ranks failed: {_tail(out)}",
+        findings.append(Finding("error", None, "allreduce",
+                                f"all-reduce across {rank_count} ranks failed: {_tail(out)}",
                                 "check NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME and the firewall between nodes; "
                                 "NCCL_DEBUG=INFO on a re-run shows where it stops"))
     elif result["world_size"] == 1:  # busbw = algbw × 2(n-1)/n: one rank moves nothing, 0.000 GB/s says nothing
@@ -352,13 +355,13 @@ def _tail(text: str) -> str:
 
 def run_check(opts: CheckOptions) -> CheckRun:
     t0 = time.monotonic()
-    hf = parse_hostfile(opts.hostfile)
+    hostfile = parse_hostfile(opts.hostfile)
     if opts.data_dir is not None and not os.path.isdir(opts.data_dir):
         raise UsageError(f"--data {opts.data_dir}: no such folder on this machine (the head)")
     if not 0 < opts.master_port < 65536:
         raise UsageError(f"--master-port {opts.master_port}: expected a TCP port 1-65535")
     known_hosts = state.known_hosts_path()
-    if not known_hosts.exists() and not thishost.all_this_machine(h.name for h in hf.hosts):
+    if not known_hosts.exists() and not thishost.all_this_machine(h.name for h in hostfile.hosts):
         raise UsageError(f"{known_hosts}: no pinned host keys yet; "
                          f"run `dscluster setup --hostfile {opts.hostfile}` first "
                          "(or set DSCLUSTER_STATE to the state directory setup used)")
@@ -367,9 +370,9 @@ def run_check(opts: CheckOptions) -> CheckRun:
                              password=os.environ.get("DSCLUSTER_SSH_PASSWORD"), timeout=opts.timeout,
                              python=python, runs_dir=runs_dir_for_probe())
     created = time.time()
-    targets, sessions, facts, unreachable = probe_all(hf, opts, settings)
+    targets, sessions, facts, unreachable = probe_all(hostfile, opts, settings)
     try:
-        ev = evaluate(facts, hf, unreachable=unreachable, allow_deprecated_fp16=opts.allow_deprecated_fp16)
+        ev = evaluate(facts, hostfile, unreachable=unreachable, allow_deprecated_fp16=opts.allow_deprecated_fp16)
         findings = list(ev.findings) + [
             Finding("info", n, "reach", "this machine: probed here without SSH",
                     "nothing to do: no sshd or `dscluster setup` needed for it") for n in facts
@@ -377,7 +380,7 @@ def run_check(opts: CheckOptions) -> CheckRun:
         layout: dict = {}
         links = links_summary([])
         if facts:
-            findings += reach_phase(hf, targets, sessions, facts, ev, opts, python)
+            findings += reach_phase(hostfile, targets, sessions, facts, ev, opts, python)
             links, more = link_phase(sessions, facts, ev, opts, python)
             findings += more + mca_phase(sessions, facts, ev, opts, python)
             layout = probe_layout(targets, sessions, facts, python, opts.timeout, settings.runs_dir,
@@ -394,14 +397,14 @@ def run_check(opts: CheckOptions) -> CheckRun:
         findings.append(Finding("info", None, "mpi", "active tests (MPI hello, all-reduce) skipped: the errors above "
                                 "would make them hang", "fix the errors, then re-run check"))
     else:
-        launch = ActiveLaunch.of(hf, ev, opts, python)
+        launch = ActiveLaunch.of(hostfile, ev, opts, python)
         got, more = run_active(launch, python)
         active.update(got)
         active["nccl_socket"], tuned = tune_sockets(launch, python, active, opts.no_tune)
         findings += more + tuned
         _, tuning = decide_socket_tuning(active.get("nccl_socket"))
         findings += [tuning] if tuning else []
-    return CheckRun(hostfile=hf, hostfile_sha256=hostfile_sha256(hf.path), created=created, facts=facts,
+    return CheckRun(hostfile=hostfile, hostfile_sha256=hostfile_sha256(hostfile.path), created=created, facts=facts,
                     unreachable=unreachable, evaluation=ev, findings=findings, active=active,
                     wall_s=time.monotonic() - t0, layout=layout)
 
