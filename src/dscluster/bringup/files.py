@@ -241,13 +241,13 @@ def find_guard(text: str, syntax: str) -> int | None:
     return None
 
 
-def update_startup_file(existing: str, venv_bin: str, sf: StartupFile) -> str:
+def update_startup_file(existing: str, venv_bin: str, startup: StartupFile) -> str:
     """Put the PATH block right before the interactive-only early return (else at the end),
     so it runs for `ssh node cmd` and still wins over PATH edits made earlier in the file."""
-    body = path_block_body(venv_bin, sf.syntax)
+    body = path_block_body(venv_bin, startup.syntax)
     without, _ = remove_managed_block(existing)
-    guard = find_guard(without, sf.syntax)
-    return replace_managed_block(without, body, path=f"~/{sf.path}", insert_at=guard)
+    guard = find_guard(without, startup.syntax)
+    return replace_managed_block(without, body, path=f"~/{startup.path}", insert_at=guard)
 
 
 # PRRTE (OpenMPI 5's runtime) reads this file in mpirun and in the daemon it starts on every node,

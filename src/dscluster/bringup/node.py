@@ -176,7 +176,9 @@ def contact(node: NodeState, opts: SetupOptions) -> None:
     except OSError:
         node.ip = ""
     facts = _kv(run_sh(client, _GATHER, opts.command_timeout).stdout)
-    node.hostname, node.user, node.home = facts.get("hostname", ""), facts.get("user", ""), facts.get("home", "")
+    node.hostname = facts.get("hostname", "")
+    node.user = facts.get("user", "")
+    node.home = facts.get("home", "")
     node.login_shell = facts.get("shell", "")
     if not node.home.startswith("/"):
         raise RemoteError("command_failed", t.host, f"{t.name}: could not determine the home directory")
@@ -201,8 +203,8 @@ fi
             node.modes[rel] = _mode(sftp, node.path(rel))
         if opts.fix_path or opts.shell:
             for sh in ("bash", "zsh", "tcsh", "csh", "fish"):
-                sf = bf.startup_file(sh)
-                node.files[sf.path] = _read(sftp, node.path(sf.path))
+                startup = bf.startup_file(sh)
+                node.files[startup.path] = _read(sftp, node.path(startup.path))
     finally:
         sftp.close()
     pub = node.files.get(KEY + ".pub")
@@ -246,15 +248,15 @@ def plan_files(node: NodeState, keys: list[bf.PublicKey], hosts: list[bf.HostEnt
     want(bf.PRTE_PARAMS_FILE, bf.update_prte_params(node.files.get(bf.PRTE_PARAMS_FILE) or ""), 0o644,
          f"mpirun notices a vanished node within {liveness.KEEPALIVE_DETECT_S} s")
     if opts.fix_path:
-        sf = bf.startup_file(new_shell or node.login_shell)
-        if sf is None:
+        startup = bf.startup_file(new_shell or node.login_shell)
+        if startup is None:
             node.warnings.append(
                 f"login shell {node.login_shell} reads no startup file for 'ssh node cmd'; "
                 "re-run with --shell bash to change it, then --fix-path")
         else:
-            want(sf.path, bf.update_startup_file(node.files.get(sf.path) or "", opts.venv_bin, sf),
+            want(startup.path, bf.update_startup_file(node.files.get(startup.path) or "", opts.venv_bin, startup),
                  0o644,
-                 f"PATH block ({opts.venv_bin} first) for non-interactive {sf.shell}")
+                 f"PATH block ({opts.venv_bin} first) for non-interactive {startup.shell}")
     return out
 
 
@@ -300,7 +302,9 @@ def _chsh(client: paramiko.SSHClient, path: str, password: str | None, timeout: 
     chan.get_pty()
     chan.settimeout(timeout)
     chan.exec_command(f"chsh -s {shlex.quote(path)}")
-    buf, sent, deadline = b"", False, time.monotonic() + timeout
+    buf = b""
+    sent = False
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not chan.exit_status_ready():
         if chan.recv_ready():
             buf += chan.recv(4096)

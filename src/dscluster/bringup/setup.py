@@ -1,17 +1,12 @@
 """`dscluster setup`: passwordless SSH between every pair of nodes, pinned host keys, same toolchain.
 
-Phases, each a parallel fan-out so one dead node costs one timeout, not N:
-  1. contact  – connect with the password (host key checked against the project's known_hosts),
-                read what the node has (~/.ssh files and their modes, login shell), make sure the
-                node has its own ed25519 key (created there by ssh-keygen: the private key never
-                leaves the node and is 0600 from its first byte);
-  2. install  – every node's public key on every node, the host keys the head verified in every
-                node's known_hosts, the managed ~/.ssh/config block, modes, login shell, PATH;
-  3. verify   – which python/mpirun a non-interactive ssh command gets on each node;
-  4. mesh     – real `ssh -o BatchMode=yes nodeB true` run on every node A for every B.
-A node that fails a phase (unreachable, wrong password, changed host key) is left alone from
-then on and reported; the others go on. `--dry-run` runs phase 1 read-only and reports what
-phase 2 would change.
+Four phases, each a parallel fan-out so one dead node costs one timeout, not N: contact (password
+login, host key checked, the node's own ed25519 key made there so the private key never leaves it),
+install (every public key and verified host key on every node, the ~/.ssh/config block, modes,
+login shell, PATH), verify (the python/mpirun a non-interactive ssh gets) and mesh (a real
+`ssh -o BatchMode=yes nodeB true` from every A to every B). A node that fails a phase is left
+alone from then on and reported; the others go on. `--dry-run` runs contact read-only and reports
+what install would change.
 """
 
 from __future__ import annotations
@@ -38,6 +33,7 @@ from dscluster.bringup.node import (  # noqa: F401  (SetupOptions: the command's
     run_sh,
     verify_toolchain,
 )
+from dscluster.fsutil import atomic_write_text
 from dscluster.remote import Target
 
 
@@ -182,14 +178,12 @@ def _find(nodes: list[NodeState], t: Target) -> NodeState:
 
 def _install_local(home: Path, hosts: list[bf.HostEntry], known: list[tuple[list[str], str, str]]) -> None:
     """The head outside the cluster still needs `ssh nodeN` (and mpirun, with its keepalives) to work from here."""
-    from dscluster.fsutil import atomic_write_text
-
     ssh = home / ".ssh"
-    cfg, kh = ssh / "config", ssh / "known_hosts"
-    old_cfg = cfg.read_text() if cfg.exists() else ""
-    old_kh = kh.read_text() if kh.exists() else ""
-    atomic_write_text(cfg, bf.update_ssh_config(old_cfg, hosts, str(cfg)), mode=SECRET_MODE)
-    atomic_write_text(kh, bf.merge_known_hosts(old_kh, known), mode=KNOWN_HOSTS_MODE)
+    config_file, known_hosts_file = ssh / "config", ssh / "known_hosts"
+    old_config = config_file.read_text() if config_file.exists() else ""
+    old_known_hosts = known_hosts_file.read_text() if known_hosts_file.exists() else ""
+    atomic_write_text(config_file, bf.update_ssh_config(old_config, hosts, str(config_file)), mode=SECRET_MODE)
+    atomic_write_text(known_hosts_file, bf.merge_known_hosts(old_known_hosts, known), mode=KNOWN_HOSTS_MODE)
     prte = home / bf.PRTE_PARAMS_FILE
     old_prte = prte.read_text() if prte.exists() else ""
     atomic_write_text(prte, bf.update_prte_params(old_prte, str(prte)), mode=0o644)

@@ -1,14 +1,11 @@
 """`dscluster sync`: the head's checkout (and check's output, and optionally a data folder) to
 every node, at the same paths, for a lab without a shared filesystem.
 
-What is copied, per folder ("part"):
-- checkout: git's tracked files of the checkout dscluster runs from, compared by sha256;
-- state: what `dscluster check` wrote for the ranks (<state>/env/*.env, cluster.env, check.json),
-  which entry_cn.sh on every node sources, compared by sha256;
-- data (--data DIR): every file under DIR, compared by size and mtime (a dataset is large).
-Each node is scanned first (manifest.SCAN_CODE over the SSH session), so only what differs is
-copied: a second run copies nothing. rsync where the head and every node have it, else SFTP
-(transfer.py). Nothing is deleted. --dry-run scans and says what would be copied.
+Parts: the checkout (git's tracked files) and check's state (env files, check.json), compared by
+sha256; a data folder (--data DIR), compared by size and mtime since a dataset is large. Each node
+is scanned first (manifest.SCAN_CODE over the SSH session) so only what differs is copied and a
+second run copies nothing. rsync where the head and every node have it, else SFTP (transfer.py).
+Nothing is deleted. --dry-run scans and says what would be copied.
 """
 
 from __future__ import annotations
@@ -76,18 +73,19 @@ def plan_parts(data: str | None) -> list[Part]:
                          f"{root or 'an installed copy'}, which is not a git checkout: "
                          "install it on every node instead")
     parts = [Part("checkout", str(root), True, manifest.scan_here(manifest.request(str(root), files, hash=True)))]
-    st = state.state_dir().absolute()
-    names = ([f"env/{p.name}" for p in sorted((st / "env").glob("*.env"))]
-             + [n for n in STATE_FILES if (st / n).is_file()])
+    state_dir = state.state_dir().absolute()
+    names = ([f"env/{p.name}" for p in sorted((state_dir / "env").glob("*.env"))]
+             + [n for n in STATE_FILES if (state_dir / n).is_file()])
     if names:
-        parts.append(Part("state", str(st), True, manifest.scan_here(manifest.request(str(st), names, hash=True))))
+        scanned = manifest.scan_here(manifest.request(str(state_dir), names, hash=True))
+        parts.append(Part("state", str(state_dir), True, scanned))
     if data is not None:
-        d = os.path.abspath(data)
-        if not os.path.isdir(d):
+        data_dir = os.path.abspath(data)
+        if not os.path.isdir(data_dir):
             raise UsageError(f"--data {data}: no such folder on this machine (the head)")
-        if any(d == p.root or d.startswith(p.root + "/") for p in parts):
+        if any(data_dir == p.root or data_dir.startswith(p.root + "/") for p in parts):
             raise UsageError(f"--data {data}: it lies inside {parts[0].root}, which sync copies already")
-        parts.append(Part("data", d, False, manifest.scan_here(manifest.request(d, None, hash=False))))
+        parts.append(Part("data", data_dir, False, manifest.scan_here(manifest.request(data_dir, None, hash=False))))
     return parts
 
 
@@ -100,7 +98,7 @@ def run_sync(opts: SyncOptions, on_progress: Callable[[str, int, int, int, int],
              show_progress: bool = True) -> list[NodeSync]:
     """Scan every node, then copy what differs (unless dry-run). on_progress(node, files done,
     files, bytes done, bytes) after each file."""
-    hf = parse_hostfile(opts.hostfile)
+    hostfile = parse_hostfile(opts.hostfile)
     known_hosts = state.known_hosts_path()
     if not known_hosts.exists():
         raise UsageError(f"{known_hosts}: no pinned host keys; run `dscluster setup --hostfile {opts.hostfile}` first")
@@ -108,7 +106,7 @@ def run_sync(opts: SyncOptions, on_progress: Callable[[str, int, int, int, int],
     head_rsync = shutil.which("rsync") is not None
     python = paths.venv_bin() / "python"
     python = str(python if python.exists() else Path(sys.executable))
-    targets = [remote.Target(name=h.name, host=h.name, user=opts.user) for h in hf.hosts]
+    targets = [remote.Target(name=h.name, host=h.name, user=opts.user) for h in hostfile.hosts]
     results = {t.name: NodeSync(t.name) for t in targets}
     sessions: dict[str, object] = {}
     lock = threading.Lock()
