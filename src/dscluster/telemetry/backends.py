@@ -91,29 +91,29 @@ class NvmlBackend:
     name = "nvml"
 
     def __init__(self, pcie: bool = True):
-        import pynvml  # nvidia-ml-py
+        import pynvml  # lazy and optional (nvidia-ml-py): only the backend chosen is loaded
 
-        self._nv = pynvml
+        self._nvml = pynvml
         pynvml.nvmlInit()
         handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
         static = [self._static_info(i, h) for i, h in enumerate(handles)]
         mine = visible_indices(os.environ.get("CUDA_VISIBLE_DEVICES"), [s["uuid"] for s in static])
         self._handles = [handles[i] for i in mine]
         self._static = [static[i] for i in mine]
-        # nvmlDeviceGetPcieThroughput samples for ~20 ms per call; turning it off is the
-        # knob when the sampler's own cost matters more than PCIe numbers.
+        # nvmlDeviceGetPcieThroughput samples over a window on every call; turning it off is
+        # the knob when the sampler's own cost matters more than PCIe numbers.
         self._pcie = pcie
 
     def _try(self, fn, *args):
         try:
             return fn(*args)
-        except self._nv.NVMLError:
+        except self._nvml.NVMLError:
             return None
 
-    def _static_info(self, index: int, h) -> dict[str, Any]:
-        nv = self._nv
-        name = self._try(nv.nvmlDeviceGetName, h)
-        uuid = self._try(nv.nvmlDeviceGetUUID, h)
+    def _static_info(self, index: int, handle) -> dict[str, Any]:
+        nvml = self._nvml
+        name = self._try(nvml.nvmlDeviceGetName, handle)
+        uuid = self._try(nvml.nvmlDeviceGetUUID, handle)
         return {
             "index": index,
             "name": name.decode() if isinstance(name, bytes) else name,
@@ -121,40 +121,40 @@ class NvmlBackend:
         }
 
     def sample(self) -> list[dict[str, Any]]:
-        nv = self._nv
+        nvml = self._nvml
         out = []
-        for h, static in zip(self._handles, self._static, strict=True):
-            g = empty_gpu(static["index"])
-            g.update(static)
-            util = self._try(nv.nvmlDeviceGetUtilizationRates, h)
+        for handle, static in zip(self._handles, self._static, strict=True):
+            gpu = empty_gpu(static["index"])
+            gpu.update(static)
+            util = self._try(nvml.nvmlDeviceGetUtilizationRates, handle)
             if util is not None:
-                g["util_percent"] = float(util.gpu)
-            mem = self._try(nv.nvmlDeviceGetMemoryInfo, h)
+                gpu["util_percent"] = float(util.gpu)
+            mem = self._try(nvml.nvmlDeviceGetMemoryInfo, handle)
             if mem is not None:
-                g["mem_used_mb"] = round(mem.used / 2**20, 1)
-                g["mem_total_mb"] = round(mem.total / 2**20, 1)
-            g["temp_c"] = self._try(nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU)
-            power = self._try(nv.nvmlDeviceGetPowerUsage, h)  # milliwatts
-            g["power_w"] = None if power is None else round(power / 1000.0, 1)
-            g["sm_clock_mhz"] = self._try(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM)
-            mask = self._try(nv.nvmlDeviceGetCurrentClocksThrottleReasons, h)
-            g["throttle_reasons"] = decode_throttle_reasons(mask)
-            corrected = self._try(nv.nvmlDeviceGetTotalEccErrors, h,
-                                  nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_VOLATILE_ECC)
-            uncorrected = self._try(nv.nvmlDeviceGetTotalEccErrors, h,
-                                    nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC)
+                gpu["mem_used_mb"] = round(mem.used / 2**20, 1)
+                gpu["mem_total_mb"] = round(mem.total / 2**20, 1)
+            gpu["temp_c"] = self._try(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU)
+            power = self._try(nvml.nvmlDeviceGetPowerUsage, handle)  # milliwatts
+            gpu["power_w"] = None if power is None else round(power / 1000.0, 1)
+            gpu["sm_clock_mhz"] = self._try(nvml.nvmlDeviceGetClockInfo, handle, nvml.NVML_CLOCK_SM)
+            mask = self._try(nvml.nvmlDeviceGetCurrentClocksThrottleReasons, handle)
+            gpu["throttle_reasons"] = decode_throttle_reasons(mask)
+            corrected = self._try(nvml.nvmlDeviceGetTotalEccErrors, handle,
+                                  nvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, nvml.NVML_VOLATILE_ECC)
+            uncorrected = self._try(nvml.nvmlDeviceGetTotalEccErrors, handle,
+                                    nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC)
             if corrected is not None or uncorrected is not None:
-                g["ecc_errors"] = {"corrected": corrected, "uncorrected": uncorrected}
+                gpu["ecc_errors"] = {"corrected": corrected, "uncorrected": uncorrected}
             if self._pcie:
-                g["pcie_tx_kbps"] = self._try(nv.nvmlDeviceGetPcieThroughput, h, nv.NVML_PCIE_UTIL_TX_BYTES)
-                g["pcie_rx_kbps"] = self._try(nv.nvmlDeviceGetPcieThroughput, h, nv.NVML_PCIE_UTIL_RX_BYTES)
-            out.append(g)
+                gpu["pcie_tx_kbps"] = self._try(nvml.nvmlDeviceGetPcieThroughput, handle, nvml.NVML_PCIE_UTIL_TX_BYTES)
+                gpu["pcie_rx_kbps"] = self._try(nvml.nvmlDeviceGetPcieThroughput, handle, nvml.NVML_PCIE_UTIL_RX_BYTES)
+            out.append(gpu)
         return out
 
     def close(self) -> None:
         try:
-            self._nv.nvmlShutdown()
-        except self._nv.NVMLError:
+            self._nvml.nvmlShutdown()
+        except self._nvml.NVMLError:
             pass
 
 
@@ -164,7 +164,8 @@ class GputilBackend:
     name = "gputil"
 
     def __init__(self):
-        import GPUtil  # GPUtil 1.4.0 imports distutils: ModuleNotFoundError on Python 3.12+
+        # Lazy and optional: GPUtil 1.4.0 imports distutils, so it fails on Python 3.12+.
+        import GPUtil
 
         self._gputil = GPUtil
         # GPUtil swallows a missing or failing nvidia-smi and returns []: decide now, not mid-run.

@@ -1,18 +1,12 @@
 """What `dscluster top` shows: every node's GPUs, CPU, RAM and network, and a running job's ranks, now.
 
-Sources, in order: the telemetry a running job's nodes already write (runs/<id>/telemetry/<host>.jsonl,
-one sample a second) and its ranks' metrics (metrics/rank-R.jsonl); for a node with no fresh sample
-there (no job, or its sampler stopped), one sample taken over SSH (`python -m dscluster.telemetry.once`
-on the node, through the project's pinned host keys, dscluster.remote). Files are read from the end
-only, so a long run's files cost the same as a short one's.
-
-Without a shared filesystem a node writes its ranks' files into its own copy of runs/<id>/ until the
-job ends, so the SSH sample also reads that copy (`once --run-dir`): the job sampler's fresh sample
-there, and each rank's records cut to what `rank_views` reads (`RankRecords`). The head's files win
-where both have a rank.
-
-The snapshot is plain data (`Snapshot.to_dict()` is `top --once --json`, documented in
-docs/schemas.md); cli/top.py only renders it.
+Sources, in order: the telemetry a running job's nodes write (runs/<id>/telemetry/<host>.jsonl) and
+its ranks' metrics (metrics/rank-R.jsonl); for a node without a fresh sample there, one taken over
+SSH (`python -m dscluster.telemetry.once`, pinned host keys). Files are read from the end only, so
+a long run's cost the same as a short one's. Without a shared filesystem the SSH sample also reads
+the node's own copy of the run directory (`once --run-dir`, cut to `RankRecords`); the head's files
+win where both have a rank. The snapshot is plain data (`Snapshot.to_dict()` is `top --once
+--json`, docs/schemas.md); cli/top.py only renders it.
 """
 
 from __future__ import annotations
@@ -267,7 +261,9 @@ def rank_views(records: dict[int, RankRecords], now: float) -> list[RankNow]:
     """Every rank of the job: its last step, pace and network wait (metrics), or its exit (process)."""
     ranks: list[RankNow] = []
     for rank, rec in sorted(records.items()):
-        steps, last, proc = rec.steps, rec.last, rec.process or {}
+        steps = rec.steps
+        last = rec.last
+        proc = rec.process or {}
         comm = [s["comm_s"] / s["step_time"] for s in steps[-RECENT_STEPS:]
                 if isinstance(s.get("comm_s"), (int, float)) and s.get("step_time")]
         code = proc.get("exit_code")

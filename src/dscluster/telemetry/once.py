@@ -1,14 +1,11 @@
 """`python -m dscluster.telemetry.once [--iface IF] [--run-dir DIR]`: this node now, as one JSON line.
 
 What `dscluster top` runs over SSH on a node with no fresh sample in the head's files: the sampler's
-own record (telemetry/sampler.py: CPU, RAM, GPUs, the interface's byte counters) plus the CPU and
-network rates over a short window, so one call gives "now" without a previous sample.
-
-`--run-dir` (the job's run directory, the same path on every node) also reads this node's own copy of
-it, which is where a node without a shared filesystem writes until the job ends: the job sampler's
-fresh sample, if there is one, is sent instead of a new one (what the job's sampler saw, and no wait),
-and each rank's records there, cut to what top reads (telemetry/live.py RankRecords), at most
-MAX_RANKS of them, so the line stays small (about 1 KB a rank).
+record (telemetry/sampler.py) plus CPU and network rates over a short window, so one call gives
+"now". `--run-dir` also reads this node's own copy of the run directory (where a node without a
+shared filesystem writes until the job ends): the job sampler's fresh sample, if any, is sent
+instead of a new one, and each rank's records cut to what top reads (live.py RankRecords), at most
+MAX_RANKS of them, so the line stays small.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from dscluster.telemetry.backends import GpuBackend, select_backend
 class SamplerConfig:
     run_dir: Path
     period: float = 1.0
-    """Seconds between samples; 1 s keeps the sampler well under 1% of a core."""
+    """Seconds between samples: often enough for `top`, rare enough that the sampler costs little."""
     backend: str = "auto"
     """auto (NVML, else GPUtil, else none), nvml, gputil or none."""
     duration: float | None = None
@@ -43,7 +43,7 @@ class SamplerConfig:
     hostname: str | None = None
     """Override the file name's host (default: socket.gethostname(), like `hostname`)."""
     pcie: bool = True
-    """Query PCIe throughput (NVML samples it for ~20 ms per call)."""
+    """Query PCIe throughput (NVML samples it over a window on every call)."""
 
 
 def telemetry_path(run_dir: Path, hostname: str) -> Path:

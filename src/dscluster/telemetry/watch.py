@@ -67,7 +67,10 @@ def node_places(hostfile: Hostfile, check_json: Path | None = None) -> list[Node
 class Watcher:
     def __init__(self, places: list[NodePlace], run_dir: Path | None = None, *, ssh: bool = True,
                  python: str = sys.executable):
-        self.places, self.fixed_run_dir, self.ssh, self.python = places, run_dir, ssh, python
+        self.places = places
+        self.fixed_run_dir = run_dir
+        self.ssh = ssh
+        self.python = python
         self._sessions: dict[str, object] = {}
 
     def run_dir(self) -> Path | None:
