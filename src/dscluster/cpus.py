@@ -1,19 +1,12 @@
 """A rank's CPUs: the one rule for undoing a launcher's default binding.
 
-OpenMPI's mpirun binds each rank it starts: to one core when the job has at most two ranks, to a
-package or NUMA domain otherwise, unless it is given `--bind-to none`. The README's command
-(`mpirun -np 5 --hostfile hosts.txt ./entry_cn.sh`) does not say it, and every thread a rank
-starts inherits the binding: NCCL's socket threads, which copy every gradient byte between the
-GPU and the network on Ethernet, PyTorch's own threads, the loader workers. On one core they
-queue behind each other. Measured on a two-node GPU lab at 10 Gbit/s (ViT-B/16, fp16): 267 img/s
-bound against 816 freed, 849 against 3,224 with PowerSGD, and `check`'s all-reduce 0.38 GB/s
-against 1.19 GB/s.
-
-So every rank program of dscluster (`dscluster train`, the all-reduce benchmark) calls
-`free_launcher_binding()` before it starts threads of its own: in a rank that OpenMPI's mpirun
-started, each thread gets every CPU of the node that its cgroup allows. Other launchers bind only
-when asked (DeepSpeed's --bind_cores_to_rank, srun --cpu-bind, taskset by hand), so their binding
-is left alone. DSCLUSTER_KEEP_BINDING=1 keeps mpirun's too, for whoever bound ranks on purpose.
+OpenMPI's mpirun binds each rank to one core (at most two ranks) or a package/NUMA domain unless
+given `--bind-to none`, which the README's command does not say; every thread the rank starts
+inherits it (NCCL's socket threads, PyTorch's, the loader workers) and they queue on that core
+(measured in docs/gpu-lab.md). So every rank program of dscluster calls `free_launcher_binding()`
+before starting threads: in a rank mpirun started, each thread gets every CPU its cgroup allows.
+Other launchers bind only when asked, so their binding is left alone; DSCLUSTER_KEEP_BINDING=1
+keeps mpirun's too, for whoever bound ranks on purpose.
 """
 
 from __future__ import annotations
@@ -96,14 +89,13 @@ def threads_per_rank(ranks: int, cores: int | None = None) -> int:
 
 def share_cores(local_ranks: int, env=None) -> int | None:
     """On a CPU rank, PyTorch's thread count: the node's cores split over the ranks that share them
-    (oversubscribed OpenMP threads spin and crawl: a 2-core machine running 3 processes of 2 threads
-    each took 6 s for a digits step that takes 0.04 s alone). None where OMP_NUM_THREADS is set: the
+    (oversubscribed OpenMP threads spin and crawl, docs/simulated-lab.md). None where OMP_NUM_THREADS is set: the
     user's count stands. Training's ranks (train/loop.py) and plan's per-node probe (plan/nodeprobe.py)
     both call it, so the probe times a step with the threads training's rank will have."""
     env = os.environ if env is None else env
     if env.get(THREADS_ENV):
         return None
-    import torch
+    import torch  # lazy: the heavy stack; sim and check import this module and must start fast
 
     threads = threads_per_rank(local_ranks)
     torch.set_num_threads(threads)

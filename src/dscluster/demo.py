@@ -1,22 +1,19 @@
 """`make demo`: the whole journey, timed step by step.
 
-As root, on a simulated three-node lab (different interface names, a decoy docker0):
-    sim up -> dscluster setup -> dscluster check -> mpirun -np 3 --hostfile H entry_cn.sh
-    -> python analysis/plot.py RUN_DIR -> dscluster diagnose RUN_DIR -> sim down (always)
-On a host with NVIDIA GPUs, the GPU lab: `--gpus 1,1,2 --link 1gbit` gives the nodes their own
-GPUs and a shaped link, and mpirun starts one rank per GPU.
-Not root, on this machine's own slots:
-    dscluster check (if it can) -> mpirun -np 2 --oversubscribe entry_cn.sh -> plots
-
-Cluster commands run inside node1 as the lab's non-root user, from a working directory on
-the lab's shared disk (like a user's NFS home): that is where `dscluster check` leaves its
-state and where the run directory is written; mpirun starts every rank in that same
-directory, so the ranks find both without any exported variable. The run directory is
-copied into the repository's runs/ before the lab is torn down.
+As root, on a simulated three-node lab (a GPU lab with `--gpus 1,1,2 --link 1gbit`):
+    sim up -> dscluster setup -> dscluster check -> mpirun entry_cn.sh -> analysis/plot.py
+    -> dscluster diagnose -> sim down (always)
+Not root, on this machine's own slots: dscluster check (if it can) -> mpirun -np 2 -> plots.
+Cluster commands run inside node1 as the lab user, from a working directory on the lab's shared
+disk (like an NFS home): check's state and the run directory are there and mpirun starts every
+rank there, so the ranks find both without an exported variable. The run directory is copied
+into the repository's runs/ before the lab is torn down.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import shlex
 import shutil
@@ -26,9 +23,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rich.table import Table
+
 from dscluster import console, paths
+from dscluster.errors import UsageError
 from dscluster.launch.mpirun import App, mpirun_argv, mpirun_path
 from dscluster.rundir import layout
+from dscluster.sim import lab as sim
+from dscluster.sim.options import parse_gpus
 
 LAB = "dslab"
 NODES = 3
@@ -102,8 +104,6 @@ class Journey:
         self.done(self.start(name), "skipped", why)
 
     def summary(self) -> None:
-        from rich.table import Table
-
         table = Table(title=f"dscluster demo ({self.mode}) in {time.monotonic() - self.t0:.0f} s")
         for col in ("step", "result", "seconds", "note"):
             table.add_column(col, justify="right" if col == "seconds" else "left")
@@ -185,8 +185,6 @@ def lab_env(lab) -> dict[str, str]:
 
 
 def lab_demo(journey: Journey, opts: Options) -> int:
-    from dscluster.sim import lab as sim
-
     dscluster = paths.venv_bin() / "dscluster"
     run_dir_local: Path | None = None
     what = f"--gpus {','.join(map(str, opts.gpus))}" if opts.gpus else f"--nodes {NODES}"
@@ -277,8 +275,6 @@ def finish(journey: Journey, run_dir: Path | None, pictures: Path | None) -> int
         console.out.print(f"run directory: {run_dir}")
         summary = run_dir / layout.SUMMARY_FILE
         if summary.exists():
-            import json
-
             s = json.loads(summary.read_text())
             acc = s.get("accuracy")
             console.out.print(f"result: {s.get('status')}, world size {s.get('world_size')}, "
@@ -290,8 +286,6 @@ def finish(journey: Journey, run_dir: Path | None, pictures: Path | None) -> int
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m dscluster.demo", description=__doc__.split("\n")[0],
                                      epilog="example: make demo")
     parser.add_argument("--lab", default=LAB, help=f"simulated lab name (default {LAB})")
@@ -303,8 +297,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then arguments for dscluster train")
     args = parser.parse_args(argv)
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
-    from dscluster.errors import UsageError
-    from dscluster.sim.options import parse_gpus
 
     try:
         gpus = tuple(parse_gpus(args.gpus)) if args.gpus else ()

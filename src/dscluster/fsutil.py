@@ -101,7 +101,7 @@ class JsonlWriter:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "ab")
+        self._file = open(self.path, "ab")
         self._lock = threading.Lock()
         self._sealed = False
 
@@ -110,10 +110,10 @@ class JsonlWriter:
         with self._lock:
             if self._sealed:
                 return
-            end = self._f.tell()
+            end = self._file.tell()
             try:
-                self._f.write(data)
-                self._f.flush()
+                self._file.write(data)
+                self._file.flush()
             except OSError as e:
                 self._rollback(end)
                 raise storage_error(self.path, e, "record not written, earlier records kept") from None
@@ -122,19 +122,19 @@ class JsonlWriter:
     def _rollback(self, end: int) -> None:
         """Drop what Python buffered of the failed record and cut the file back to `end`."""
         try:
-            self._f.close()  # flushes the buffer again, fails again, and closes the file all the same
+            self._file.close()  # flushes the buffer again, fails again, and closes the file all the same
         except OSError:
             pass
         try:
             os.truncate(self.path, end)
         except OSError:
             pass
-        self._f = open(self.path, "ab")
+        self._file = open(self.path, "ab")
 
     def close(self) -> None:
-        if not self._f.closed:
+        if not self._file.closed:
             try:
-                self._f.close()
+                self._file.close()
             except OSError:
                 pass
 

@@ -1,17 +1,13 @@
 """The hostfile: passed to `mpirun --hostfile` and to DeepSpeed's launcher, so it is the
-syntax both accept.
+syntax both accept:
 
     # comment
     node1 slots=2
     node2 slots=2 max_slots=4
 
-OpenMPI would also take a bare `node3` (one slot) or `node3 max_slots=4 slots=2`, but
-DeepSpeed's launcher (`runner._parse_hostfile`) matches every line against
-`^(\\S+)\\s+slots=(\\d+)` and refuses the others as a bad entry. The stricter rule wins:
-`slots=N` comes right after the host name; OpenMPI's max_slots=M may follow it (DeepSpeed
-ignores the rest of the line).
-
-Every rejection names FILE:LINE, the reason and the fix; `parse_hostfile` raises UsageError (exit 2).
+DeepSpeed's launcher matches every line against `^(\\S+)\\s+slots=(\\d+)`, so the bare `node3` or
+`node3 max_slots=4 slots=2` that OpenMPI takes is refused here too. Every rejection names
+FILE:LINE, the reason and the fix; `parse_hostfile` raises UsageError (exit 2).
 """
 
 from __future__ import annotations

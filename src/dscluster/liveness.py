@@ -1,14 +1,10 @@
 """Noticing a node that vanished (power lost, cable pulled) and naming it.
 
 Three places need the same facts, so they live here:
-- OpenMPI 5's runtime (PRRTE) watches its remote daemons over TCP with keepalives, 300 s idle
-  then 9 probes 20 s apart by default. On the simulated lab, with keepalives off, mpirun waited
-  for a node whose cable was pulled until it came back (200 s; 6.5 minutes in a longer outage).
-  `PRTE_KEEPALIVE` makes it give up after 25 s of silence: measured, mpirun printed PRTE's "lost
-  communication with a remote daemon … on node X" 19-25 s after the cable was pulled, whether
-  the ranks' process-group timeout had expired before (12 s) or not (30, 40 s).
-  `dscluster setup` writes it into every node's ~/.prte/mca-params.conf (so a hand-typed mpirun
-  and its daemons use it) and `dscluster launch` exports it; `lost_daemon_host` reads the message.
+- OpenMPI 5's runtime (PRRTE) watches its remote daemons with TCP keepalives whose defaults let
+  mpirun wait for a lost node until it comes back; `PRTE_KEEPALIVE` makes it give up after a
+  short silence (docs/failure-behaviour.md). `dscluster setup` writes it into every node's
+  ~/.prte/mca-params.conf, `dscluster launch` exports it; `lost_daemon_host` reads PRTE's message.
 - A rank whose collective failed asks which peers still answer (`vanished_hosts`), so the run
   directory names the node that is gone, not only "a peer failed".
 """

@@ -1,17 +1,13 @@
 """What a checkout (or a data folder) holds, file by file: what `check` compares and `sync` copies.
 
-The checkout's files are git's tracked files as they are in the working tree of the head
-(`git ls-files`): a clone at the same path on every node, or a copy made by `dscluster sync`,
-holds the same bytes there. One scanner, `SCAN_CODE`, runs on the head and, through the SSH
-session, on every node (one Python start; the request on stdin, JSON on stdout), so both sides
-measure the same way:
-
+The checkout's files are git's tracked files as in the head's working tree (`git ls-files`). One
+scanner, `SCAN_CODE`, runs on the head and, through the SSH session, on every node (one Python
+start; the request on stdin, JSON on stdout), so both sides measure the same way:
     request  {"root": DIR, "files": [REL, ...] | null (walk DIR), "hash": bool, "markers": [PATH, ...]}
     answer   {"exists": bool, "commit": SHA | null, "files": {REL: [size, mtime, sha256 | null]},
               "markers": {PATH: bool}}
-
-A file absent from the answer is missing there. `markers` tell whether a file the head just
-made is visible on the node: the folder is then shared (NFS), not a copy.
+A file absent from the answer is missing there; a marker the head just made that the node sees
+means the folder is shared (NFS), not a copy.
 """
 
 from __future__ import annotations

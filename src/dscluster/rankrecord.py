@@ -1,17 +1,12 @@
 """What entry_cn.sh records for each rank of a user's own program: process/rank-R.json.
 
-A script that never calls dscluster.userlog still leaves, per rank, when it started and ended,
-its exit code, its host and its GPU, and the job's summary.json says how it ended:
-
     python -m dscluster.rankrecord start -- PROGRAM ARGS...   # before the program starts
     python -m dscluster.rankrecord end RC                      # after it exited with RC
 
-`end` rewrites the record atomically with the end time and exit code, and writes summary.json by
-the run directory's rule (docs/run-directory.md): rank 0 after exit 0 writes "complete" unless a
-summary is already there (its own userlog summary says more); a rank that exits non-zero writes
-"failed" with its rank and code unless a failure is already recorded (the first failure is the
-cause; the ranks the launcher then stopped are consequences). Exit codes above 128 are the signal
-that ended the program (143: SIGTERM), as the shell reports them.
+So a script that never calls dscluster.userlog still leaves each rank's start, end, exit code, host
+and GPU. `end` rewrites the record atomically and writes summary.json by the run directory's rule
+(docs/run-directory.md): the first failure is the cause, and rank 0's exit 0 writes "complete"
+unless a summary is already there. Exit codes above 128 name the signal, as the shell reports them.
 """
 
 from __future__ import annotations
@@ -29,6 +24,7 @@ from dscluster.gpus import visible_indices
 from dscluster.ranks import detect_ranks
 from dscluster.rundir import layout
 from dscluster.rundir.writer import summary_record, write_summary
+from dscluster.userlog import run_dir
 
 
 def record_path(run_dir: Path, rank: int) -> Path:
@@ -49,7 +45,7 @@ def rank_gpu(local_rank: int, env: dict[str, str]) -> dict[str, Any] | None:
     """The GPU this rank uses by the torchrun convention (the local-rank-th visible one), from NVML;
     None on a node without an NVIDIA driver."""
     try:
-        import pynvml
+        import pynvml  # optional (nvidia-ml-py): absent where there is no NVIDIA driver
 
         pynvml.nvmlInit()
     except Exception:
@@ -129,8 +125,6 @@ def _summary_complete(run_dir: Path, world_size: int, wall: float | None) -> Non
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    from dscluster.userlog import run_dir
-
     env = dict(os.environ)
     try:
         if argv[:2] == ["start", "--"]:

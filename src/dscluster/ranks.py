@@ -55,25 +55,25 @@ def _int(env, key: str) -> int | None:
 def detect_ranks(env=None) -> RankInfo:
     """Rank, local rank and world size from whichever launcher started us (single process otherwise)."""
     env = os.environ if env is None else env
-    for source, rk, lrk, wk, lwk in LAUNCHER_VARS:
-        rank = _int(env, rk)
+    for source, rank_var, local_rank_var, world_var, local_world_var in LAUNCHER_VARS:
+        rank = _int(env, rank_var)
         if rank is None:
             continue
-        world = _int(env, wk)
+        world = _int(env, world_var)
         if world is None:
             continue
-        local = _int(env, lrk)
+        local = _int(env, local_rank_var)
         local_world = None
-        if lwk == "SLURM_NTASKS_PER_NODE":
+        if local_world_var == "SLURM_NTASKS_PER_NODE":
             # Slurm writes e.g. "4" or "4(x2)"; the local count is the leading number.
-            raw = env.get(lwk, "")
+            raw = env.get(local_world_var, "")
             local_world = int(raw.split("(")[0]) if raw.split("(")[0].isdigit() else None
         else:
-            local_world = _int(env, lwk)
+            local_world = _int(env, local_world_var)
         if local is None:
             local = 0 if world == 1 else rank % (local_world or 1)
         if not 0 <= rank < world:
-            raise UsageError(f"environment: {rk}={rank} is outside 0..{world - 1} ({wk}={world})")
+            raise UsageError(f"environment: {rank_var}={rank} is outside 0..{world - 1} ({world_var}={world})")
         return RankInfo(rank, local, world, local_world or (1 if world == 1 else 0), source)
     return RankInfo(0, 0, 1, 1, "single")
 

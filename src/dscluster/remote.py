@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import paramiko
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from dscluster import thishost
+from dscluster import console, thishost
 from dscluster.errors import DsclusterError
 from dscluster.hostkeys import fingerprint, known_hosts_name, load_known_hosts, pin_host_key
 
@@ -138,8 +139,6 @@ class PinningPolicy(paramiko.MissingHostKeyPolicy):
 
 
 def _default_on_pin(target: Target, key: paramiko.PKey, ip: str | None, pinned: bool = True) -> None:
-    from dscluster import console
-
     where = f" ({ip})" if ip and ip != target.host else ""
     verb = "pinned new host key" if pinned else "would pin new host key"
     console.err.print(f"{verb} for {target.name}{where}: {key.get_name()} {fingerprint(key)}")
@@ -154,7 +153,9 @@ def classify(exc: BaseException, target: Target, timeout: float | None = None) -
     """Map a Paramiko/socket exception onto one RemoteError kind with a message saying what to do."""
     if isinstance(exc, RemoteError):
         return exc
-    name, host, port = target.name, target.host, target.port
+    name = target.name
+    host = target.host
+    port = target.port
     if isinstance(exc, paramiko.BadHostKeyException):
         return RemoteError(
             "host_key_changed",
@@ -349,7 +350,10 @@ class _FanOutBooks:
 
     def __init__(self, targets: list[Target], fn: Callable[[Target], Any], *, timeout: float, description: str,
                  max_workers: int) -> None:
-        self.targets, self.fn, self.timeout, self.description = targets, fn, timeout, description
+        self.targets = targets
+        self.fn = fn
+        self.timeout = timeout
+        self.description = description
         self.slots = threading.Semaphore(max(1, max_workers))
         self.lock = threading.Lock()
         self.started: dict[str, float] = {}
@@ -393,11 +397,7 @@ class _FanOutBooks:
 
 
 def _start_progress(description: str, total: int) -> tuple[Any, Any]:
-    """A transient progress bar on stderr (stdout stays clean for --json); rich is imported only when shown."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-    from dscluster import console
-
+    """A transient progress bar on stderr (stdout stays clean for --json)."""
     progress = Progress(
         SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
         TimeElapsedColumn(), TextColumn("[dim]{task.fields[pending]}"),

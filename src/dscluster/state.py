@@ -1,17 +1,12 @@
 """The project state directory and the environment files that `check` writes for launch.
 
-Why files and not a database: every rank's entry script (entry_cn.sh) must pick up its own
-node's settings with nothing but a POSIX shell, so the per-node environment is a file of
-`export KEY='value'` lines it can `source`, keyed by what `hostname` prints on that node.
-
-Layout (`<state>` = $DSCLUSTER_STATE, else ./.dscluster relative to the working directory; a rank
-that finds no ./.dscluster uses the checkout's, see `rank_state_dir`):
-    <state>/known_hosts            host keys pinned by `dscluster setup`
-    <state>/check.json             the last full `dscluster check` result
-    <state>/env/<hostname>.env     per-node environment, sourced by entry_cn.sh
-    <state>/cluster.env            the cluster-wide subset, same format
-    .deepspeed_env                 KEY=VALUE lines DeepSpeed's launcher exports to every rank
-                                   (cwd, or $DS_ENV_FILE); check merges its keys into yours
+Files, not a database: every rank's entry_cn.sh must pick up its own node's settings with nothing
+but a POSIX shell, so each node's environment is a file of `export KEY='value'` lines it can
+`source`, keyed by what `hostname` prints there. `<state>` is $DSCLUSTER_STATE, else ./.dscluster
+(a rank that finds none uses the checkout's, `rank_state_dir`); it holds known_hosts (pinned by
+setup), check.json (the last full check), env/<hostname>.env and cluster.env (the cluster-wide
+subset). check also merges its keys into .deepspeed_env (cwd, or $DS_ENV_FILE), which DeepSpeed's
+launcher exports to every rank (docs/file-layouts.md, docs/env-files.md).
 """
 
 from __future__ import annotations
