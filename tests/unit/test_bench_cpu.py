@@ -37,7 +37,9 @@ def test_bench_vit_cpu_runs_both_paths_and_writes_a_result(tmp_path):
     assert row["dscluster"]["status"] == "complete" and row["dscluster"]["images_per_s"] > 0
     assert row["baseline"]["status"] == "complete" and row["baseline"]["images_per_s"] > 0
     assert row["baseline"]["micro_batch"] == row["dscluster"]["micro_batch"]
-    assert row["ratio"] > 0
+    # the ratio a user reads in the table is dscluster's images/s over the baseline's, at 3 decimals
+    assert row["ratio"] == pytest.approx(row["dscluster"]["images_per_s"] / row["baseline"]["images_per_s"])
+    assert f"{row['ratio']:.3f}" in out.stdout
     # each path its own run directory / result (--repeat's alternation: unit/test_bench.py)
     work = tmp_path / "work"
     assert (work / "ds-g1" / "metrics").is_dir() and (work / "baseline-g1.json").is_file()
@@ -52,4 +54,7 @@ def test_bench_balanced_cpu_compares_uniform_and_balanced(tmp_path):
     (s,) = doc["scenarios"]
     assert s["uniform"]["micro_batches"] == [4, 4]
     assert sum(s["balanced"]["micro_batches"]) == 8  # same global batch, measured shares
-    assert s["speedup"] > 0 and s["target_loss"] is not None
+    # balanced batching's speed-up, as the table prints it: its images/s over uniform batching's
+    assert s["speedup"] == pytest.approx(s["balanced"]["images_per_s"] / s["uniform"]["images_per_s"])
+    assert f"{s['speedup']:.2f}x" in out.stdout
+    assert s["target_loss"] is not None

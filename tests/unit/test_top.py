@@ -165,9 +165,16 @@ def _read_until(fd, text: str, seconds: float) -> str:
 def test_the_live_view_refreshes_and_quits_on_q(tmp_path):
     import os
 
-    proc, fd = _live_top(tmp_path, time.time())
+    now = time.time()
+    proc, fd = _live_top(tmp_path, now)
     try:
         _read_until(fd, "straggler", 60)
+        # the job writes a step after the first frame: a later frame shows it, as a user watching sees it
+        step = {"kind": "step", "t": time.time(), "rank": 0, "host": "node1", "step": 97531, "step_time": 2.0,
+                "samples_per_s": 32.0, "compute_s": 0.16, "comm_s": 1.8, "data_s": 0.04}
+        with open(tmp_path / "runs" / "mpi-live" / "metrics" / "rank-0.jsonl", "a") as metrics:
+            metrics.write(json.dumps(step) + "\n")
+        _read_until(fd, "97531", 60)
         os.write(fd, b"q")
         assert proc.wait(timeout=scaled(20)) == 0
     finally:
