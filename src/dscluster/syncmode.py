@@ -5,8 +5,11 @@ Pure: no torch. train/localsgd.py runs them, plan prices them (plan/model.py) an
 - The label: one word for a run's communication setting, where plan keys its predictions and curves:
   comm.compression on the every-step path (none, fp16, bf16, powersgd), `MODE:H` (local_sgd:8,
   diloco:16) for a setting that averages every H steps.
-- The sync points: global step numbers, the same on every rank.
+- The sync points: global step numbers, the same on every rank; with a delay (streamed), where an
+  average starts and the step, `delay` later, where it is applied.
+- The nodes: ranks grouped by machine identity (train/dist.py `node_identity`), never by host name alone.
 - The weights: a rank's share of its node's samples, and of all.
+- The warm-up: how many first steps reduce every gradient across every rank.
 """
 
 from __future__ import annotations
@@ -43,26 +46,40 @@ def paste_args(text: str, current: str = "none") -> list[str]:
 
 
 def is_sync_point(step: int, *, period: int, step_in_epoch: int, steps_per_epoch: int, total: int,
-                  every_steps: int = 0) -> bool:
-    """Whether global `step` (1-based; `step_in_epoch` 0-based) ends with an average across ranks:
-    every `period` steps, at an epoch's last step, at a checkpoint.every_steps save and at the last step."""
-    return (step % period == 0 or step_in_epoch + 1 >= steps_per_epoch or step >= total
-            or bool(every_steps and step % every_steps == 0))
+                  every_steps: int = 0, delay: int = 0) -> bool:
+    """Whether global `step` (1-based; `step_in_epoch` 0-based) starts an average across ranks: every
+    `period` steps and at the last step; blocking (`delay` 0) also at an epoch's last step and at a
+    checkpoint.every_steps save. Streamed, those use the last completed average instead: a checkpoint
+    keeps each rank's own state (train/localsgd.py), so nothing there needs the ranks equal."""
+    if step % period == 0 or step >= total:
+        return True
+    if delay:
+        return False
+    return step_in_epoch + 1 >= steps_per_epoch or bool(every_steps and step % every_steps == 0)
 
 
-def node_groups(hosts: list[str]) -> list[list[int]]:
-    """Ranks grouped by host (hosts by rank), in the order the hosts first appear."""
+def warmup_steps(cfg) -> int:
+    """sync.warmup_steps as a number: unset, the learning rate's warm-up (optim.warmup_steps). Local
+    steps that started inside it ended less accurate (docs/ethernet-labs.md); post-local SGD (Lin et al.)
+    too takes its local steps only after the first phase of training."""
+    setting = cfg.sync.warmup_steps
+    return int(cfg.optim.warmup_steps) if setting is None else int(setting)
+
+
+def node_groups(nodes: list[str]) -> list[list[int]]:
+    """Ranks grouped by node (each rank's node identity), in the order the nodes first appear."""
     groups: dict[str, list[int]] = {}
-    for rank, host in enumerate(hosts):
-        groups.setdefault(host, []).append(rank)
+    for rank, node in enumerate(nodes):
+        groups.setdefault(node, []).append(rank)
     return list(groups.values())
 
 
-def weights(shares: list[int], hosts: list[str]) -> tuple[list[float], list[float]]:
+def weights(shares: list[int], nodes: list[str]) -> tuple[list[float], list[float]]:
     """(each rank's weight inside its node, each rank's weight in the whole job): its share of the
     samples of its node, and of all. Uniform batching: 1/ranks of the node, 1/world."""
     total = sum(shares)
     node_total: dict[str, int] = {}
-    for s, h in zip(shares, hosts, strict=True):
-        node_total[h] = node_total.get(h, 0) + s
-    return [s / node_total[h] for s, h in zip(shares, hosts, strict=True)], [s / total for s in shares]
+    for share, node in zip(shares, nodes, strict=True):
+        node_total[node] = node_total.get(node, 0) + share
+    inside = [share / node_total[node] for share, node in zip(shares, nodes, strict=True)]
+    return inside, [share / total for share in shares]

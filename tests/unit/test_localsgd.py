@@ -1,9 +1,12 @@
 """sync.mode local_sgd / diloco: when ranks average, with what weights, what DiLoCo's outer step does, the
-loss scales agreeing, the state a checkpoint keeps, and the config's refusals. The averager runs on a real
-gloo group of 4 processes on two "hosts" (train/localsgd.py)."""
+loss scales agreeing, the state a checkpoint keeps, the config's refusals; buffers, a non-finite rank, a
+parameter without a gradient on one rank, nodes told apart by machine, and the streamed average with a
+checkpoint taken while it is in flight. The averager runs on a real gloo group of 4 processes on two
+"nodes" (train/localsgd.py)."""
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import pytest
@@ -15,6 +18,7 @@ from dscluster import syncmode
 from dscluster.errors import UsageError
 from dscluster.train import localsgd
 from dscluster.train.config import load_config
+from dscluster.train.guards import TrainingAborted
 
 
 def test_sync_points_are_step_numbers_every_rank_shares():
@@ -54,6 +58,8 @@ def test_labels_key_plan_and_paste_back():
     (["sync.mode=local_sgd", "precision=fp16", "amp=false"], "set amp=true"),
     (["sync.mode=local_sgd", "sync.period=1"], "sync.period"),
     (["sync.mode=hourly"], "sync.mode"),
+    (["sync.mode=local_sgd", "sync.period=4", "sync.delay_steps=4"], "sync.delay_steps to at most 3"),
+    (["sync.mode=local_sgd", "sync.compression=int8"], "sync.compression"),
 ])
 def test_refused_settings_name_the_key_and_the_fix(overrides, words):
     with pytest.raises(UsageError) as e:
@@ -61,38 +67,75 @@ def test_refused_settings_name_the_key_and_the_fix(overrides, words):
     assert words in str(e.value) and "override" in str(e.value)
 
 
+def test_local_steps_start_after_the_learning_rate_warmup_by_default():
+    # local steps inside the LR warm-up ended less accurate (docs/ethernet-labs.md): auto is optim.warmup_steps
+    assert syncmode.warmup_steps(load_config(None, ["sync.mode=local_sgd", "optim.warmup_steps=30"])) == 30
+    assert syncmode.warmup_steps(load_config("configs/digits.yaml", ["sync.mode=diloco"])) == 30
+    assert syncmode.warmup_steps(load_config(None, ["sync.mode=local_sgd", "sync.warmup_steps=0"])) == 0
+
+
+def test_streamed_sync_points_leave_epoch_ends_and_saves_to_the_last_average():
+    at = [s for s in range(1, 51) if syncmode.is_sync_point(s, period=8, step_in_epoch=(s - 1) % 22,
+                                                               steps_per_epoch=22, total=50, every_steps=5, delay=2)]
+    assert at == [8, 16, 24, 32, 40, 48, 50]
+
+
 # --- the averager on a real process group --------------------------------------------------------------
 
-HOSTS = ["hostA", "hostA", "hostB", "hostB"]
+HOSTS = ["lab", "lab", "lab", "lab"]   # four ranks of one host name: two machines cloned from one image
+NODES = ["lab/m1/b1", "lab/m1/b1", "lab/m2/b2", "lab/m2/b2"]  # what dist.node_identity tells apart
 SHARES = [3, 1, 2, 2]
+MEAN = (1 * 3 + 2 * 1 + 3 * 2 + 4 * 2) / 8   # weights 1, 2, 3, 4 averaged by share
 
 
 class _Cfg:
-    def __init__(self, mode: str):
+    def __init__(self, mode: str, *, delay: int = 0, compression: str = "none"):
         self.sync = type("S", (), {"mode": mode, "period": 2, "warmup_steps": 1, "outer_lr": 0.5,
-                                   "outer_momentum": 0.5})()
+                                   "outer_momentum": 0.5, "delay_steps": delay, "compression": compression})()
         self.checkpoint = type("C", (), {"every_steps": 0})()
 
 
-def _worker(rank: int, world: int, port: int, modes: tuple[str, ...], tmp: str, out) -> None:
-    """Each mode in turn on one process group (four spawned interpreters are seconds of start-up)."""
+def _averager(model, rank: int, mode: str = "local_sgd", **kwargs) -> localsgd.ModelAverager:
+    optimizer = kwargs.pop("optimizer", None)
+    scaler = kwargs.pop("scaler", None)
+    return localsgd.ModelAverager(model, _Cfg(mode, **kwargs), rank, NODES, SHARES, hosts=HOSTS, steps_per_epoch=100,
+                                  total=100, scaler=scaler, optimizer=optimizer)
+
+
+def _linear(value: float) -> torch.nn.Linear:
+    model = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(value)
+    return model
+
+
+SCENARIOS = ("local_sgd", "diloco", "guards", "streamed", "own_state")
+
+
+def _worker(rank: int, world: int, port: int, tmp: str, out) -> None:
+    """Every scenario in turn on one process group (four spawned interpreters are seconds of start-up). A short
+    timeout: a collective that the ranks call with different tensors fails instead of hanging the suite."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    tdist.init_process_group("gloo", rank=rank, world_size=world)
+    tdist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
     try:
-        out.put((rank, {mode: _one_mode(rank, mode, os.path.join(tmp, mode)) for mode in modes}))
+        seen = {}
+        for name in SCENARIOS:
+            where = os.path.join(tmp, name)
+            if name in ("local_sgd", "diloco"):
+                seen[name] = _one_mode(rank, name, where)
+            else:
+                seen[name] = {"guards": _guards, "streamed": _streamed, "own_state": _own_state}[name](rank, where)
+        out.put((rank, seen))
     finally:
         tdist.destroy_process_group()
 
 
 def _one_mode(rank: int, mode: str, tmp: str) -> dict:
-    model = torch.nn.Linear(2, 1, bias=False)
-    with torch.no_grad():
-        model.weight.fill_(1.0)
+    model = _linear(1.0)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** (10 - rank))  # rank 3 overflowed most
     scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
     scaler._growth_tracker.fill_(10 + rank)
-    avg = localsgd.ModelAverager(model, _Cfg(mode), rank, HOSTS, SHARES, steps_per_epoch=100, total=100,
-                                 scaler=scaler)
+    avg = _averager(model, rank, mode, scaler=scaler)
     seen = {}
     # step 1, the warm-up: gradients averaged over all four ranks by their shares
     model.weight.grad = torch.full((1, 2), float(rank))
@@ -106,21 +149,101 @@ def _one_mode(rank: int, mode: str, tmp: str) -> dict:
         model.weight.fill_(1.0 + rank)  # where this rank's steps took it
     seen["averaged_at_2"] = avg.after_step(2, step_in_epoch=1)
     seen["weight"] = model.weight[0, 0].item()
-    seen["scale"], seen["growth"] = scaler._scale.item(), scaler._growth_tracker.item()
+    seen["scale"] = scaler._scale.item()
+    seen["growth"] = scaler._growth_tracker.item()
     seen["averaged_at_3"] = avg.after_step(3, step_in_epoch=2)
     avg.save(tmp, rank, 4)
-    fresh = localsgd.ModelAverager(model, _Cfg(mode), rank, HOSTS, SHARES, steps_per_epoch=100, total=100)
+    fresh = _averager(model, rank, mode)
     seen["restore"] = fresh.restore(tmp, rank, 4, "cpu", lambda why: [why] * 4)
     seen["momentum_back"] = None if fresh.momentum is None else fresh.momentum.tolist()
     seen["momentum"] = None if avg.momentum is None else avg.momentum.tolist()
     return seen
 
 
+def _guards(rank: int, tmp: str) -> dict:
+    """A parameter without a gradient on one rank, BatchNorm's statistics, then a rank gone non-finite."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(1.0)
+    avg = _averager(model, rank)
+    seen = {}
+    for p in model.parameters():
+        p.grad = torch.full_like(p, rank + 1.0)
+    if rank == 1:
+        model[0].bias.grad = None  # unused in this rank's forward
+    avg.reduce_gradients(2)
+    seen["bias_grad"] = model[0].bias.grad[0].item()
+    model[1].running_mean.fill_(float(rank))
+    avg.after_step(2, step_in_epoch=1)
+    seen["running_mean"] = model[1].running_mean[0].item()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(2.0 + rank)
+        if rank == 3:
+            model[0].weight[0, 0] = float("nan")
+    try:
+        avg.after_step(4, step_in_epoch=3)
+        seen["stopped"] = None
+    except TrainingAborted as e:
+        seen["stopped"] = (str(e), e.failed_ranks, e.failed_hosts)
+    seen["weight_after_stop"] = model[0].weight[0, 1].item()
+    return seen
+
+
+def _streamed(rank: int, tmp: str) -> dict:
+    """τ = 1: started at step 2, applied at step 3 with each rank's own progress kept; a checkpoint taken while
+    it is in flight resumes into the same result. And the change in bf16 on the wire."""
+    model = _linear(1.0)
+    avg = _averager(model, rank, delay=1)
+    model.weight.grad = torch.zeros(1, 2)
+    avg.reduce_gradients(2)  # the period's start: 1.0 everywhere
+    with torch.no_grad():
+        model.weight.fill_(1.0 + rank)
+    seen = {"started_at_2": avg.after_step(2, step_in_epoch=1), "weight_at_2": model.weight[0, 0].item()}
+    avg.save(tmp, rank, 4)
+    again = _linear(1.0)  # what DeepSpeed loads on every rank: rank 0's weights
+    resumed = _averager(again, rank, delay=1)
+    seen["restore"] = resumed.restore(tmp, rank, 4, "cpu", lambda why: [why] * 4)
+    with torch.no_grad():
+        for m in (model, again):
+            m.weight.add_(10.0)  # step 3's own progress
+    seen["applied_at_3"] = avg.after_step(3, step_in_epoch=2)
+    resumed.after_step(3, step_in_epoch=2)
+    seen["weight"] = model.weight[0, 0].item()
+    seen["resumed_weight"] = again.weight[0, 0].item()
+    half = _linear(1.0)
+    wire = _averager(half, rank, compression="bf16")
+    half.weight.grad = torch.zeros(1, 2)
+    wire.reduce_gradients(2)
+    with torch.no_grad():
+        half.weight.fill_(1.0 + rank / 64)
+    wire.after_step(2, step_in_epoch=1)
+    seen["bf16_weight"] = half.weight[0, 0].item()
+    return seen
+
+
+def _own_state(rank: int, tmp: str) -> dict:
+    """Each rank's AdamW moments come back as its own, not the ones DeepSpeed's rank-0 file holds."""
+    model = _linear(1.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model.weight.grad = torch.full((1, 2), rank + 1.0)
+    opt.step()
+    _averager(model, rank, optimizer=opt).save(tmp, rank, 4)
+    again = _linear(1.0)
+    fresh_opt = torch.optim.AdamW(again.parameters(), lr=0.1)
+    fresh = _averager(again, rank, optimizer=fresh_opt)
+    fresh.restore(tmp, rank, 4, "cpu", lambda why: [why] * 4)
+    state = fresh_opt.state_dict()["state"]
+    return {"saved": opt.state_dict()["state"][0]["exp_avg"].tolist(),
+            "back": state[0]["exp_avg"].tolist() if state else None}
+
+
 @pytest.fixture(scope="module")
 def averaged(tmp_path_factory) -> dict[str, dict[int, dict]]:
-    """{mode: {rank: what it saw}} for local_sgd and diloco, from one run of four ranks."""
-    got = spawn_ranks(_worker, 4, ("local_sgd", "diloco"), str(tmp_path_factory.mktemp("avg")), timeout=120)
-    return {mode: {r: got[r][mode] for r in got} for mode in ("local_sgd", "diloco")}
+    """{scenario: {rank: what it saw}}, from one run of four ranks."""
+    got = spawn_ranks(_worker, 4, str(tmp_path_factory.mktemp("avg")), timeout=120)
+    return {name: {r: got[r][name] for r in got} for name in SCENARIOS}
 
 
 def test_local_sgd_hierarchy_average_scale_agreement_and_state(averaged):
@@ -129,11 +252,10 @@ def test_local_sgd_hierarchy_average_scale_agreement_and_state(averaged):
         s = got[r]
         # warm-up: the global batch mean, every rank's gradient weighted by its share (3,1,2,2 of 8)
         assert s["warmup_grad"] == pytest.approx((0 * 3 + 1 * 1 + 2 * 2 + 3 * 2) / 8)
-        # after it, inside the node only: hostA's ranks 0,1 (shares 3:1), hostB's ranks 2,3 (2:2)
+        # after it, inside the node only: one host name, but machine m1's ranks 0,1 (shares 3:1), m2's 2,3 (2:2)
         assert s["node_grad"] == pytest.approx(0.25 if r < 2 else 2.5)
-        # the models' average by share: weights 1,2,3,4
         assert s["averaged_at_2"] and not s["averaged_at_3"]
-        assert s["weight"] == pytest.approx((1 * 3 + 2 * 1 + 3 * 2 + 4 * 2) / 8)
+        assert s["weight"] == pytest.approx(MEAN)
         # fp16: every rank goes on at the smallest scale and growth count any rank had
         assert (s["scale"], s["growth"]) == (2.0 ** 7, 10)
         assert s["restore"].startswith("sync state restored (local_sgd")
@@ -141,11 +263,42 @@ def test_local_sgd_hierarchy_average_scale_agreement_and_state(averaged):
 
 def test_diloco_outer_nesterov_step_and_its_momentum_survive_a_checkpoint(averaged):
     got = averaged["diloco"]
-    start, mean = 1.0, (1 * 3 + 2 * 1 + 3 * 2 + 4 * 2) / 8
-    delta = start - mean            # the outer gradient
+    start = 1.0
+    delta = start - MEAN            # the outer gradient
     momentum = delta                # the first step: m = 0.5·0 + Δ
     expected = start - 0.5 * (delta + 0.5 * momentum)  # Nesterov, outer_lr 0.5, momentum 0.5
     for r in range(4):
         assert got[r]["weight"] == pytest.approx(expected)
         assert got[r]["momentum"] == pytest.approx([momentum, momentum])
         assert got[r]["momentum_back"] == pytest.approx([momentum, momentum])
+
+
+def test_no_gradient_on_one_rank_buffers_averaged_and_a_non_finite_rank_stops_all(averaged):
+    got = averaged["guards"]
+    for r in range(4):
+        s = got[r]
+        # rank 1 had no gradient for the bias: zero in its node's mean (m1: 1·3/4), no hang; m2: (3+4)/2
+        assert s["bias_grad"] == pytest.approx(0.75 if r < 2 else 3.5)
+        assert s["running_mean"] == pytest.approx((0 * 3 + 1 * 1 + 2 * 2 + 3 * 2) / 8)  # weighted as the weights
+        message, ranks, hosts = s["stopped"]
+        assert ranks == [3] and hosts == ["lab"] and "rank 3 on lab" in message and "nothing was averaged" in message
+        assert s["weight_after_stop"] == 2.0 + r  # nothing applied, on any rank
+
+
+def test_streamed_average_applies_later_keeps_own_progress_and_resumes_in_flight(averaged):
+    got = averaged["streamed"]
+    for r in range(4):
+        s = got[r]
+        assert s["started_at_2"] and s["weight_at_2"] == 1.0 + r  # started, not applied: training goes on
+        assert s["applied_at_3"]
+        assert s["weight"] == pytest.approx(MEAN + 10.0)  # the average of step 2, plus step 3's own progress
+        assert s["resumed_weight"] == s["weight"]  # the checkpoint held the average in flight: sent again
+        assert s["restore"].startswith("sync state restored (local_sgd")
+        assert s["bf16_weight"] == pytest.approx(1.0 + (0 * 3 + 1 * 1 + 2 * 2 + 3 * 2) / 8 / 64, rel=1e-3)
+
+
+def test_each_rank_resumes_its_own_optimizer_moments(averaged):
+    got = averaged["own_state"]
+    assert got[0]["saved"] != got[1]["saved"]
+    for r in range(4):
+        assert got[r]["back"] == got[r]["saved"]

@@ -8,6 +8,7 @@ a 5-node lab comes up in about as long as a 1-node one; and `teardown`, its reve
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import os
 import re
@@ -119,6 +120,9 @@ def write_node_files(state: LabState, node: SimNode, pw_hash: str) -> list[subpr
         "shadow": (render_shadow(Path("/etc/shadow").read_text(), state.user, pw_hash, days), 0o640),
         "hosts": (render_hosts(state), 0o644),
         "hostname": (node.hostname + "\n", 0o644),
+        # Each machine its own id, as installed machines have: with one kernel (one boot id) for every node,
+        # it is what tells two nodes apart when a fault gives them one hostname (train/dist.py node_identity).
+        "machine-id": (hashlib.sha256(str(node_dir).encode()).hexdigest()[:32] + "\n", 0o444),
         # No DNS server is reachable from the lab; without this every name not in /etc/hosts
         # (and getent's AAAA-first lookups) waits out resolver timeouts. Port 53 on the node's
         # own lo is closed, so lookups fail at once, as with a DNS server that answers NXDOMAIN.

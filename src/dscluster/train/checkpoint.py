@@ -326,8 +326,12 @@ class Checkpointer:
 
     def save(self, pos: Position) -> None:
         """Collective: save now; a failure warns, or stops the run at MAX_FAILED_SAVES (`after_save`)."""
-        info, comm = self.info, self.comm
+        info = self.info
+        comm = self.comm
         rank_state = None if comm is None else (lambda tag_dir: comm.save(tag_dir, info.rank, info.world_size))
+        before_save = getattr(comm, "before_save", None)
+        if before_save is not None:
+            before_save()  # local SGD: a non-finite rank stops the run before any checkpoint holds it
         t0 = time.monotonic()
         ok, msg = save(self.engine, self.dir, pos, rank=info.rank, fail_save=self.faults.fails_save(pos.global_step),
                        extra=self.boundary.state_dict(), rank_state=rank_state,

@@ -192,8 +192,18 @@ class SyncConfig:
     period: int = field(default=8, metadata=limits(ge=2, le=10000))
     """local_sgd, diloco: optimizer steps between two averages across nodes (H). Also averaged at every
     epoch's end (evaluation and checkpoints see the average) and at checkpoint.every_steps saves."""
-    warmup_steps: int = field(default=0, metadata=limits(ge=0))
-    """local_sgd, diloco: optimizer steps whose gradients are all-reduced across every rank first."""
+    warmup_steps: int | None = field(default=None, metadata=limits(ge=0))
+    """local_sgd, diloco: optimizer steps whose gradients are all-reduced across every rank first. null (the
+    default): optim.warmup_steps, the learning rate's warm-up (syncmode.warmup_steps; docs/ethernet-labs.md
+    has the evidence)."""
+    delay_steps: int = field(default=0, metadata=limits(ge=0))
+    """local_sgd, diloco: τ, steps the average across nodes streams behind (Streaming DiLoCo): started at a
+    sync point, it crosses the network while the next τ steps compute, and is applied after them. 0: the
+    average blocks its step, and every epoch's end and checkpoint.every_steps save is a sync point too.
+    Below sync.period."""
+    compression: str = field(default="none", metadata={"choices": ("none", "fp16", "bf16")})
+    """local_sgd, diloco: the period's change on the wire in 16 bits (half the bytes of fp32). The change
+    of a period is small and tolerates it; the weights themselves stay fp32."""
     outer_lr: float = field(default=1.0, metadata=limits(gt=0, le=2))
     """diloco: outer learning rate on the averaged change of a period (1 with outer_momentum 0 is local_sgd)."""
     outer_momentum: float = field(default=0.3, metadata=limits(ge=0, lt=1))

@@ -322,12 +322,18 @@ def compression_conflict(cfg, precision: str | None) -> None:
 def sync_conflict(cfg, precision: str | None) -> None:
     """Where sync.mode local_sgd / diloco cannot apply: ConfigValueError naming the key, why and the fix.
     The one rule, checked like compression_conflict: by load_config, and by train once precision is decided."""
-    E, mode, key = ConfigValueError, cfg.sync.mode, "sync.mode"
+    E = ConfigValueError
+    mode = cfg.sync.mode
+    key = "sync.mode"
     if mode == "every_step":
         return
     if cfg.zero_stage != 0:
         raise E(key, f"{key}={mode} needs zero_stage=0: it averages whole models, which ZeRO {cfg.zero_stage} "
                      f"partitions across ranks; set zero_stage=0 or {key}=every_step", also=("zero_stage",))
+    if cfg.sync.delay_steps >= cfg.sync.period:
+        raise E("sync.delay_steps", f"sync.delay_steps={cfg.sync.delay_steps} must be below sync.period="
+                f"{cfg.sync.period}: an average is applied before the next one starts; set sync.delay_steps "
+                f"to at most {cfg.sync.period - 1} (or raise sync.period)", also=("sync.period",))
     if cfg.comm.compression != "none":
         raise E(key, f"{key}={mode} sends no gradients between nodes after its warm-up, so "
                      f"comm.compression={cfg.comm.compression} has nothing to act on; set comm.compression=none",

@@ -284,6 +284,25 @@ def hostname() -> str:
     return socket.gethostname()
 
 
+MACHINE_ID_FILES = ("/etc/machine-id", "/var/lib/dbus/machine-id")
+BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
+
+
+def node_identity() -> str:
+    """This rank's machine, as local SGD groups ranks into nodes: host name, machine id and boot id.
+    Machines cloned from one image can share a host name, and often /etc/machine-id, but never a
+    running kernel's boot id; the simulated lab's nodes share one kernel but each has its own machine id."""
+    machine = next((line for path in MACHINE_ID_FILES if (line := _first_line(path))), "")
+    return f"{hostname()}/{machine}/{_first_line(BOOT_ID_FILE)}"
+
+
+def _first_line(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8").strip().splitlines()[0]
+    except (OSError, IndexError, UnicodeDecodeError):
+        return ""
+
+
 def barrier() -> None:
     import torch.distributed as dist
 

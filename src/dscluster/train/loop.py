@@ -151,6 +151,8 @@ class Rank:
     device: torch.device
     precision: str
     hosts: list[str]  # by rank
+    nodes: list[str]
+    """Each rank's machine (dist.node_identity), by rank: what local SGD groups into nodes."""
 
     @property
     def primary(self) -> bool:
@@ -164,6 +166,7 @@ def join(cfg: TrainConfig, info, device, decision: PrecisionDecision, calibrate:
     dist.init_process_group(info, backend, cfg.dist.timeout_s, device)
     hosts = dist.all_gather_strings(record.hosts[0])
     record.hosts = sorted(set(hosts))
+    nodes = dist.all_gather_strings(dist.node_identity())
     if device.type == "cuda":
         gpu = str(torch.cuda.get_device_properties(device).uuid)  # unique per card, across hosts too
         for ranks in dist.shared_gpus(dist.all_gather_strings(gpu)):
@@ -185,7 +188,7 @@ def join(cfg: TrainConfig, info, device, decision: PrecisionDecision, calibrate:
             f"ranks chose different precisions ({chose}); run `dscluster check` so every node gets the "
             "cluster-wide DSCLUSTER_PRECISION, or set precision=", failed_ranks=odd,
             failed_hosts=[hosts[r] for r in odd])
-    return Rank(info, device, precision, hosts)
+    return Rank(info, device, precision, hosts, nodes)
 
 
 def record_crash(e: BaseException, log: RunLog, record: RunRecord, rdir: Path, device: torch.device | None, *,
@@ -257,11 +260,7 @@ class Trainer:
         self.boundary = StepBoundary(self.b.engine, cfg, rank.precision)
         self.spe, self.total = self.b.sampler.steps_per_epoch, self.b.total_steps
         if localsgd.local(cfg) and rank.info.world_size > 1:
-            from dscluster.train.setup_engine import bare_module
-
-            self.b.comm = localsgd.ModelAverager(bare_module(self.b.engine), cfg, rank.info.rank, rank.hosts,
-                                                 self.b.shares, steps_per_epoch=self.spe, total=self.total,
-                                                 split=self.b.split, scaler=self.boundary.scaler)
+            self.b.comm = localsgd.averager(cfg, rank, self.b, self.boundary)
         self.ckpt.attach(self.b, self.boundary)
         record.global_batch = sum(self.b.shares) * self.b.plan.grad_accum
         self.tta = evaluation.TimeToAccuracy(None if calibrate else cfg.target_accuracy, started, record.global_batch)
