@@ -102,7 +102,8 @@ class ModelAverager:
         self.node_ranks: list[int] = []
         self.node_group = None
         for ranks in node_groups(nodes):  # every rank creates every group (torch's rule), keeps its own
-            group = tdist.new_group(ranks) if self.world > 1 else None
+            # a one-rank node reduces nothing: no group (each costs every rank a rendezvous)
+            group = tdist.new_group(ranks) if self.world > 1 and len(ranks) > 1 else None
             if rank in ranks:
                 self.node_ranks = ranks
                 self.node_group = group
