@@ -93,6 +93,7 @@ class _Cfg:
         self.sync = type("S", (), {"mode": mode, "period": 2, "warmup_steps": 1, "outer_lr": 0.5,
                                    "outer_momentum": 0.5, "delay_steps": delay, "compression": compression})()
         self.checkpoint = type("C", (), {"every_steps": 0})()
+        self.ddp_bucket_mb = 1
 
 
 SEPARATE = ["a", "b", "c", "d"]   # one rank a node: where a scenario needs no node of two (nor its groups)
@@ -113,7 +114,7 @@ def _linear(value: float) -> torch.nn.Linear:
     return model
 
 
-SCENARIOS = ("local_sgd", "diloco", "guards", "streamed", "own_state")
+SCENARIOS = ("local_sgd", "diloco", "guards", "streamed", "own_state", "overlapped")
 
 
 def _worker(rank: int, world: int, port: int, tmp: str, out) -> None:
@@ -128,7 +129,8 @@ def _worker(rank: int, world: int, port: int, tmp: str, out) -> None:
             if name in ("local_sgd", "diloco"):
                 seen[name] = _one_mode(rank, name, where)
             else:
-                seen[name] = {"guards": _guards, "streamed": _streamed, "own_state": _own_state}[name](rank, where)
+                seen[name] = {"guards": _guards, "streamed": _streamed, "own_state": _own_state,
+                              "overlapped": _overlapped}[name](rank, where)
         out.put((rank, seen))
     finally:
         tdist.destroy_process_group()
@@ -254,6 +256,25 @@ def _own_state(rank: int, tmp: str) -> dict:
             "back": fresh.state[0]["exp_avg"].tolist() if fresh.state else None}
 
 
+def _overlapped(rank: int, tmp: str) -> dict:
+    """The in-node reduction starts while backward runs (one bucket a parameter here), and rank 1, whose
+    forward leaves the first layer's bias out, still ends with its node's gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    avg = _averager(model, rank)
+    avg.buckets = [[i] for i in reversed(range(len(avg.params)))]  # 1 MB holds them all: a bucket each instead
+    avg.bucket_of = {i: b for b, bucket in enumerate(avg.buckets) for i in bucket}
+    x = torch.full((1, 2), rank + 1.0)
+    avg.arm(2)
+    first = model[0]
+    hidden = torch.nn.functional.linear(x, first.weight) if rank == 1 else first(x)
+    model[1](hidden).sum().backward()
+    seen = {"sent_in_backward": len(avg.sent), "buckets": len(avg.buckets)}
+    avg.reduce_gradients(2)
+    seen["grads"] = [p.grad.flatten().tolist() for p in model.parameters()]
+    return seen
+
+
 @pytest.fixture(scope="module")
 def averaged(tmp_path_factory) -> dict[str, dict[int, dict]]:
     """{scenario: {rank: what it saw}}, from one run of four ranks."""
@@ -317,3 +338,12 @@ def test_each_rank_resumes_its_own_optimizer_moments(averaged):
     assert got[0]["saved"] != got[1]["saved"]
     for r in range(4):
         assert got[r]["back"] == got[r]["saved"]
+
+
+def test_a_nodes_gradients_go_out_while_backward_runs_and_meet_every_rank_of_it(averaged):
+    got = averaged["overlapped"]
+    # 4 buckets: rank 1 sends the last layer's two while backward runs, and the rest after (no gradient for
+    # the first layer's bias, whose bucket comes before the first layer's weight's); every other rank all four
+    assert [got[r]["sent_in_backward"] for r in range(4)] == [4, 2, 4, 4]
+    assert got[0]["grads"] == got[1]["grads"] and got[2]["grads"] == got[3]["grads"]
+    assert got[0]["grads"] != got[2]["grads"]

@@ -25,6 +25,7 @@ rank 0's optimizer state only (a node's local rank 0's without a shared filesyst
 
 from __future__ import annotations
 
+import functools
 import io
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,6 +111,15 @@ class ModelAverager:
         inside, whole = weights(shares, nodes)
         self.node_weight = inside[rank]
         self.world_weight = whole[rank]
+        # the node's gradient buckets: parameters in reverse order (roughly backward's), at most ddp_bucket_mb
+        self.buckets = _buckets(self.params, int(cfg.ddp_bucket_mb) * 2**20)
+        self.bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
+        self.waiting: list[int] = []
+        self.sent: list[tuple] = []
+        self.armed = False
+        if self.node_group is not None:
+            for i, p in enumerate(self.params):
+                p.register_post_accumulate_grad_hook(functools.partial(self._ready, i))
         self.start: torch.Tensor | None = None   # the parameters the period started from, equal on every rank
         self.momentum: torch.Tensor | None = None
         self.in_flight: InFlight | None = None
@@ -117,43 +127,69 @@ class ModelAverager:
 
     # --- per step ---------------------------------------------------------------------------------
 
+    def arm(self, step: int) -> None:
+        """Before the boundary micro-step's backward: past the warm-up, a node of several ranks sends its
+        gradients bucket by bucket as backward makes them (`_ready`), as DDP's buckets do."""
+        self.armed = step > self.warmup and self.node_group is not None
+        self.sent = []
+        self.waiting = [len(bucket) for bucket in self.buckets]
+
+    def _ready(self, index: int, _param) -> None:
+        """A parameter's gradient is complete: send every bucket, in order, whose gradients all are. The
+        same order on every rank: a bucket waits for the ones before it."""
+        if not self.armed:
+            return
+        self.waiting[self.bucket_of[index]] -= 1
+        while len(self.sent) < len(self.buckets) and self.waiting[len(self.sent)] == 0:
+            self._send_bucket(self.buckets[len(self.sent)], self.node_group, self.node_weight)
+
     def reduce_gradients(self, step: int) -> None:
-        """After the boundary backward, before engine.step(): across every rank during the warm-up, else
-        across this node's ranks. The first local step notes the weights the period starts from (equal on
-        every rank: DeepSpeed broadcast them, or the warm-up's steps made them so)."""
+        """After the boundary backward, before engine.step(): across every rank during the warm-up (all at
+        once), else the node's buckets that backward did not send, then every bucket's result. The first
+        local step notes the weights the period starts from (equal on every rank: DeepSpeed broadcast
+        them, or the warm-up's steps made them so)."""
         if self.world <= 1:
             return
         if self.start is None and step > self.warmup:
             self.start = self._flat_params().clone()
         if step <= self.warmup:
-            group = None
-            weight = self.world_weight
-        elif len(self.node_ranks) > 1:
-            group = self.node_group
-            weight = self.node_weight
+            self.sent = []
+            self._send_bucket(list(range(len(self.params))), None, self.world_weight)
+        elif self.node_group is not None:
+            if not self.armed:  # no hooks ran (a caller without `arm`): every bucket now
+                self.sent = []
+            while len(self.sent) < len(self.buckets):  # and a bucket with a parameter this rank had no gradient for
+                self._send_bucket(self.buckets[len(self.sent)], self.node_group, self.node_weight)
         else:
             return
-        if self.split is not None:
-            self.split.bucket_handed()
-        self._all_reduce_gradients(group, weight)
+        self._receive_buckets()
         if self.split is not None:
             self.split.reductions_done()
 
     @torch.no_grad()
-    def _all_reduce_gradients(self, group, weight: float) -> None:
+    def _send_bucket(self, indices: list[int], group, weight: float) -> None:
         """Every rank sends the same tensors: a parameter this rank has no gradient for (unused in its
         forward) counts as zero, as in DDP, and gets the reduced gradient wherever any rank had one."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        present = torch.tensor([float(p.grad is not None) for p in self.params], device=grads[0].device)
-        flat = _flatten_dense_tensors([*grads, present])
-        flat.mul_(weight)
-        tdist.all_reduce(flat, group=group)
-        *reduced, anyone = _unflatten_dense_tensors(flat, [*grads, present])
-        for p, g, r, had in zip(self.params, grads, reduced, anyone.tolist(), strict=True):
-            if p.grad is not None:
-                g.copy_(r)
-            elif had > 0:
-                p.grad = r.to(p.dtype)
+        params = [self.params[i] for i in indices]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        present = torch.tensor([float(p.grad is not None) for p in params], device=grads[0].device)
+        flat = _flatten_dense_tensors([*grads, present]).mul_(weight)
+        if self.split is not None:
+            self.split.bucket_handed()
+        self.sent.append((params, grads, present, flat, tdist.all_reduce(flat, group=group, async_op=True)))
+
+    @torch.no_grad()
+    def _receive_buckets(self) -> None:
+        for params, grads, present, flat, work in self.sent:
+            work.wait()
+            *reduced, anyone = _unflatten_dense_tensors(flat, [*grads, present])
+            for p, g, r, had in zip(params, grads, reduced, anyone.tolist(), strict=True):
+                if p.grad is not None:
+                    g.copy_(r)
+                elif had > 0:
+                    p.grad = r.to(p.dtype)
+        self.sent = []
+        self.armed = False
 
     def after_step(self, step: int, *, step_in_epoch: int) -> bool:
         """After engine.step(): apply an average that is due, start one where `step` is a sync point (and
@@ -349,6 +385,20 @@ class ModelAverager:
         tdist.broadcast(flat, src=0)
         for t, value in zip(tensors, _unflatten_dense_tensors(flat, tensors), strict=True):
             t.copy_(value)
+
+
+def _buckets(params: list, limit_bytes: int) -> list[list[int]]:
+    """Parameter indices in buckets of at most `limit_bytes` (one parameter may exceed it alone), last first."""
+    buckets: list[list[int]] = [[]]
+    size = 0
+    for i in reversed(range(len(params))):
+        nbytes = params[i].numel() * params[i].element_size()
+        if buckets[-1] and size + nbytes > limit_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += nbytes
+    return buckets if buckets[0] else []
 
 
 def _read(path: Path, device) -> tuple[dict | None, str]:

@@ -64,6 +64,8 @@ class TrainStep:
             with split.data():
                 x, y = b.splits.train.get_batch(idx, self.device, b.dtype, augment=cfg.data.augment,
                                                 generator=self.gen, channels_last=cfg.channels_last)
+            if self.averager is not None and boundary_step:
+                self.averager.arm(step)  # a node's ranks reduce their gradients while this backward runs
             # DDP-synchronised engines reduce only at the accumulation boundary
             with self.ddp.no_sync() if self.ddp is not None and not boundary_step else contextlib.nullcontext():
                 loss = F.cross_entropy(engine(x).float(), y)
