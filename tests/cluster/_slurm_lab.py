@@ -13,7 +13,7 @@ would become a product contract to keep. The lab's GPU sim needs it only for a m
 `PYTHONPATH=tests python tests/cluster/_slurm_lab.py LAB` starts by hand (and `sim down LAB` ends).
 
     slurm = start_slurm(lab)      # returns once `sinfo` shows every node idle
-    slurm.sinfo()
+    slurm = start_slurm(lab, stand_in_gpus={"node1": 2, "node2": 1})   # a CPU lab's nodes with GPUs as GRES
 """
 
 from __future__ import annotations
@@ -44,22 +44,35 @@ def gpu_indices(lab, node) -> list[str]:
     return [g for g in visible.split(",") if g.strip()]
 
 
-def gpu_device(index: str) -> str:
-    return f"/dev/nvidia{index}"
+def gpu_devices(lab, node, base: Path, stand_in: dict[str, int]) -> list[str]:
+    """The device files gres.conf names for a node: its host GPUs (/dev/nvidiaN) on a GPU lab, else
+    `stand_in[node]` files made in the lab's folder (stand_in_devices)."""
+    if gpu_indices(lab, node):
+        return [f"/dev/nvidia{index}" for index in gpu_indices(lab, node)]
+    return [f"{base}/{node.hostname}/dev/nvidia{index}" for index in range(stand_in.get(node.name, 0))]
 
 
-def node_line(lab, node) -> str:
+def stand_in_devices(lab, node, paths: list[str]) -> None:
+    """Character devices (the null device's numbers) at `paths`, made from inside the node: Slurm counts
+    gres/gpu by its files and sets each task's CUDA_VISIBLE_DEVICES from their numbers, as for real GPUs;
+    nothing opens them (the ranks train on the CPU)."""
+    if paths:
+        made = "; ".join(f"mknod -m 666 {shlex.quote(p)} c 1 3" for p in paths)
+        lab.run(node.name, f"set -e; mkdir -p {shlex.quote(str(Path(paths[0]).parent))}; {made}", user="root",
+                check=True)
+
+
+def node_line(lab, node, gpus: int) -> str:
     """`NodeName=... CPUs=...` as the node's own slurmd measures it (`slurmd -C`), plus its address
     and GPUs; RealMemory is left out: every node shares one host's memory."""
     out = lab.run(node.name, ["slurmd", "-C"], user="root", check=True).stdout.splitlines()[0]
     words = [w for w in out.split() if not w.startswith(("RealMemory=", "NodeName=", "UpTime="))]
-    gres = f" Gres=gpu:{len(gpu_indices(lab, node))}" if gpu_indices(lab, node) else ""
+    gres = f" Gres=gpu:{gpus}" if gpus else ""
     return f"NodeName={node.hostname} NodeAddr={node.ip} {' '.join(words)}{gres} State=UNKNOWN"
 
 
-def slurm_conf(lab, base: Path, nodes: list[str]) -> str:
+def slurm_conf(lab, base: Path, nodes: list[str], has_gpus: bool) -> str:
     head = lab.nodes[0]
-    has_gpus = any(gpu_indices(lab, n) for n in lab.nodes)
     lines = [
         f"ClusterName={lab.name}",
         f"SlurmctldHost={head.hostname}({head.ip})",
@@ -75,6 +88,8 @@ def slurm_conf(lab, base: Path, nodes: list[str]) -> str:
         "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_Core",
         "SchedulerType=sched/backfill",
+        # Heterogeneous jobs (a mixed hostfile's) start only from a backfill pass: every second, not every 30.
+        "SchedulerParameters=bf_interval=1",
         "ReturnToService=2",
         "JobAcctGatherType=jobacct_gather/none",
         "AccountingStorageType=accounting_storage/none",
@@ -97,10 +112,21 @@ def slurm_conf(lab, base: Path, nodes: list[str]) -> str:
 
 # A node's GPUs are its own through CUDA_VISIBLE_DEVICES (the sim's nodes share one host's devices
 # and the lab has no device cgroups): each task gets the value of the node it runs on, never the
-# submitting node's that --export=ALL carries.
+# submitting node's that --export=ALL carries. Slurm numbers the GPUs it grants a step by their place
+# in the node's gres.conf (0, 1, ...), as device cgroups would show them on a real cluster: the i-th
+# of the node's own GPUs stands for Slurm's i.
 TASK_PROLOG = """#!/bin/sh
 f="{base}/$(hostname)/cuda_visible_devices"
-if [ -s "$f" ]; then echo "export CUDA_VISIBLE_DEVICES=$(cat "$f")"; fi
+[ -s "$f" ] || exit 0
+if [ -n "${{SLURM_STEP_GPUS:-}}" ] && [ -n "${{CUDA_VISIBLE_DEVICES:-}}" ]; then
+  mine=""
+  for i in $(echo "$CUDA_VISIBLE_DEVICES" | tr , ' '); do
+    mine="$mine${{mine:+,}}$(cut -d, -f$((i + 1)) "$f")"
+  done
+  echo "export CUDA_VISIBLE_DEVICES=$mine"
+else
+  echo "export CUDA_VISIBLE_DEVICES=$(cat "$f")"
+fi
 """
 
 
@@ -137,8 +163,9 @@ def _daemon(lab, node: str, argv: list[str]) -> None:
         raise RuntimeError(f"{node}: {shlex.join(argv)} exited {res.returncode}: {res.stderr[-2000:]}")
 
 
-def start_slurm(lab) -> Slurm:
-    """Start munged, slurmctld and slurmd in the lab's nodes; return once every node is idle."""
+def start_slurm(lab, stand_in_gpus: dict[str, int] | None = None) -> Slurm:
+    """Start munged, slurmctld and slurmd in the lab's nodes; return once every node is idle.
+    `stand_in_gpus` (node name -> count) gives a CPU lab's nodes GPUs as Slurm sees them (GRES)."""
     base = Path(lab.state.labdir) / "slurm"
     (base / "ctld").mkdir(parents=True, exist_ok=True)
     (base / "munge").mkdir(mode=0o755, exist_ok=True)
@@ -155,7 +182,9 @@ def start_slurm(lab) -> Slurm:
         (mine / "spool").mkdir(exist_ok=True)
         os.chmod(mine / "munge", 0o755)
         (mine / "cuda_visible_devices").write_text(",".join(gpu_indices(lab, node)))
-    conf = slurm_conf(lab, base, [node_line(lab, n) for n in lab.nodes])
+    devices = {node.name: gpu_devices(lab, node, base, stand_in_gpus or {}) for node in lab.nodes}
+    conf = slurm_conf(lab, base, [node_line(lab, n, len(devices[n.name])) for n in lab.nodes],
+                      has_gpus=any(devices.values()))
     for node in lab.nodes:
         mine = base / node.hostname
         # Each node its own munge socket at the one path slurm.conf names: a bind mount in the
@@ -163,9 +192,11 @@ def start_slurm(lab) -> Slurm:
         script = (f"set -e; mount --bind {mine}/munge {base}/munge; {cgroup_mounts()}; mkdir -p /etc/slurm; "
                   "cat > /etc/slurm/slurm.conf")
         lab.run(node.name, script, user="root", input=conf, check=True)
-        if gpu_indices(lab, node):
+        if devices[node.name]:
             # gres/gpu counts device files (a Count alone registers 0 GPUs and the node goes INVAL).
-            gres = "".join(f"NodeName={node.hostname} Name=gpu File={gpu_device(i)}\n" for i in gpu_indices(lab, node))
+            if not gpu_indices(lab, node):
+                stand_in_devices(lab, node, devices[node.name])
+            gres = "".join(f"NodeName={node.hostname} Name=gpu File={path}\n" for path in devices[node.name])
             lab.run(node.name, "cat > /etc/slurm/gres.conf", user="root", input=gres, check=True)
         # --force: munged runs as root here (the node's passwd is the lab's, not the package's).
         _daemon(lab, node.name, ["munged", "--force", f"--key-file={key}", f"--socket={base}/munge/munge.socket",

@@ -129,39 +129,68 @@ def test_slurm_script_runs_the_same_training_command_and_parses(tmp_path):
     assert check.returncode == 0, check.stderr
 
 
-def test_slurm_uneven_slots_leave_placement_to_slurm_and_keep_given_run_id():
-    script = launch.slurm_script(make_plan())
-    assert "#SBATCH --ntasks=5" in script
-    assert "--ntasks-per-node" not in script
-    assert "export DSCLUSTER_RUN_ID=launch-1\n" in script
-    assert "slurm-${SLURM_JOB_ID}" not in script
+def test_slurm_mixed_slots_make_one_component_per_node_and_keep_given_run_id():
+    # node1/node2 slots=2, node3 slots=1: Slurm's own distribution of --ntasks=5 put ranks where it liked
+    lines = launch.slurm_script(make_plan()).splitlines()
+    assert [l for l in lines if l.startswith("#SBATCH")] == [
+        "#SBATCH --job-name=dscluster",
+        "#SBATCH --chdir=/srv/lab",
+        "#SBATCH --nodes=1 --ntasks=2 --nodelist=node1 --gpus-per-task=1",
+        "#SBATCH hetjob",
+        "#SBATCH --nodes=1 --ntasks=2 --nodelist=node2 --gpus-per-task=1",
+        "#SBATCH hetjob",
+        "#SBATCH --nodes=1 --ntasks=1 --nodelist=node3 --gpus-per-task=1",
+    ]
+    srun = [l for l in lines if l.startswith("srun ")]
+    assert srun == ["srun --het-group=0-2 --kill-on-bad-exit=1 --export=ALL /opt/dscluster/entry_cn.sh "
+                    "--config configs/digits.yaml epochs=3"]
+    assert 'on 3 nodes (ranks node1: 2, node2: 2, node3: 1), head ${MASTER_ADDR}"' in lines[-3]
+    assert "export DSCLUSTER_RUN_ID=launch-1" in lines
+    assert not any("slurm-${SLURM_JOB_ID}" in l for l in lines)
+
+
+def test_slurm_fewer_ranks_than_slots_fill_the_hostfile_in_order():
+    assert launch.slurm_layout(make_plan(np=3)) == [("node1", 2), ("node2", 1)]
+    assert launch.slurm_layout(make_plan(np=4)) == [("node1", 2), ("node2", 2)]
+    lines = launch.slurm_script(make_plan(np=4)).splitlines()
+    assert "#SBATCH --nodelist=node1,node2" in lines and "#SBATCH --ntasks-per-node=2" in lines
 
 
 @pytest.mark.parametrize("gpus", [True, None])
-def test_slurm_script_asks_for_the_hostfiles_nodes_and_a_gpu_per_slot(gpus):
-    # None: check could not tell whether the nodes have GPUs, so slots stand for GPUs.
-    lines = launch.slurm_script(make_plan(gpus=gpus)).splitlines()
+def test_slurm_script_asks_for_the_hostfiles_nodes_and_a_gpu_per_rank(gpus):
+    # None: check could not tell whether the nodes have GPUs, so every rank gets one.
+    lines = launch.slurm_script(make_plan(hosts=(("node1", 2), ("node2", 2)), np=4, gpus=gpus)).splitlines()
     assert [l for l in lines if l.startswith("#SBATCH")] == [
         "#SBATCH --job-name=dscluster",
-        "#SBATCH --nodes=3",
-        "#SBATCH --ntasks=5",
-        "#SBATCH --nodelist=node1,node2,node3",
-        "#SBATCH --gres=gpu:2",
         "#SBATCH --chdir=/srv/lab",
-    ]
-
-
-def test_slurm_script_on_cpu_nodes_asks_for_no_gpus():
-    plan = make_plan(hosts=(("node1", 1), ("node2", 1)), np=2, gpus=False)
-    lines = launch.slurm_script(plan).splitlines()
-    assert [l for l in lines if l.startswith("#SBATCH")] == [
-        "#SBATCH --job-name=dscluster",
         "#SBATCH --nodes=2",
-        "#SBATCH --ntasks=2",
-        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --ntasks=4",
+        "#SBATCH --ntasks-per-node=2",
         "#SBATCH --nodelist=node1,node2",
-        "#SBATCH --chdir=/srv/lab",
+        "#SBATCH --gpus-per-task=1",
     ]
+
+
+@pytest.mark.parametrize("hosts, np", [((("node1", 1), ("node2", 1)), 2), ((("node1", 2), ("node2", 1)), 3)])
+def test_slurm_script_on_cpu_nodes_asks_for_no_gpus(hosts, np):
+    script = launch.slurm_script(make_plan(hosts=hosts, np=np, gpus=False))
+    placed = "#SBATCH --nodes=1 --ntasks=1 --nodelist=node2\n" if np == 3 else "#SBATCH --ntasks-per-node=1\n"
+    assert placed in script and "gpu" not in script
+
+
+def test_slurm_refuses_a_node_with_fewer_gpus_than_its_ranks():
+    plan = make_plan(gpus=True, node_gpus={"node1": 2, "node2": 1, "node3": 1}, host_lines={"node2": 4})
+    with pytest.raises(UsageError) as refused:
+        launch.slurm_script(plan)
+    assert str(refused.value).startswith("/srv/lab/hosts.txt:4: node2 gets 2 rank(s) but `dscluster check` found "
+                                         "1 GPU(s) there, and under Slurm every rank gets a GPU of its own: set "
+                                         "slots=1 for node2")
+    with pytest.raises(UsageError, match="take node3 out of the hostfile"):
+        launch.slurm_script(make_plan(gpus=True, node_gpus={"node3": 0}))
+    # fewer ranks than slots on it, a node check did not reach, or CPU nodes: nothing to refuse
+    launch.slurm_script(make_plan(np=3, gpus=True, node_gpus={"node1": 2, "node2": 1}))
+    launch.slurm_script(make_plan(gpus=True, node_gpus={"node1": 2}))
+    launch.slurm_script(make_plan(gpus=False, node_gpus={"node1": 0}))
 
 
 def test_every_launcher_ends_in_the_same_training_command():

@@ -100,7 +100,7 @@ def test_slurm_writes_an_executable_script_and_prints_how_to_submit(lab_dir, cap
     assert "sbatch job.sbatch" in out
     assert os.access(path, os.X_OK)
     text = path.read_text()
-    assert "srun --kill-on-bad-exit=1 --export=ALL " in text and text.rstrip().endswith("entry_cn.sh epochs=2")
+    assert "--kill-on-bad-exit=1 --export=ALL " in text and text.rstrip().endswith("entry_cn.sh epochs=2")
     assert "slurm-${SLURM_JOB_ID}" in text
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
 
@@ -109,20 +109,27 @@ def _node(name, gpus):
     return {"name": name, "reachable": True, "facts": {"hostname": name, "gpus": gpus}}
 
 
-@pytest.mark.parametrize("nodes, gres", [
-    ([_node("node1", [{"name": "RTX 3070"}] * 2), _node("node2", [{"name": "GTX 1080"}])], "#SBATCH --gres=gpu:2\n"),
-    ([_node("node1", []), _node("node2", [])], None),
-    ([], "#SBATCH --gres=gpu:2\n"),  # check reached no node: a GPU per slot
+@pytest.mark.parametrize("nodes, gpu", [
+    ([_node("node1", [{"name": "RTX 3070"}] * 2), _node("node2", [{"name": "GTX 1080"}])], " --gpus-per-task=1"),
+    ([_node("node1", []), _node("node2", [])], ""),
+    ([], " --gpus-per-task=1"),  # check reached no node: a GPU per rank
 ])
-def test_slurm_script_asks_for_gpus_only_where_check_found_them(lab_dir, capsys, nodes, gres):
+def test_slurm_script_asks_for_gpus_only_where_check_found_them(lab_dir, capsys, nodes, gpu):
     write_check(lab_dir, nodes=nodes)
     assert main(["launch", "--launcher", "slurm", "--dry-run"]) == 0
     script = capsys.readouterr().out
-    assert "#SBATCH --nodelist=node1,node2\n" in script
-    if gres:
-        assert gres in script
-    else:
-        assert "--gres" not in script
+    assert f"#SBATCH --nodes=1 --ntasks=2 --nodelist=node1{gpu}\n" in script
+    assert f"#SBATCH --nodes=1 --ntasks=1 --nodelist=node2{gpu}\n" in script
+    assert gpu or "--gpus" not in script
+
+
+def test_slurm_names_a_node_short_of_gpus_and_writes_nothing(lab_dir, capsys):
+    write_check(lab_dir, nodes=[_node("node1", [{"name": "RTX 3070"}]), _node("node2", [{"name": "GTX 1080"}])])
+    assert main(["launch", "--launcher", "slurm", "--submit", "--script", "job.sbatch"]) == 2
+    err = capsys.readouterr().err
+    assert f"{lab_dir / 'hosts.txt'}:1: node1 gets 2 rank(s) but `dscluster check` found 1 GPU(s) there" in err
+    assert "set slots=1 for node1" in err
+    assert not (lab_dir / "job.sbatch").exists()
 
 
 def stand_in_mpirun(root, monkeypatch, body):

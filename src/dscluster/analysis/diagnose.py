@@ -301,6 +301,28 @@ def vanished_findings(run: RunData, findings: list[Finding]) -> list[Finding]:
     return out
 
 
+def cancelled_findings(run: RunData, findings: list[Finding]) -> list[Finding]:
+    """A cancelled run (summary.json status `cancelled`: scancel, or Ctrl-C under `launch --submit`) is said
+    first, with the step it reached and how to resume. The cancel stopped its ranks mid-step, so a rank
+    without an end record, one a step behind or one that saw its peer go are its consequences: warnings."""
+    summary = run.summary or {}
+    if summary.get("status") != "cancelled":
+        return findings
+    who = summary.get("cancelled_by") if isinstance(summary.get("cancelled_by"), str) else "the job was cancelled"
+    resume = summary.get("resume") if isinstance(summary.get("resume"), str) else "run it again with the same run id"
+    out = [Finding("warning", "run_cancelled", f"{who} at step {summary.get('steps')}; to resume: {resume}")]
+    for f in findings:
+        peer_gone = f.kind == "rank_failed" and PEER_FAILURE in f.message
+        if f.severity == "error" and (f.kind in _CANCEL_SHOWS or peer_gone):
+            f.severity = "warning"
+            f.message += " (stopped by the cancel)"
+        out.append(f)
+    return out
+
+
+_CANCEL_SHOWS = ("rank_died", "rank_behind", "rank_ahead", "trace_missing_collective")
+
+
 def data_path_findings(run: RunData) -> list[Finding]:
     """Every rank got through the rendezvous (each wrote its metrics file), none completed a step,
     and a collective timed out or could not connect: the master port works but the nodes' data
@@ -378,7 +400,7 @@ def diagnose(run: RunData, unshared_hosts: list[str] = ()) -> dict[str, Any]:
                 + comm_findings(run) + busy_waiting_findings(run))
     findings = data_path_findings(run) + not_here_findings(run, findings, list(unshared_hosts))
     tfind, traces = trace_findings(run)
-    findings += tfind
+    findings = cancelled_findings(run, findings + tfind)
     if not run.ranks:
         findings.append(Finding("error", "no_metrics",
                                 f"{run.path}: no metrics/rank-*.jsonl: training never wrote a step"))
@@ -389,7 +411,7 @@ def diagnose(run: RunData, unshared_hosts: list[str] = ()) -> dict[str, Any]:
     elif not run.summary and not findings:
         findings.append(Finding("warning", "incomplete",
                                 "no summary.json but every rank has an end record: rank 0 did not finish writing it"))
-    if run.summary and run.summary.get("status") not in (None, "complete"):
+    if run.summary and run.summary.get("status") not in (None, "complete", "cancelled"):
         fr, fh = run.summary.get("failed_rank"), run.summary.get("failed_host")
         if not any((f.rank == fr and fr is not None) or (f.kind == "host_vanished" and f.host == fh)
                    for f in findings):

@@ -107,6 +107,19 @@ def _gpu_table(run: RunData) -> list[str]:
     return out
 
 
+def _incomplete_banner(run: RunData, row: dict[str, Any]) -> str:
+    """Why the pictures stop: a cancelled run (summary.json) says at which step and how to resume."""
+    e = html.escape
+    summary = run.summary or {}
+    if summary.get("status") == "cancelled":
+        resume = summary.get("resume")
+        return (f"<div class='warn'><b>This run was cancelled</b> at step {e(_fmt(summary.get('steps')))}"
+                + (f"; to resume: <code>{e(resume)}</code>" if isinstance(resume, str) else "")
+                + ". The pictures show what was recorded before it stopped.</div>")
+    return (f"<div class='warn'><b>This run did not complete</b> ({e(row['status'])}). "
+            "The pictures show what was recorded before it stopped.</div>")
+
+
 def render_report(run: RunData, row: dict[str, Any], plots: list[Plot], diagnosis: dict[str, Any]) -> str:
     e = html.escape
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>dscluster run {e(run.name)}</title>"
@@ -115,8 +128,7 @@ def render_report(run: RunData, row: dict[str, Any], plots: list[Plot], diagnosi
              f"<p>Run directory: <code>{e(str(run.path))}</code> · report written "
              f"{e(time.strftime('%Y-%m-%d %H:%M:%S'))}</p>"]
     if not run.completed:
-        parts.append(f"<div class='warn'><b>This run did not complete</b> ({e(row['status'])}). "
-                     "The pictures show what was recorded before it stopped.</div>")
+        parts.append(_incomplete_banner(run, row))
     parts.append("<h2>Summary</h2><table id='summary'>")
     for label, value in summary_table_rows(row):
         cls = ""

@@ -162,8 +162,20 @@ def build_plan(args: argparse.Namespace) -> tuple[builders.LaunchPlan, CheckOutp
         workdir=str(Path.cwd()),
         # None (no node reached): the builders fall back to a GPU per slot.
         gpus=check.has_gpus(),
+        node_gpus=node_gpus(check),
+        host_lines={h.name: h.line for h in hf.hosts},
     )
     return plan, out
+
+
+def node_gpus(check: CheckFile) -> dict[str, int]:
+    """How many GPUs check found on each node it probed (as the hostfile names it)."""
+    found = {}
+    for node in check.nodes:
+        gpus = (node.facts or {}).get("gpus")
+        if node.facts is not None and isinstance(gpus, list):
+            found[node.name] = len(gpus)
+    return found
 
 
 # --- the command ---------------------------------------------------------------------------
@@ -314,9 +326,11 @@ def _write_slurm(args: argparse.Namespace, report: dict, plan: builders.LaunchPl
 
 def _submit_slurm(path: Path, plan: builders.LaunchPlan, report: dict) -> int:
     from dscluster.launch import slurmjob
+    from dscluster.launch.run import summary_mark, summary_since
 
     argv = slurmjob.sbatch_submit_argv(str(path))
     print(f"+ {builders.display(argv)}", file=sys.stderr, flush=True)
+    mark = summary_mark(Path(report["run_dir"])) if "<job id>" not in report["run_dir"] else 0.0
     try:
         res = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     except FileNotFoundError:
@@ -330,6 +344,6 @@ def _submit_slurm(path: Path, plan: builders.LaunchPlan, report: dict) -> int:
     run_dir = Path(report["run_dir"].replace("<job id>", job_id))
     print(f"dscluster launch: Slurm job {job_id}, run {run_dir.name} -> {run_dir}", file=sys.stderr, flush=True)
     end, interrupted = slurmjob.follow(job_id, Path(plan.cwd) / slurmjob.OUTPUT.replace("%j", job_id))
-    code, message = slurmjob.job_report(end, run_dir, interrupted=interrupted)
+    code, message = slurmjob.job_report(end, run_dir, interrupted=interrupted, summary=summary_since(run_dir, mark))
     print(f"dscluster launch: {message}", file=sys.stderr)
     return code

@@ -66,6 +66,10 @@ class LaunchPlan:
     gpus: bool | None = None
     """Whether the nodes have GPUs, from check's facts; None when check could not tell, and
     then a GPU per slot is assumed (slots are usually the GPU count)."""
+    node_gpus: dict[str, int] = field(default_factory=dict)
+    """GPUs check found on each host it reached (a host it did not reach is absent)."""
+    host_lines: dict[str, int] = field(default_factory=dict)
+    """Each host's line in the hostfile, for errors that name it."""
 
     @property
     def entry(self) -> str:
@@ -223,32 +227,76 @@ def torchrun_node_commands(plan: LaunchPlan) -> list[NodeCommand]:
 
 # --- Slurm ------------------------------------------------------------------------------------
 
-def slurm_script(plan: LaunchPlan, job_name: str = "dscluster") -> str:
-    """An sbatch script that runs the same training command with srun, one task per slot.
+def slurm_layout(plan: LaunchPlan) -> list[tuple[str, int]]:
+    """(host, ranks) in hostfile order: the first `np` slots, filled as mpirun --map-by slot fills them."""
+    layout = []
+    left = plan.np
+    for host, slots in plan.hosts:
+        ranks = min(slots, left)
+        if ranks:
+            layout.append((host, ranks))
+        left -= ranks
+    return layout
 
-    It asks for the hostfile's nodes by name and, on GPU nodes, for as many GPUs per node as
-    the largest slots=N: Slurm hides ungranted GPUs from the job (cgroups), so without
-    --gres every rank would find no GPU.
-    Without DSCLUSTER_RUN_ID in the exports the run id is `slurm-<job id>`; the head's address
-    is Slurm's first node unless the environment already names one.
+
+def refuse_gpu_shortfall(plan: LaunchPlan, layout: list[tuple[str, int]]) -> None:
+    """A node that gets more ranks than check found GPUs there: Slurm would never grant the job (it
+    waits, or sbatch refuses it), so it is bad input here, before anything is written or submitted."""
+    for host, ranks in layout:
+        found = plan.node_gpus.get(host)
+        if found is None or found >= ranks:
+            continue
+        line = plan.host_lines.get(host)
+        where = f"{plan.hostfile}:{line}" if line else plan.hostfile
+        fix = f"set slots={found} for {host}" if found else f"take {host} out of the hostfile"
+        raise UsageError(f"{where}: {host} gets {ranks} rank(s) but `dscluster check` found {found} GPU(s) there, "
+                         f"and under Slurm every rank gets a GPU of its own: {fix} (or run --np fewer ranks), "
+                         "then run `dscluster check` again")
+
+
+def _slurm_placement(plan: LaunchPlan, layout: list[tuple[str, int]]) -> tuple[list[str], list[str]]:
+    """The #SBATCH lines that place the ranks, and srun's options to match.
+
+    One count of ranks on every node: one job, --ntasks-per-node. Nodes with different counts
+    (`node1 slots=2`, `node2 slots=1`): a heterogeneous job, one component per node, each asking
+    for its own ranks (and a GPU per rank): Slurm's own distribution of a plain --ntasks job put
+    the ranks where it liked, and a GPU request is per node for the whole job (docs/launchers.md).
     """
-    nodes = len(plan.hosts)
-    slots = {s for _, s in plan.hosts}
+    gpu_options = ["--gpus-per-task=1"] if plan.gpus is not False else []
+    counts = {ranks for _, ranks in layout}
+    if len(counts) == 1:
+        lines = [f"#SBATCH --nodes={len(layout)}", f"#SBATCH --ntasks={plan.np}",
+                 f"#SBATCH --ntasks-per-node={counts.pop()}",
+                 f"#SBATCH --nodelist={','.join(host for host, _ in layout)}"]
+        return lines + [f"#SBATCH {option}" for option in gpu_options], []
+    lines = ["# One component per node (a heterogeneous job): each node runs the ranks the hostfile gives it."]
+    for index, (host, ranks) in enumerate(layout):
+        if index:
+            lines.append("#SBATCH hetjob")
+        lines.append(" ".join(["#SBATCH --nodes=1", f"--ntasks={ranks}", f"--nodelist={host}", *gpu_options]))
+    return lines, [f"--het-group=0-{len(layout) - 1}"]
+
+
+def slurm_script(plan: LaunchPlan, job_name: str = "dscluster") -> str:
+    """An sbatch script that runs the same training command with srun, the hostfile's ranks on each
+    node (`slurm_layout`) and, on GPU nodes, one GPU per rank.
+
+    Slurm hides GPUs it did not grant (cgroups), so GPU nodes get --gpus-per-task=1: each rank then
+    sees its own GPU only. Without DSCLUSTER_RUN_ID in the exports the run id is `slurm-<job id>`;
+    the head's address is Slurm's first node unless the environment already names one.
+    """
+    layout = slurm_layout(plan)
+    if plan.gpus:
+        refuse_gpu_shortfall(plan, layout)
+    placement, srun_options = _slurm_placement(plan, layout)
+    where = ", ".join(f"{host}: {ranks}" for host, ranks in layout)
     lines = [
         "#!/usr/bin/env bash",
         "# Written by `dscluster launch --launcher slurm`; submit with: sbatch THIS_FILE",
         f"# Hostfile: {plan.hostfile}",
         f"#SBATCH --job-name={job_name}",
-        f"#SBATCH --nodes={nodes}",
-        f"#SBATCH --ntasks={plan.np}",
-    ]
-    if len(slots) == 1 and plan.np == nodes * next(iter(slots)):
-        lines.append(f"#SBATCH --ntasks-per-node={next(iter(slots))}")
-    lines.append(f"#SBATCH --nodelist={','.join(host for host, _ in plan.hosts)}")
-    if plan.gpus is not False:
-        lines.append(f"#SBATCH --gres=gpu:{max(slots)}")
-    lines += [
         f"#SBATCH --chdir={plan.cwd}",
+        *placement,
         "set -euo pipefail",
         f"cd {shlex.quote(plan.cwd)}",
     ]
@@ -262,9 +310,9 @@ def slurm_script(plan: LaunchPlan, job_name: str = "dscluster") -> str:
         "fi",
         "export MASTER_ADDR",
         f'export MASTER_PORT="${{MASTER_PORT:-{plan.master_port}}}"',
-        'echo "dscluster: run ${DSCLUSTER_RUN_ID} on ${SLURM_JOB_NUM_NODES} nodes, head ${MASTER_ADDR}"',
+        f'echo "dscluster: run ${{DSCLUSTER_RUN_ID}} on {len(layout)} nodes (ranks {where}), head ${{MASTER_ADDR}}"',
         "# A rank that fails ends the whole step instead of leaving the others waiting.",
-        "srun --kill-on-bad-exit=1 --export=ALL " + shlex.join(train_command(plan)),
+        shlex.join(["srun", *srun_options, "--kill-on-bad-exit=1", "--export=ALL", *train_command(plan)]),
         "",
     ]
     return "\n".join(lines)

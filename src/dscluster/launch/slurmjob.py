@@ -5,8 +5,9 @@ accounting database needed) while its output file is copied to our stdout as it 
 command behaves like the other launchers: output streamed, the job's own exit code, Ctrl-C stops
 the job (`scancel`). Measured against Slurm 22.05's slurmctld and slurmd on the simulated lab.
 
-Reading scontrol's text and turning a job's end into an exit code and a sentence are pure
-(`parse_job`, `job_report`); `follow` does the I/O.
+Reading scontrol's text, telling a cancel from other ends and turning a job's end into an exit code
+and a sentence are pure (`parse_job`, `cancelling`, `job_report`); `follow` does the I/O. A rank that
+Slurm stops asks `job_fields` whether the job was cancelled (train/stopped.py).
 """
 
 from __future__ import annotations
@@ -54,23 +55,40 @@ def job_end(job_id: str, fields: dict[str, str]) -> JobEnd:
                   int(sig) if sig.isdigit() else 0, fields.get("Reason", ""))
 
 
-def job_report(end: JobEnd, run_dir: Path, *, interrupted: bool = False) -> tuple[int, str]:
-    """Exit code and closing line for a followed job, in the words of `launch.run`'s job_report."""
+def cancelling(fields: dict[str, str]) -> bool:
+    """Whether Slurm is ending the job because it was cancelled (scancel; Ctrl-C under `launch --submit`).
+
+    Its ranks get SIGTERM while the job is COMPLETING with no reason, and it ends CANCELLED; a time
+    limit gives the reason TimeLimit, a failed batch script NonZeroExitCode, and the ranks that srun
+    stops when one of them failed see the job still RUNNING."""
+    state = fields.get("JobState")
+    return state == "CANCELLED" or (state == "COMPLETING" and fields.get("Reason") in ("None", ""))
+
+
+def job_report(end: JobEnd, run_dir: Path, *, interrupted: bool = False, summary: dict | None = None
+               ) -> tuple[int, str]:
+    """Exit code and closing line for a followed job, in the words of `launch.run`'s job_report;
+    `summary`: the run's summary.json, whose `resume` says how to go on after a cancel."""
     see = f"per-rank logs and metrics are in {run_dir}; `dscluster diagnose {run_dir}` says more"
     job = f"Slurm job {end.job_id}"
     if end.state == "COMPLETED":
         return 0, f"done; {job} completed; run directory {run_dir}"
     if end.state == "CANCELLED":
         who = "on Ctrl-C (scancel)" if interrupted else "(scancel)"
-        return (130 if interrupted else 1), (f"{job} was cancelled {who}; Slurm stopped every rank. "
-                                              f"Run the same command again to resume. {see}")
+        summary = summary or {}
+        at = f" at step {summary['steps']}" if isinstance(summary.get("steps"), int) else ""
+        resume = summary.get("resume") if isinstance(summary.get("resume"), str) else (
+            f"submit it again with DSCLUSTER_RUN_ID={run_dir.name}: training resumes from its last checkpoint")
+        return (130 if interrupted else 1), (f"{job} was cancelled {who}{at}; Slurm stopped every rank. "
+                                              f"To resume: {resume}. {see}")
     code = end.exit_code or (128 + end.signal if end.signal else 1)
     why = f", reason {end.reason}" if end.reason and end.reason != "None" else ""
     return code, f"{job} ended {end.state or 'in an unknown state'} (exit {end.exit_code}:{end.signal}{why}); {see}"
 
 
-def _show(job_id: str) -> dict[str, str]:
-    res = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=60)
+def job_fields(job_id: str, timeout: float = 60) -> dict[str, str]:
+    """`scontrol show job JOB_ID` as parse_job reads it; {} where scontrol does not know the job."""
+    res = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, timeout=timeout)
     return parse_job(res.stdout) if res.returncode == 0 else {}
 
 
@@ -100,7 +118,7 @@ def follow(job_id: str, output: Path) -> tuple[JobEnd, bool]:
     while True:
         try:
             tail.pump()
-            fields = _show(job_id)
+            fields = job_fields(job_id)
             if fields.get("JobState") not in ACTIVE:
                 break   # ended (or forgotten by slurmctld: reported as an unknown state)
             time.sleep(POLL_S)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -52,6 +53,8 @@ class RunLog:
         self.run_dir, self.rank, self.host = Path(run_dir), rank, host
         self.metrics = JsonlWriter(self.run_dir / layout.METRICS_DIR / f"rank-{rank}.jsonl")
         self._secrets = redact.secret_values()  # an error message may quote one: records never do
+        self._summary_lock = threading.Lock()
+        self._summary_sealed = False
 
     def record(self, kind: str, *, final: bool = False, **fields) -> dict:
         rec = {"kind": kind, "t": time.time(), "rank": self.rank, "host": self.host, **fields}
@@ -68,29 +71,40 @@ class RunLog:
                           redact.redact_doc(snap, values=self._secrets))
 
     def write_summary(self, summary: dict, *, only_if_absent_or_not_failed: bool = False,
-                      only_if_absent: bool = False) -> None:
-        write_summary(self.run_dir, summary, only_if_absent_or_not_failed=only_if_absent_or_not_failed,
-                      only_if_absent=only_if_absent, secrets=self._secrets)
+                      only_if_absent: bool = False, over_guesses: bool = False, final: bool = False) -> None:
+        """`write_summary` for this rank; `final`: the run's last word (a cancel, written by the SIGTERM
+        thread), which the main thread, failing in a collective as the job is torn down, cannot replace."""
+        with self._summary_lock:
+            if self._summary_sealed:
+                return
+            write_summary(self.run_dir, summary, only_if_absent_or_not_failed=only_if_absent_or_not_failed,
+                          only_if_absent=only_if_absent, over_guesses=over_guesses, secrets=self._secrets)
+            self._summary_sealed = final
 
     def close(self) -> None:
         self.metrics.close()
 
 
 def write_summary(run_dir: Path, summary: dict, *, only_if_absent_or_not_failed: bool = False,
-                  only_if_absent: bool = False, secrets=None) -> None:
+                  only_if_absent: bool = False, over_guesses: bool = False, secrets=None) -> None:
     """summary.json, atomically, through the one secret rule (`secrets`: values to hide besides the
     environment's, redact.secret_values()); with `only_if_absent_or_not_failed` a failure already
     there stays, with `only_if_absent` any summary already there (a stopped rank's guess never
-    replaces a run's own story, complete or failed)."""
+    replaces a run's own story, complete or failed); with `over_guesses` only a failure that blames
+    no rank is replaced (a peer's absence or a SIGTERM seen before the cause: a cancel's consequences)."""
     path = Path(run_dir) / layout.SUMMARY_FILE
     if only_if_absent and path.exists():
         return
-    if only_if_absent_or_not_failed and path.exists():
+    if (only_if_absent_or_not_failed or over_guesses) and path.exists():
         try:
-            if json.loads(path.read_text()).get("status") == "failed":
-                return  # a better-informed rank already told the story
+            there = json.loads(path.read_text())
         except (OSError, ValueError):
-            pass
+            there = {}
+        there = there if isinstance(there, dict) else {}
+        if only_if_absent_or_not_failed and there.get("status") == "failed":
+            return  # a better-informed rank already told the story
+        if over_guesses and there and not (there.get("status") == "failed" and there.get("failed_rank") is None):
+            return  # complete, or a failure with its rank: the run's own story
     atomic_write_json(path, redact.redact_doc(summary, values=redact.secret_values() if secrets is None else secrets))
 
 

@@ -1,9 +1,11 @@
-"""A rank stopped by SIGTERM still says so: its `end` record, and rank 0's failed summary.json.
+"""A rank stopped by SIGTERM still says so: its `end` record, and rank 0's summary.json.
 
 mpirun, srun, torchrun and entry_cn.sh stop every rank with SIGTERM when one rank dies, when a Slurm
 job is cancelled, or on Ctrl-C. The rank that first sees a peer's collective fail writes the failed
 summary itself (loop.record_crash); on a busy machine the launcher's SIGTERM can come first, and the
-signal's default action left the run directory without any summary.
+signal's default action left the run directory without any summary. A Slurm job that was cancelled
+is no failure: rank 0 asks Slurm (`slurm_cancel`) and writes status `cancelled`, the step it reached
+and how to resume.
 
 Python runs a signal handler only in the main thread, between bytecodes, and the main thread may be
 waiting inside a collective for a peer that is gone. So the handler's C half writes a byte to a pipe
@@ -15,11 +17,17 @@ and chains to it, so the Python stacks are still written first.
 from __future__ import annotations
 
 import os
+import shlex
 import signal
+import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+
+from dscluster.launch import slurmjob
+from dscluster.rundir import layout
+from dscluster.train import checkpoint
 
 EXIT_CODE = 128 + signal.SIGTERM
 
@@ -89,15 +97,60 @@ STOPPED_END = "stopped by SIGTERM (its launcher stopping the job)"
 """The `end` record's error of a stopped rank (status `stopped`): diagnose counts it a consequence, not a cause."""
 
 
+CANCELLED_BY = "Slurm job {job_id} was cancelled (scancel, or Ctrl-C under `dscluster launch --submit`)"
+SLURM_QUERY_S = 2.0
+"""How long rank 0 waits for `scontrol`, twice at most: Slurm's KillWait (30 s by default, 5 on the lab)
+is all the time it has before SIGKILL."""
+
+
 def record_stop(log, record, run_dir: Path, started: float, *, summary: bool) -> Callable[[], None]:
     """`OnTerminate.then` for a training rank: its `end` record (status `stopped`), and with `summary`
-    (rank 0, not a calibration) a failed summary.json, unless the run's summary is already there (a
-    complete run a launcher stops in its teardown stays complete; a rank's own failure stays)."""
+    (rank 0, not a calibration) summary.json: `cancelled` where Slurm says the job was cancelled (over
+    a failure that blames no rank, and the last word), else a failed one, unless the run's summary is
+    already there (a complete run a launcher stops in its teardown stays complete; a rank's own
+    failure stays)."""
 
     def then() -> None:
         log.record("end", status="stopped", error=STOPPED_END, final=True)  # the main thread may still be stepping
-        if summary:
-            log.write_summary(record.summary(status="failed", wall_s=round(time.time() - started, 3),
-                                             error=STOPPED.format(run_dir=run_dir)), only_if_absent=True)
+        if not summary:
+            return
+        wall_s = round(time.time() - started, 3)
+        cancel = slurm_cancel(run_dir)
+        if cancel:
+            log.write_summary(record.summary(status="cancelled", wall_s=wall_s, **cancel), over_guesses=True,
+                              final=True)
+        else:
+            log.write_summary(record.summary(status="failed", wall_s=wall_s, error=STOPPED.format(run_dir=run_dir)),
+                              only_if_absent=True)
 
     return then
+
+
+def slurm_cancel(run_dir: Path, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """summary.json's `cancelled_by` and `resume` when this rank runs under Slurm and Slurm says the
+    job is being cancelled; {} otherwise, or when scontrol does not answer in time."""
+    env = os.environ if env is None else env
+    job_id = env.get("SLURM_JOB_ID")
+    if not job_id:
+        return {}
+    fields: dict[str, str] = {}
+    for _ in range(2):  # once more where a busy slurmctld did not answer
+        try:
+            fields = slurmjob.job_fields(job_id, timeout=SLURM_QUERY_S)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if fields:
+            break
+    if not slurmjob.cancelling(fields):
+        return {}
+    return {"cancelled_by": CANCELLED_BY.format(job_id=job_id), "resume": resume_text(run_dir, fields.get("Command"))}
+
+
+def resume_text(run_dir: Path, script: str | None) -> str:
+    """How to go on: the same run id submitted again; training resumes from the run's last checkpoint."""
+    run_id = Path(run_dir).name
+    tag = checkpoint.find_latest(Path(run_dir) / layout.CHECKPOINT_DIR)
+    start = f"from its checkpoint {tag}" if tag else "from step 0 (no checkpoint was saved in the run directory)"
+    return (f"DSCLUSTER_RUN_ID={run_id} sbatch {shlex.quote(script) if script else 'JOB_SCRIPT'} (or `dscluster "
+            f"launch --launcher slurm --submit --run-id {run_id} -- <the same train arguments>`): training resumes "
+            f"{start}")
