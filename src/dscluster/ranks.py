@@ -65,9 +65,7 @@ def detect_ranks(env=None) -> RankInfo:
         local = _int(env, local_rank_var)
         local_world = None
         if local_world_var == "SLURM_NTASKS_PER_NODE":
-            # Slurm writes e.g. "4" or "4(x2)"; the local count is the leading number.
-            raw = env.get(local_world_var, "")
-            local_world = int(raw.split("(")[0]) if raw.split("(")[0].isdigit() else None
+            local_world = slurm_tasks_on_this_node(env)
         else:
             local_world = _int(env, local_world_var)
         if local is None:
@@ -76,6 +74,28 @@ def detect_ranks(env=None) -> RankInfo:
             raise UsageError(f"environment: {rank_var}={rank} is outside 0..{world - 1} ({world_var}={world})")
         return RankInfo(rank, local, world, local_world or (1 if world == 1 else 0), source)
     return RankInfo(0, 0, 1, 1, "single")
+
+
+def slurm_tasks_on_this_node(env) -> int | None:
+    """How many of the step's tasks share this node. A heterogeneous job (a mixed lab) sets no
+    SLURM_NTASKS_PER_NODE, so the step's own per-node list is read first, at this node's index."""
+    per_node = expand_slurm_counts(env.get("SLURM_STEP_TASKS_PER_NODE", ""))
+    node_index = _int(env, "SLURM_NODEID")
+    if per_node and node_index is not None and 0 <= node_index < len(per_node):
+        return per_node[node_index]
+    counts = expand_slurm_counts(env.get("SLURM_NTASKS_PER_NODE", ""))
+    return counts[0] if counts else None
+
+
+def expand_slurm_counts(text: str) -> list[int]:
+    """Slurm's compressed per-node counts, "2(x3),1" -> [2, 2, 2, 1]; [] when unreadable."""
+    counts: list[int] = []
+    for item in filter(None, text.split(",")):
+        value, _, repeat = item.partition("(x")
+        if not value.isdigit() or (repeat and not repeat.rstrip(")").isdigit()):
+            return []
+        counts += [int(value)] * (int(repeat.rstrip(")")) if repeat else 1)
+    return counts
 
 
 def shell_assignments(info: RankInfo) -> str:

@@ -43,6 +43,16 @@ def test_rank_detection_per_launcher(env, expected):
     assert (info.rank, info.local_rank, info.world_size, info.source) == expected
 
 
+def test_a_rank_of_a_heterogeneous_slurm_job_knows_how_many_share_its_node():
+    # a mixed lab's job (node1 slots=2, node2 slots=1) sets no SLURM_NTASKS_PER_NODE
+    on_node2 = {"SLURM_PROCID": "2", "SLURM_LOCALID": "0", "SLURM_NTASKS": "3", "SLURM_NODEID": "1",
+                "SLURM_STEP_TASKS_PER_NODE": "2,1"}
+    on_node1 = {**on_node2, "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0"}
+    assert detect_ranks(on_node2).local_world_size == 1
+    assert detect_ranks(on_node1).local_world_size == 2
+    assert detect_ranks({**on_node1, "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_NODEID": "1"}).local_world_size == 2
+
+
 def test_rank_detection_rejects_nonsense():
     with pytest.raises(UsageError, match="outside 0..1"):
         detect_ranks({"RANK": "2", "WORLD_SIZE": "2"})

@@ -181,7 +181,7 @@ SUMMARY_TYPES: dict[str, tuple[type, ...]] = {
     "failed_rank": (int,), "failed_host": (str,), "error": (str,), "failed_ranks": (list,), "failed_ranks[]": (int,),
     "vanished_hosts": (list,), "vanished_hosts[]": (str,), "peak_mem_mb": NUMBER, "peak_host_mb": NUMBER,
     "plan": (dict,), "run_images_per_s": NUMBER, "run_s": NUMBER,
-    "warmup_steps": (int,),
+    "warmup_steps": (int,), "resume": (str,), "cancelled_by": (str,),
 }
 
 
