@@ -9,7 +9,6 @@ Pure: no torch. train/localsgd.py runs them, plan prices them (plan/model.py) an
   average starts and the step, `delay` later, where it is applied.
 - The nodes: ranks grouped by machine identity (train/dist.py `node_identity`), never by host name alone.
 - The weights: a rank's share of its node's samples, and of all.
-- The warm-up: how many first steps reduce every gradient across every rank.
 """
 
 from __future__ import annotations
@@ -56,14 +55,6 @@ def is_sync_point(step: int, *, period: int, step_in_epoch: int, steps_per_epoch
     if delay:
         return False
     return step_in_epoch + 1 >= steps_per_epoch or bool(every_steps and step % every_steps == 0)
-
-
-def warmup_steps(cfg) -> int:
-    """sync.warmup_steps as a number: unset, the learning rate's warm-up (optim.warmup_steps). Local
-    steps that started inside it ended less accurate (docs/ethernet-labs.md); post-local SGD (Lin et al.)
-    too takes its local steps only after the first phase of training."""
-    setting = cfg.sync.warmup_steps
-    return int(cfg.optim.warmup_steps) if setting is None else int(setting)
 
 
 def node_groups(nodes: list[str]) -> list[list[int]]:

@@ -67,13 +67,6 @@ def test_refused_settings_name_the_key_and_the_fix(overrides, words):
     assert words in str(e.value) and "override" in str(e.value)
 
 
-def test_local_steps_start_after_the_learning_rate_warmup_by_default():
-    # local steps inside the LR warm-up ended less accurate (docs/ethernet-labs.md): auto is optim.warmup_steps
-    assert syncmode.warmup_steps(load_config(None, ["sync.mode=local_sgd", "optim.warmup_steps=30"])) == 30
-    assert syncmode.warmup_steps(load_config("configs/digits.yaml", ["sync.mode=diloco"])) == 30
-    assert syncmode.warmup_steps(load_config(None, ["sync.mode=local_sgd", "sync.warmup_steps=0"])) == 0
-
-
 def test_streamed_sync_points_leave_epoch_ends_and_saves_to_the_last_average():
     at = [s for s in range(1, 51) if syncmode.is_sync_point(s, period=8, step_in_epoch=(s - 1) % 22,
                                                                steps_per_epoch=22, total=50, every_steps=5, delay=2)]

@@ -192,10 +192,10 @@ class SyncConfig:
     period: int = field(default=8, metadata=limits(ge=2, le=10000))
     """local_sgd, diloco: optimizer steps between two averages across nodes (H). Also averaged at every
     epoch's end (evaluation and checkpoints see the average) and at checkpoint.every_steps saves."""
-    warmup_steps: int | None = field(default=None, metadata=limits(ge=0))
-    """local_sgd, diloco: optimizer steps whose gradients are all-reduced across every rank first. null (the
-    default): optim.warmup_steps, the learning rate's warm-up (syncmode.warmup_steps; docs/ethernet-labs.md
-    has the evidence)."""
+    warmup_steps: int = field(default=0, metadata=limits(ge=0))
+    """local_sgd, diloco: optimizer steps whose gradients are all-reduced across every rank first. 0: local
+    steps from the start; the learning rate's warm-up instead trained no better on digits and would cost
+    every one of its steps a whole all-reduce on Ethernet (docs/ethernet-labs.md has the evidence)."""
     delay_steps: int = field(default=0, metadata=limits(ge=0))
     """local_sgd, diloco: τ, steps the average across nodes streams behind (Streaming DiLoCo): started at a
     sync point, it crosses the network while the next τ steps compute, and is applied after them. 0: the

@@ -35,7 +35,7 @@ import torch.distributed as tdist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from dscluster.fsutil import atomic_write_bytes
-from dscluster.syncmode import is_sync_point, node_groups, warmup_steps, weights
+from dscluster.syncmode import is_sync_point, node_groups, weights
 from dscluster.train.guards import TrainingAborted
 
 SYNC_DIR = "sync"
@@ -84,7 +84,7 @@ class ModelAverager:
                  hosts: list[str], steps_per_epoch: int, total: int, split=None, scaler=None, optimizer=None):
         self.mode = cfg.sync.mode
         self.period = int(cfg.sync.period)
-        self.warmup = warmup_steps(cfg)
+        self.warmup = int(cfg.sync.warmup_steps)
         self.delay = int(cfg.sync.delay_steps)
         self.wire = WIRE[cfg.sync.compression]
         self.outer_lr = float(cfg.sync.outer_lr)
