@@ -1,12 +1,11 @@
 """`dscluster plan`: inputs from check.json or flags, the JSON document, bad input → exit 2 with the fix."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from test_advice import keep_up
 
 from dscluster.cli import main
 from dscluster.errors import UsageError
@@ -38,15 +37,10 @@ def run_plan(lab, *extra):
                  *extra])
 
 
-def test_json_for_the_digits_preset_parses(tmp_path):
-    hosts = tmp_path / "hosts.txt"
-    hosts.write_text(LAB)
-    env = {**os.environ, "DSCLUSTER_STATE": str(tmp_path / "state")}
-    p = subprocess.run([sys.executable, "-m", "dscluster", "plan", "--config", "configs/digits.yaml",
-                        "--busbw", "0.119", "--compute-s", "0.05", "--hostfile", str(hosts), "--json"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr
-    doc = json.loads(p.stdout)
+def test_json_for_the_digits_preset_parses(lab, capsys):
+    assert main(["plan", "--config", str(REPO / "configs/digits.yaml"), "--busbw", "0.119", "--compute-s", "0.05",
+                 "--hostfile", str(lab / "hosts.txt"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
     assert doc["schema"] == 1 and doc["model"] == "vit_small_image" and doc["params"] == 228_202
     assert doc["world_size"] == 4 and doc["micro_batch"] == 16 and doc["global_batch"] == 64
     assert doc["busbw_GBps"] == 0.119 and doc["busbw_source"] == "--busbw"
@@ -87,31 +81,30 @@ def test_busbw_comes_from_checks_largest_allreduce(lab, capsys):
     assert run_plan(lab, "--compute-s", "0.0427", "--json") == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["busbw_GBps"] == 0.119 and doc["busbw_source"] == str(path)
-    # the 1 Gbit GPU lab: 4.3 s a step, slower than node3 alone; accumulate and compress with PowerSGD
+    # the 1 Gbit GPU lab: 4.3 s a step, slower than node3 alone; nothing shown to learn as the config does
+    # finishes sooner than node3 alone (issue 55: PowerSGD at global batch 1,024 was advised here untested)
     assert doc["prediction"]["step_s"] == pytest.approx(4.34, abs=0.05)
-    assert doc["prediction"]["slower"] and not doc["recommendation"]["train_alone"]
-    assert doc["recommendation"]["overrides"] == ["micro_batch=128", "grad_accum=2", "global_batch=1024",
-                                                   "optim.lr_reference_batch=512", "comm.compression=powersgd",
-                                                   "comm.powersgd_start_step=30"]
-    assert doc["recommendation"]["pending"] == []
+    rec = doc["recommendation"]
+    assert doc["prediction"]["slower"] and rec["train_alone"] and rec["overrides"] == [] and rec["choice"] is None
+    assert rec["alone_command"].startswith("printf '%s\\n' 'node3 slots=2' > hosts-node3.txt && mpirun -np 2")
+    assert rec["pending"] == []
     assert not any("check measured" in n for n in doc["notes"])
     # --busbw wins over check.json
     assert run_plan(lab, "--compute-s", "0.0427", "--busbw", "1.19", "--json") == 0
     assert json.loads(capsys.readouterr().out)["busbw_GBps"] == 1.19
 
 
-def test_table_says_slower_and_what_to_paste(lab, capsys):
+def test_table_says_slower_and_to_train_alone_with_the_command(lab, capsys):
     assert run_plan(lab, "--compute-s", "0.0427", "--busbw", "0.119") == 0
     out = capsys.readouterr().out
-    assert "adding nodes makes training SLOWER" in out
-    assert ("micro_batch=128 grad_accum=2 global_batch=1024 optim.lr_reference_batch=512 "
-            "comm.compression=powersgd") in out
-    # where training cannot compress (ZeRO 2), the best is accumulation alone, and the table says why
+    assert "adding nodes makes training SLOWER" in out and "paste after" not in out
+    assert ("train on node3 alone, its README command:\n    printf '%s\\n' 'node3 slots=2' > hosts-node3.txt && "
+            f"mpirun -np 2 --hostfile hosts-node3.txt ./entry_cn.sh --config {REPO / 'configs/vit_base.yaml'}\n") in out
+    assert "recommendation: train on node3 alone: no setting shown to learn as the config does finishes sooner" in out
+    # where training cannot compress (ZeRO 2) the table says why, once
     assert run_plan(lab, "--compute-s", "0.0427", "--busbw", "0.119", "zero_stage=2") == 0
     out = capsys.readouterr().out
-    pasted = out.split("(or dscluster train):\n")[1].splitlines()[0].split()
-    assert pasted == ["micro_batch=128", "grad_accum=8", "global_batch=4096", "optim.lr_reference_batch=512"]
-    assert "Train on node3 alone" in out and out.count("needs zero_stage=0") == 1
+    assert "train on node3 alone" in out and out.count("needs zero_stage=0") == 1
 
 
 @pytest.mark.parametrize("flags, words", [
@@ -216,36 +209,27 @@ def test_check_on_another_rank_count_is_noted(lab, capsys):
     assert any("over 2 ranks, this plan has 4" in n and "dscluster check --hostfile" in n for n in notes)
 
 
-def test_recommendation_pastes_as_overrides_and_its_prediction_is_saved_for_train(lab, capsys, monkeypatch):
-    from dscluster.cli.train import check_batch_arithmetic
+def test_the_config_as_given_is_saved_for_train_under_the_key_it_looks_up(lab, capsys, monkeypatch):
     from dscluster.plan import predicted
-    from dscluster.train.config import load_config
 
     monkeypatch.setenv("DSCLUSTER_PRECISION", "bf16")  # what `dscluster check` decided for the cluster
     assert run_plan(lab, "--compute-s", "0.0427", "--busbw", "0.119", "--json") == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["precision"] == "bf16" and doc["grad_format"] == "fp32"  # amp: fp32 weights and gradients
     assert doc["saved_to"] == str(lab / "state" / "plans.json")
-    pasted = doc["recommendation"]["overrides"]
-    cfg = load_config(REPO / "configs/vit_base.yaml", pasted, world=True)  # the overrides load as they are
-    check_batch_arithmetic(cfg, doc["world_size"])
-    assert cfg.comm.compression == "powersgd" and cfg.global_batch == 1024
-    # the key train computes for that run finds the recommended setting's prediction
-    key = predicted.key(model=cfg.model.name, micro_batch=cfg.micro_batch, global_batch=cfg.global_batch,
-                        precision="bf16", compression=cfg.comm.compression, ranks=4)
-    entry = predicted.lookup(key)
-    assert entry["setting"] == "choice" and entry["overrides"] == pasted
-    assert entry["images_per_s"] == pytest.approx(doc["recommendation"]["choice"]["prediction"]["images_per_s"])
-    now = predicted.lookup(predicted.key(model=cfg.model.name, micro_batch=128, global_batch=512, precision="bf16",
-                                         compression="none", ranks=4))
+    # (an advised setting's key: tests/unit/test_advice.py)
+    now = predicted.lookup(predicted.key(model="vit_base_patch16_224", micro_batch=128, global_batch=512,
+                                         precision="bf16", compression="none", ranks=4))
     assert now["images_per_s"] == pytest.approx(doc["prediction"]["images_per_s"]) and now["setting"] == "now"
 
 
 def test_half_gradients_are_not_offered_half_precision_compression(lab, capsys):
-    assert run_plan(lab, "--compute-s", "0.0427", "--busbw", "0.119", "precision=fp16", "amp=false", "--json") == 0
+    assert run_plan(lab, "--compute-s", "0.0427", "--busbw", "1.19", "--powersgd-s", "0.02", "precision=fp16",
+                    "amp=false", "data.dataset=synthetic", "data.synthetic_samples=50000", "--json") == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["grad_format"] == "fp16" and doc["grad_bytes"] == 2 * doc["params"]
-    assert doc["recommendation"]["choice"]["compression"] == "powersgd"
+    offered = {u["compression"] for u in doc["recommendation"]["untested"]}
+    assert "powersgd" in offered and "fp16" not in offered
     assert [p for p in doc["recommendation"]["pending"] if "comm.compression=fp16 has no effect" in p]
 
 
@@ -288,18 +272,24 @@ LAB_10GBIT = dict(busbw="1.194", compute="0.053", powersgd="0.0163")
 LAB_OUTCOMES = [(256, 0.0808, 256 / 2839.5), (512, 0.1231, 512 / 3615.0)]
 
 
+LAB_2_NODES = ["precision=fp16", "micro_batch=128", "global_batch=256", "data.dataset=synthetic",
+               "data.synthetic_samples=50000"]
+
+
 def plan_2_nodes(lab, capsys, *extra):
     (lab / "two.txt").write_text("node1 slots=1\nnode2 slots=1\n")
     assert main(["plan", "--config", str(REPO / "configs/vit_base.yaml"), "--hostfile", str(lab / "two.txt"),
                  "--busbw", LAB_10GBIT["busbw"], "--compute-s", LAB_10GBIT["compute"],
-                 "--powersgd-s", LAB_10GBIT["powersgd"], "--json", "--every-step", "precision=fp16",
-                 "micro_batch=128", "global_batch=256", *extra]) == 0
+                 "--powersgd-s", LAB_10GBIT["powersgd"], "--json", "--every-step", *LAB_2_NODES, *extra]) == 0
     return json.loads(capsys.readouterr().out)
 
 
 def test_runs_measured_against_their_plan_correct_the_next_recommendation(lab, capsys):
     from dscluster.plan import predicted
 
+    # curves show PowerSGD learning as every-step training does at these batches: plan may advise it
+    keep_up(lab / "state", str(REPO / "configs/vit_base.yaml"), LAB_2_NODES, "powersgd", batches=(256, 512, 1024),
+            base=256)
     first = plan_2_nodes(lab, capsys)
     choice = first["recommendation"]["choice"]
     assert (choice["grad_accum"], choice["compression"]) == (2, "powersgd")  # what the lab was told
@@ -487,16 +477,15 @@ def test_with_a_target_accuracy_the_recommendation_keeps_the_configs_global_batc
     assert run_plan(lab, "--compute-s", "0.0427", "--busbw", "0.119", "--json", "data.dataset=fractal",
                     "target_accuracy=0.9") == 0
     doc = json.loads(capsys.readouterr().out)
-    pasted = doc["recommendation"]["overrides"]
-    assert not any(o.startswith("global_batch=") and o != "global_batch=512" for o in pasted), pasted
-    assert "comm.compression=powersgd" in pasted
-    assert doc["recommendation"]["max_global_batch"] == 512
+    rec = doc["recommendation"]
+    weighed = [o for o in [rec["choice"], *rec["untested"], *rec["left_out"]] if o]
+    assert all(o["global_batch"] == 512 for o in weighed) and rec["max_global_batch"] == 512
+    assert rec["judged_by"] == "whole run"  # no recorded curve of this run: judged by its whole run
     assert any("target_accuracy is set" in n and "--max-global-batch" in n for n in doc["notes"])
     # the user may allow a larger batch, as the note says
     assert run_plan(lab, "--compute-s", "0.0427", "--busbw", "0.119", "--json", "--max-global-batch", "4096",
                     "data.dataset=fractal", "target_accuracy=0.9") == 0
-    doc = json.loads(capsys.readouterr().out)
-    assert "global_batch=1024" in doc["recommendation"]["overrides"]
+    assert json.loads(capsys.readouterr().out)["recommendation"]["max_global_batch"] == 4096
 
 
 def test_each_node_alone_is_priced_at_its_own_micro_batch_on_a_gpu_measured_here(lab, capsys, monkeypatch):
@@ -572,11 +561,13 @@ def test_the_fastest_node_alones_time_to_accuracy_is_priced_at_its_own_micro_bat
 
     monkeypatch.setattr(nodes, "measure_nodes", over_ssh)
     assert main(["plan", "--config", str(REPO / "configs/vit_small_fractal.yaml"), "--hostfile", str(lab / "hosts.txt"),
-                 "--busbw", "1.19", "--powersgd-s", "0.01", "--json", "precision=fp16", "epochs=8"]) == 0
+                 "--busbw", "1.19", "--powersgd-s", "0.01", "--json", "precision=fp16", "epochs=8",
+                 "data.cache=true"]) == 0  # cached: no loader bounds a step on this machine
     doc = json.loads(capsys.readouterr().out)
     alone = doc["time_to_accuracy"]["runs"]["alone"]
     assert alone["node"] == "node3"
     assert doc["prediction"]["node_images_per_s"]["node3"] == pytest.approx(2 * 256 / 0.0316)
     step_s = 512 / (2 * 256 / 0.0316)  # node3's step alone: two micro-batches of 256 at once
     costs = replace(phases.RunCosts(**doc["runs"]["now"]["costs"]), plain_step_s=step_s, step_s=step_s, start_step=None)
+    assert doc["runs"]["alone"]["costs"] == costs.to_dict()  # the node alone's run, as the advice judges it
     assert alone["seconds"] == pytest.approx(accuracy.seconds_to(costs, alone["step"], epochs=8, max_steps=0), abs=0.1)

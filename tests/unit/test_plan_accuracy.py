@@ -111,8 +111,16 @@ def _from_first_run(first_run: Path, tmp_path: Path) -> dict[str, str]:
     return _cli_env(tmp_path)
 
 
+def _plan_here(monkeypatch, plan_json, env: dict[str, str], *argv: str) -> dict:
+    """`dscluster plan ... --json` in this process (no interpreter and torch start-up) with `env`'s runs and state."""
+    for name in ("DSCLUSTER_RUNS", "DSCLUSTER_STATE"):
+        monkeypatch.setenv(name, env[name])
+    return plan_json("--config", str(REPO / "configs" / "digits.yaml"), *argv)
+
+
 @pytest.mark.slow  # real `dscluster train` processes (torch and DeepSpeed start-ups, digits epochs)
-def test_a_finished_run_leaves_its_curve_and_the_next_plan_prices_the_time_to_reach_it(first_run, tmp_path):
+def test_a_finished_run_leaves_its_curve_and_the_next_plan_prices_the_time_to_reach_it(first_run, tmp_path, monkeypatch,
+                                                                                     plan_json):
     env = _from_first_run(first_run, tmp_path)
     words = DIGITS_TWO_EPOCHS[2:-1]
     evals = [(r["step"], r["accuracy"]) for r in read_jsonl(tmp_path / "runs" / "first" / "metrics" / "rank-0.jsonl")
@@ -125,12 +133,8 @@ def test_a_finished_run_leaves_its_curve_and_the_next_plan_prices_the_time_to_re
     target = round(evals[0][1] - 0.005, 3)  # reached at the first evaluation, before the end of the run
     step = next(s for s, a in evals if a >= target)
     (tmp_path / "hosts.txt").write_text("node1 slots=1\nnode2 slots=1\n")
-    plan = subprocess.run([sys.executable, "-m", "dscluster", "plan", "--config", "configs/digits.yaml", *words,
-                           f"target_accuracy={target}", "--hostfile", str(tmp_path / "hosts.txt"), "--busbw", "0.119",
-                           "--compute-s", "0.005", "--json"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert plan.returncode == 0, plan.stderr[-3000:]
-    doc = json.loads(plan.stdout)
+    doc = _plan_here(monkeypatch, plan_json, env, *words, f"target_accuracy={target}", "--hostfile",
+                     str(tmp_path / "hosts.txt"), "--busbw", "0.119", "--compute-s", "0.005")
     tta = doc["time_to_accuracy"]
     assert tta["source"].startswith("1 run(s) of this lab") and tta["target"] == target
     now, alone = tta["runs"]["now"], tta["runs"]["alone"]
@@ -162,7 +166,7 @@ def test_plan_with_a_damaged_curves_file_exits_2_and_writes_nothing(tmp_path, mo
 
 
 @pytest.mark.slow  # real `dscluster train` processes (torch and DeepSpeed start-ups, digits epochs)
-def test_train_holds_its_time_to_accuracy_against_plans_prediction(first_run, tmp_path):
+def test_train_holds_its_time_to_accuracy_against_plans_prediction(first_run, tmp_path, monkeypatch, plan_json):
     # one process, as plan for `localhost slots=1` predicts it: a first run records the curve, plan
     # prices the target with it, and the second run's end line and summary.json compare the two
     env = _from_first_run(first_run, tmp_path)
@@ -171,11 +175,9 @@ def test_train_holds_its_time_to_accuracy_against_plans_prediction(first_run, tm
              if r["kind"] == "eval"]
     target = round(evals[0] - 0.005, 3)  # the first evaluation got there
     (tmp_path / "hosts.txt").write_text("localhost slots=1\n")
-    plan = subprocess.run([sys.executable, "-m", "dscluster", "plan", *words[:-1], f"target_accuracy={target}",
-                           "--hostfile", str(tmp_path / "hosts.txt"), "--json"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert plan.returncode == 0, plan.stderr[-3000:]
-    predicted = json.loads(plan.stdout)["time_to_accuracy"]["runs"]["now"]["seconds"]
+    plan = _plan_here(monkeypatch, plan_json, env, *words[2:-1], f"target_accuracy={target}", "--hostfile",
+                      str(tmp_path / "hosts.txt"))
+    predicted = plan["time_to_accuracy"]["runs"]["now"]["seconds"]
     launched = time.monotonic()
     second = _train(env, "second", f"target_accuracy={target}")
     process_s = time.monotonic() - launched  # the whole process, imports included
@@ -190,10 +192,7 @@ def test_train_holds_its_time_to_accuracy_against_plans_prediction(first_run, tm
     [outcome] = json.loads((tmp_path / "state" / "plans.json").read_text())["outcomes"]
     steady = 64 / summary["images_per_s"]
     assert outcome["warmup_extra_s"] == pytest.approx(max(0.0, warm - 5 * steady), abs=2e-3)
-    again = subprocess.run([sys.executable, "-m", "dscluster", "plan", *words[:-1], "--hostfile",
-                            str(tmp_path / "hosts.txt"), "--json"], cwd=REPO, env=env, capture_output=True, text=True,
-                           timeout=300)
-    doc = json.loads(again.stdout)
+    doc = _plan_here(monkeypatch, plan_json, env, *words[2:-1], "--hostfile", str(tmp_path / "hosts.txt"))
     # the run of the same setting measured it: its figure, not the probe's first step, whichever is larger
     assert doc["runs"]["now"]["costs"]["warmup_extra_s"] == pytest.approx(outcome["warmup_extra_s"])
     assert doc["runs"]["now"]["warmup"]["source"] == "measured in run second"
@@ -298,75 +297,53 @@ def test_at_4_epochs_plan_leaves_out_the_compression_whose_8_epoch_curves_trail(
     tta = doc["time_to_accuracy"]
     assert tta["runs"] == {} and tta["curves"] == 0
     assert tta["notes"][0].startswith("no time to 90.0%: no recorded run of this model, data, schedule, epochs")
-    speed = plan("target_accuracy=null")  # for img/s alone PowerSGD is recommended, with the 8-epoch figures
-    assert "comm.compression=powersgd" in speed["recommendation"]["overrides"]
-    assert any(n.startswith("comm.compression=powersgd is recommended for images/s, but at epochs=8")
+    # without a target the run is judged by its whole run: PowerSGD is still what changes learning, and the
+    # 8-epoch curves say it learns less, at any batch (issue 55: never recommended, nor listed as untested)
+    speed = plan("target_accuracy=null")
+    rec = speed["recommendation"]
+    assert "comm.compression=powersgd" not in rec["overrides"] and rec["judged_by"] == "whole run"
+    assert not any(u["compression"] == "powersgd" for u in rec["untested"])
+    assert any(n.startswith("comm.compression=powersgd is left out of the recommendation: at epochs=8")
                for n in speed["notes"])
 
 
 def plan_fractal_lab(plan_json, tmp_path, *extra):
-    """plan (--every-step: compressions only, no local SGD) of the 1+1+2 H100 lab at 10 Gbit."""
+    """plan (--every-step: compressions only, no local SGD) of the 1+1+2 H100 lab at 10 Gbit, its data cached as
+    there (this machine's loader workers would bound each step: its memory caches less)."""
     (tmp_path / "hosts.txt").write_text("node1 slots=1\nnode2 slots=1\nnode3 slots=2\n")
     return plan_json("--every-step", "--config", FRACTAL, "--hostfile", str(tmp_path / "hosts.txt"), "--busbw", "1.19",
                      "--compute-s", "0.0226", "--powersgd-s", "0.02", "precision=fp16", "epochs=8", "micro_batch=128",
-                     *extra)
+                     "data.cache=true", *extra)
 
 
 def test_for_time_to_accuracy_plan_recommends_no_compression_that_learned_too_slowly(tmp_path, monkeypatch,
                                                                                     plan_json):
     monkeypatch.setenv("DSCLUSTER_STATE", str(tmp_path / "state"))
-    # 10 Gbit, 1+1+2 GPUs: for speed alone PowerSGD is the only setting that scales
+    # 10 Gbit, 1+1+2 GPUs: PowerSGD's step is the only one that scales, but its shipped curves trail by 20 points
     speed = plan_fractal_lab(plan_json, tmp_path, "target_accuracy=null")
-    assert speed["recommendation"]["choice"]["compression"] == "powersgd"
-    assert speed["recommendation"]["choice"]["global_batch"] == 2048
-    [note] = [n for n in speed["notes"] if n.startswith("comm.compression=powersgd is recommended for images/s, but "
-                                                        "its 2 recorded run(s)")]
-    assert note.endswith("set target_accuracy=<held-out accuracy> and plan weighs it")
-    # the curves are at the config's batch; the note says the recommendation's is another
-    assert "recorded at global batch 512; the recommendation trains at 2048, which no recorded run measured" in note
-    doc = plan_fractal_lab(plan_json, tmp_path)  # the preset's target_accuracy 0.9: the shipped curves decide
+    rec = speed["recommendation"]
+    assert rec["choice"] is None and not any(u["compression"] == "powersgd" for u in rec["untested"])
+    [note] = [n for n in speed["notes"] if n.startswith("comm.compression=powersgd is left out")]
+    assert "67.1% against 86.7% after epoch 6" in note
+    doc = plan_fractal_lab(plan_json, tmp_path)  # the preset's target_accuracy 0.9: judged by the time to it
     rec = doc["recommendation"]
-    assert rec["choice"]["compression"] != "powersgd" and "comm.compression=powersgd" not in rec["overrides"]
-    assert any(n.startswith("comm.compression=powersgd is left out") and "67.1% at step 468" in n
+    assert rec["judged_by"] == "time to 90.0%" and "comm.compression=powersgd" not in rec["overrides"]
+    assert any(n.startswith("comm.compression=powersgd is left out") and "67.1% against 86.7%" in n
                for n in doc["notes"])
     # every setting left is slower than node3 alone: plan says to train there, and how
     assert rec["train_alone"] and rec["alone_command"].startswith("printf '%s\\n' 'node3 slots=2' > hosts-node3.txt")
     assert "mpirun -np 2 --hostfile hosts-node3.txt ./entry_cn.sh --config" in rec["alone_command"]
     assert doc["time_to_accuracy"]["speedup"] < 1
+    assert rec["alone_s"] == doc["time_to_accuracy"]["runs"]["alone"]["seconds"]  # one figure, one rule
     # this lab's own PowerSGD run kept up with the uncompressed ones: its curve wins over the shipped ones
     cfg = load_config(FRACTAL, ["epochs=8", "precision=fp16"])
     accuracy.record_curve(cfg, 512, [(78, 0.09), (468, 0.87), (546, 0.905)], compression="powersgd", ranks=4,
                           run_id="mine", env={"DSCLUSTER_STATE": str(tmp_path / "state")})
     again = plan_fractal_lab(plan_json, tmp_path)
-    assert again["recommendation"]["choice"]["compression"] == "powersgd"
     assert not any("is left out" in n for n in again["notes"])
-
-
-@pytest.mark.slow  # real `dscluster train` processes (torch and DeepSpeed start-ups, digits epochs)
-def test_the_printed_command_for_the_node_alone_trains_there(tmp_path):
-    # localhost is the fast node and node2 a slow one behind a slow link: plan says train on localhost alone
-    work = tmp_path / "work"
-    work.mkdir()
-    (work / "entry_cn.sh").symlink_to(REPO / "entry_cn.sh")
-    (work / "hosts.txt").write_text("localhost slots=2\nnode2 slots=1\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "RANK", "DSCLUSTER_"))}
-    env.update(DSCLUSTER_RUNS=str(tmp_path / "runs"), DSCLUSTER_STATE=str(tmp_path / "state"), OMP_NUM_THREADS="1",
-               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", DSCLUSTER_RUN_ID="alone",
-               PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
-    words = ["max_steps=4", "epochs=1", "checkpoint.every_epochs=0"]
-    plan = subprocess.run([sys.executable, "-m", "dscluster", "plan", "--config", str(REPO / "configs/digits.yaml"),
-                           *words, "--hostfile", "hosts.txt", "--busbw", "0.001", "--compute-s",
-                           "localhost=0.01,node2=0.05", "--json"], cwd=work, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert plan.returncode == 0, plan.stderr[-3000:]
-    rec = json.loads(plan.stdout)["recommendation"]
-    assert rec["train_alone"], rec["summary"]
-    run = subprocess.run(["bash", "-c", rec["alone_command"]], cwd=work, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
-    assert (work / "hosts-localhost.txt").read_text() == "localhost slots=2\n"
-    summary = json.loads((tmp_path / "runs" / "alone" / "summary.json").read_text())
-    assert summary["status"] == "complete" and summary["world_size"] == 2 and summary["steps"] == 4
+    # and it is judged by its time to 90 % like any setting: its 30 plain steps first make it later than node3 alone
+    rec = again["recommendation"]
+    assert rec["train_alone"] and rec["judged_by"] == "time to 90.0%"
 
 
 def test_a_runs_first_costs_are_kept_even_where_its_steps_mixed_plain_and_powersgd(tmp_path):

@@ -1,13 +1,10 @@
-"""`dscluster plan`: predict a data-parallel run's step before it runs, and what would make it scale.
+"""`dscluster plan`: predict a data-parallel run before it runs, and advise only what holds as printed.
 
-- `model`: the prediction itself, pure arithmetic (no torch);
-- `inputs`: the command's options and what the prediction is made from (`PlanOptions`, `PlanInputs`);
-- `probe`: what is measured on this machine (compute per micro-batch, PowerSGD's own work);
-- `document`: the plan document and the entries saved for `train`;
-- `predicted`: plans.json, the saved predictions `train` compares its run with, and their outcomes;
-- `calibrate`: the short PowerSGD run of `plan --calibrate`;
-- `run`: making a plan from options (`run.run`);
-- `render`: the terminal table.
+- `model`, `phases`: the step and the whole run, pure arithmetic; `inputs`, `probe`, `nodes`: what they are made of;
+- `recommend`: the search over settings; `weigh`: each priced by its whole run and weighed for evidence
+  (`evidence`: does it learn as the config does); `advice`: the rule, what is recommended; `paste`: what to paste;
+- `document`: the plan document and the entries saved for `train`; `predicted`: plans.json and outcomes;
+- `calibrate`: `plan --calibrate`'s PowerSGD run; `run`: making a plan (`run.run`); `render`: the terminal table.
 
-docs/plan.md is the reference.
+docs/plan.md is the reference; docs/advisor.md says how far to trust it.
 """

@@ -36,7 +36,7 @@ import hashlib
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dscluster import state
@@ -184,6 +184,11 @@ def _read(p: Path) -> list[dict]:
                 raise UsageError(f"{p}: damaged: field curves[{i}].points[{j}] is {json.dumps(point)[:60]}, "
                                  f"expected [step, accuracy]; {fix}")
     return curves
+
+
+def check_file(env=None) -> None:
+    """Read curves.json once before anything is measured: a damaged file is bad input (exit 2), named with its fix."""
+    _read(path(env))
 
 
 def record_curve(cfg, global_batch: int, points: list[tuple[int, float]], *, compression: str, ranks: int,
@@ -340,13 +345,13 @@ def reach(curves: list[dict], target: float, compression: str) -> dict:
             "same": bool(same)}
 
 
-def predict(cfg, target: float, global_batch: int, runs: dict, alone: tuple[str, float] | None,
+def predict(cfg, target: float, global_batch: int, runs: dict, alone: tuple[str, phases.RunCosts] | None,
             compressions: dict[str, str], env=None, *, curves: tuple[list[dict], str] | None = None) -> dict:
     """The document's `time_to_accuracy`: for each whole run in `runs` ({"now"|"choice": phases.whole_run's
-    dict}, `compressions` theirs) and for the node alone (`alone`: its name and img/s at this global
-    batch, uncompressed), the step its recorded curves reach `target` at and plan's seconds to the end
-    of that evaluation; `speedup`: the node alone's seconds over the lab's best. `curves`: `curves_for`'s
-    answer where the caller has read it already."""
+    dict}, `compressions` theirs) and for the node alone (`alone`: its name and its run's costs at this global
+    batch, as plan/weigh.py prices it), the step its recorded curves reach `target` at and plan's seconds to
+    the end of that evaluation; `speedup`: the node alone's seconds over the lab's best. `curves`:
+    `curves_for`'s answer where the caller has read it already."""
     curves, source = curves if curves is not None else curves_for(cfg, global_batch, env)
     out: dict = {"target": target, "source": source, "curves": len(curves), "runs": {}, "speedup": None,
                  "notes": []}
@@ -356,9 +361,8 @@ def predict(cfg, target: float, global_batch: int, runs: dict, alone: tuple[str,
         return out
     priced = {name: (phases.RunCosts(**run["costs"]), compressions.get(name, "none"))
               for name, run in runs.items() if run is not None}
-    if alone is not None and "now" in priced:
-        step_s = global_batch / alone[1]
-        priced["alone"] = (replace(priced["now"][0], plain_step_s=step_s, step_s=step_s, start_step=None), "none")
+    if alone is not None:
+        priced["alone"] = (alone[1], "none")
     for name, (c, compression) in priced.items():
         r = reach(curves, target, compression)
         seconds = None if r["step"] is None else round(seconds_to(c, r["step"], epochs=cfg.epochs,

@@ -9,7 +9,19 @@ from __future__ import annotations
 from dataclasses import replace
 
 from dscluster import syncmode
-from dscluster.plan import accuracy, datafeed, model, phases, predicted, recommend, saveprobe, wholerun
+from dscluster.plan import (
+    accuracy,
+    advice,
+    datafeed,
+    evidence,
+    model,
+    paste,
+    phases,
+    predicted,
+    recommend,
+    weigh,
+    wholerun,
+)
 from dscluster.plan import calibrate as calibration_run
 from dscluster.plan import nodes as node_probe
 from dscluster.plan.inputs import PlanInputs, PlanOptions, figure_of
@@ -17,40 +29,18 @@ from dscluster.plan.inputs import PlanInputs, PlanOptions, figure_of
 SCHEMA_VERSION = 1
 
 
-def overrides(cfg, current_global: int, option: recommend.Option | None, micro: int,
-              start: int | None = None) -> list[str]:
-    """key=value for `./entry_cn.sh` / `dscluster train`: all three batch keys, so the trainer's
-    check micro × accum × world = global holds whatever the preset says, the compression, and
-    PowerSGD's start step where the rule moves it (`wholerun.start_for`)."""
-    out = []
-    if option is not None and option.prediction.global_batch != current_global:
-        out = [f"micro_batch={micro}", f"grad_accum={option.grad_accum}",
-               f"global_batch={option.prediction.global_batch}"]
-        if cfg.optim.lr_reference_batch is None:
-            out.append(f"optim.lr_reference_batch={current_global}")  # linear LR scaling, as DeiT's recipe
-    if option is not None and option.compression != syncmode.label(cfg):
-        out += syncmode.paste_args(option.compression, syncmode.label(cfg))
-    if option is not None and start is not None and start != wholerun.start_for(cfg, option.compression, 2,
-                                                                               recommended=False):
-        out.append(f"comm.powersgd_start_step={start}")
-    return out
-
-
-def saved_entries(doc: dict, cfg, rec: recommend.Recommendation, opts: PlanOptions) -> dict[str, dict]:
-    """What `train` looks up at the end of a run (plan/predicted.py): the config as given and each
-    recommended setting, keyed by what decides its figure, with its run costs (plan/phases.py)."""
-    settings = [("now", syncmode.label(cfg), doc["prediction"], [])]
-    for name in ("choice", "without_compression"):
-        o = getattr(rec, name)
-        if o is not None:
-            start = (doc["runs"].get(name) or {}).get("costs", {}).get("start_step")
-            settings.append((name, o.compression, o.to_dict()["prediction"],
-                             overrides(cfg, doc["global_batch"], o, doc["micro_batch"], start)))
+def saved_entries(doc: dict, cfg, a: advice.Advice, opts: PlanOptions) -> dict[str, dict]:
+    """What `train` looks up at the end of a run (plan/predicted.py): the config as given, the advice and each
+    untested setting (its measuring run compares too), keyed by what decides its figure, with its run costs."""
+    settings = [("now", syncmode.label(cfg), doc["prediction"], [], doc["runs"]["now"])]
+    for name, j in [("choice", a.choice), *(("untested", u) for u in a.untested)]:
+        if j is not None and j is not a.now:
+            settings.append((name, j.option.compression, j.option.to_dict()["prediction"], list(j.overrides), j.run))
     out = {}
     tta = doc.get("time_to_accuracy") or {}
-    for name, comp, p, ovr in settings:
+    for name, comp, p, ovr, run in settings:
         k = run_key(doc, cfg, p["global_batch"] if any(o.startswith("global_batch=") for o in ovr) else None, comp)
-        entry = saved_entry(doc, opts, name, p, ovr, doc["runs"].get(name))
+        entry = saved_entry(doc, opts, name, p, ovr, run)
         if (tta.get("runs") or {}).get(name, {}).get("seconds"):  # plan/accuracy.py's, for train to compare with
             entry.update(time_to_accuracy_s=tta["runs"][name]["seconds"], target_accuracy=tta["target"])
         out.setdefault(k, entry)
@@ -144,59 +134,6 @@ def notes_of(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict]
     return notes
 
 
-def setting_runs(inputs: PlanInputs, scenario: model.Scenario, prediction: model.Prediction,
-                 rec: recommend.Recommendation,
-                 rec_scenario: model.Scenario) -> tuple[dict[str, dict | None], list[str]]:
-    """The whole-run prediction of the config as given ("now") and of each recommended setting (made
-    from `rec_scenario`), and the notes on them (`wholerun`): each setting's warm-up and epoch ends from
-    the newest run of its own plan key where one measured them (`wholerun.from_runs`)."""
-    cfg, world = inputs.cfg, inputs.world
-    facts = datafeed.data_facts(cfg, max(h.slots for h in inputs.hostfile.hosts))
-    probe_extra = float(inputs.how.get("warmup_extra_s") or 0.0)
-    on_gpu = (inputs.how.get("device") or "cuda") != "cpu"  # --compute-s: the nodes' own GPUs
-    notes: list[str] = []
-
-    def runs_of(compression: str, global_batch: int | None) -> wholerun.FromRuns:
-        key = predicted.key(model=cfg.model.name, micro_batch=inputs.micro,
-                            global_batch=global_batch or cfg.global_batch or inputs.global_batch,
-                            precision=inputs.precision, compression=compression, ranks=world)
-        found = wholerun.from_runs(probe_extra, facts, predicted.startup(
-            model=cfg.model.name, precision=inputs.precision, ranks=world, plan_key=key))
-        notes.extend(n for n in found.notes if n not in notes)
-        return found
-
-    measured = predicted.startup(model=cfg.model.name, precision=inputs.precision, ranks=world)
-    if measured and measured["cache_fill_s"] is not None and not isinstance(facts, str) and facts.cached_images:
-        facts = replace(facts, measured_fill_s=measured["cache_fill_s"])
-        notes.append(f"whole run: data cache fill as run {measured['run_id']} measured it, "
-                     f"{measured['cache_fill_s']:.1f} s")
-    every = cfg.checkpoint
-    if not isinstance(facts, str) and (every.every_epochs or every.every_steps):
-        rate = saveprobe.measure(saveprobe.checkpoint_folder(cfg), inputs.params * phases.CHECKPOINT_BYTES_PER_PARAM)
-        if rate is not None:
-            facts = replace(facts, save_gbps=rate.gbps)
-            notes.append(rate.note())
-    evaluation = inputs.how.get("eval_s_per_image")  # measured with train's own evaluation, where the probe ran
-    now_start = wholerun.start_for(cfg, scenario.compression, world, recommended=False)
-    runs = {"now": wholerun.setting_run(cfg, scenario, prediction, facts, start=now_start,
-                                        runs=runs_of(scenario.compression, None), params=inputs.params,
-                                        eval_s_per_image=evaluation, on_gpu=on_gpu)}
-    choice_start = None
-    for name in ("choice", "without_compression"):
-        o = getattr(rec, name)
-        if o is None:
-            continue
-        start = wholerun.start_for(cfg, o.compression, world, recommended=True)
-        if name == "choice" and start is not None and start != wholerun.powersgd_start(cfg):
-            choice_start = start  # the rule moved it: say why
-        s = replace(rec_scenario, grad_accum=o.grad_accum, compression=o.compression, samples_per_step=None)
-        gb = o.prediction.global_batch if o.prediction.global_batch != scenario.global_batch else None
-        runs[name] = wholerun.setting_run(cfg, s, o.prediction, facts, start=start, runs=runs_of(o.compression, gb),
-                                          params=inputs.params, eval_s_per_image=evaluation, on_gpu=on_gpu)
-    feed = datafeed.notes(facts, scenario.micro_batch * scenario.grad_accum, prediction.step_s)
-    return runs, wholerun.run_note(cfg, facts, now_start, choice_start, world) + feed + notes
-
-
 def batch_limit(opts: PlanOptions, cfg, global_batch: int) -> tuple[int, str | None]:
     """The largest global batch plan may recommend, and why it is the config's own where it is.
 
@@ -217,21 +154,25 @@ def batch_limit(opts: PlanOptions, cfg, global_batch: int) -> tuple[int, str | N
 def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
           runs: list[dict] | None = None) -> tuple[dict, recommend.Recommendation]:
     """The plan document from measured inputs and the calibration, saved for `train` to compare with."""
-    cfg, world = inputs.cfg, inputs.world
+    cfg = inputs.cfg
+    world = inputs.world
     scenario = scenario_of(inputs, calibration)
     prediction = model.predict(scenario)
     mixed, balance = node_probe.mixed_notes(scenario, prediction, scenario.balanced)
     rec_scenario = replace(scenario, balanced=True) if balance else scenario
     limit, kept = batch_limit(opts, cfg, scenario.global_batch)
-    curves, source = accuracy.curves_for(cfg, scenario.global_batch)  # read once for the whole plan
-    family = accuracy.family_for(cfg, scenario.global_batch)
-    slow_learners = learning_too_slowly(cfg, curves, family)
-    rec = recommend.recommend(rec_scenario, max_global_batch=limit,
-                          compressions=recommend.ladder(syncmode.label(cfg), allowed=lambda c: (
-                              inputs.allowed.get(c) and c not in slow_learners
-                              and not (opts.every_step and c in model.SYNC_LADDER))))
-    whole, run_notes = setting_runs(inputs, scenario, prediction, rec, rec_scenario)
+    comps = recommend.ladder(syncmode.label(cfg), allowed=lambda c: (
+        inputs.allowed.get(c) and not (opts.every_step and c in model.SYNC_LADDER)))
+    searched = recommend.recommend(rec_scenario, max_global_batch=limit, compressions=comps)  # by the step
+    tried = recommend.options(rec_scenario, recommend.settings(rec_scenario, comps), model.ACCUM_CHOICES, limit)
+    pricer = weigh.Pricer(inputs, scenario, prediction)
+    judged, whole = weigh.weigh(pricer, rec_scenario, tried, balance)
+    rec = recommendation_of(searched, judged)
     choice_start = ((whole.get("choice") or {}).get("costs") or {}).get("start_step")
+    run_notes = (wholerun.run_note(cfg, pricer.facts, pricer.now_start,
+                                   choice_start if choice_start != wholerun.powersgd_start(cfg) else None, world)
+                 + datafeed.notes(pricer.facts, scenario.micro_batch * scenario.grad_accum, prediction.step_s)
+                 + pricer.notes)
     doc = {
         "schema": SCHEMA_VERSION, "config": opts.config, "model": cfg.model.name, "params": inputs.params,
         "hostfile": inputs.hostfile.path, "world_size": world,
@@ -249,72 +190,52 @@ def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
                         "bucket_bytes": int(scenario.bucket_bytes)},
         "prediction": prediction.to_dict(),
         "runs": whole,
-        "recommendation": {**rec.to_dict(), "overrides": overrides(cfg, scenario.global_batch, rec.choice,
-                                                                   inputs.micro, choice_start),
-                           "pending": inputs.refused},
+        "recommendation": {**rec.to_dict(), **advice.to_dict(judged), "pending": inputs.refused,
+                           "overrides": list(judged.choice.overrides) if judged.choice else []},
         "saved_to": None,
         "notes": (notes_of(opts, inputs, calibration, rec, prediction) + mixed + run_notes + ([kept] if kept else [])
-                  + list(slow_learners.values())),
+                  + advice_notes(cfg, judged)),
     }
-    if balance:
-        doc["recommendation"]["overrides"].append("batching=balanced")
+    for entry in doc["recommendation"]["untested"]:
+        entry["command"] = paste.lab_command(opts.config, opts.overrides, world, opts.hostfile, entry["overrides"])
     if rec.train_alone:
-        doc["recommendation"]["alone_command"] = alone_command(opts, scenario, prediction.fastest_node)
+        node = prediction.fastest_node
+        doc["recommendation"]["alone_command"] = paste.alone_command(
+            opts.config, opts.overrides, node, next(n.ranks for n in scenario.nodes if n.name == node))
     if cfg.target_accuracy is not None:
         doc["time_to_accuracy"] = time_to_accuracy(cfg, scenario.global_batch, whole, rec, prediction,
-                                                   (curves, source))
+                                                   accuracy.curves_for(cfg, scenario.global_batch))
         doc["notes"] += doc["time_to_accuracy"]["notes"]
-    elif rec.choice is not None and rec.choice.compression != "none":
-        why = slower_because(cfg, curves, family, rec.choice.compression)
-        gb = rec.choice.prediction.global_batch
-        if why and gb != scenario.global_batch:  # the curves are at the config's batch, not the recommendation's
-            why += (f" (recorded at global batch {scenario.global_batch}; the recommendation trains at {gb}, "
-                    "which no recorded run measured)")
-        if why:  # recommended for speed: say what the recorded runs gave up, and how to weigh it
-            doc["notes"].append(f"comm.compression={rec.choice.compression} is recommended for images/s, but {why}; "
-                                "set target_accuracy=<held-out accuracy> and plan weighs it")
-    save(doc, saved_entries(doc, cfg, rec, opts))
+    save(doc, saved_entries(doc, cfg, judged, opts))
     return doc, rec
 
 
-def alone_command(opts: PlanOptions, s: model.Scenario, node: str) -> str:
-    """The README command for `node` alone, as a user pastes it: its one-line hostfile, then mpirun."""
-    import shlex
-
-    from dscluster.hosts import format_hostfile
-    from dscluster.launch.builders import display
-    from dscluster.launch.mpirun import App, mpirun_argv
-
-    ranks = next(n.ranks for n in s.nodes if n.name == node)
-    hosts = f"hosts-{node}.txt"
-    argv = mpirun_argv("mpirun", [App(ranks, ["./entry_cn.sh", "--config", opts.config, *opts.overrides])],
-                       hostfile=hosts)
-    return (f"printf '%s\\n' {shlex.quote(format_hostfile([(node, ranks)]).strip())} > {shlex.quote(hosts)} && "
-            + display(argv))
+def recommendation_of(searched: recommend.Recommendation, a: advice.Advice) -> recommend.Recommendation:
+    """The step search's result with the advice's choice: the setting to paste, or none (train alone)."""
+    choice = a.choice.option if a.choice is not None else None
+    reached = choice is not None and choice.prediction.efficiency >= searched.target_efficiency
+    return replace(searched, choice=choice, without_compression=None, reached=reached, train_alone=a.train_alone,
+                   needed=None if reached else searched.needed, summary=advice.summary(a))
 
 
-def slower_because(cfg, curves: list[dict], family: list[tuple[str, list[dict]]], compression: str) -> str | None:
-    """Why `compression` learns too slowly (accuracy.slower's evidence), in words, saying at which run
-    length where it comes from the family's curves; None where the recorded curves do not say so."""
-    found = accuracy.slower(curves, family, compression)
-    if found is None:
-        return None
-    why, length = found
-    if length is None:
-        return why
-    own = accuracy.run_length(cfg)
-    return f"at {length}, not this config's {own} (no recorded run at {own} compares it with uncompressed ones), {why}"
-
-
-def learning_too_slowly(cfg, curves: list[dict], family: list[tuple[str, list[dict]]]) -> dict[str, str]:
-    """{compression: why it is not recommended}: with target_accuracy set, the compressions whose
-    recorded held-out `curves` trail uncompressed ones, or where those hold no comparison, the curves of
-    another run length of the same `family` (plan/accuracy.py's rule); none without it."""
-    if cfg.target_accuracy is None:
-        return {}
-    why = {c: slower_because(cfg, curves, family, c) for c in model.LADDER if c != "none"}
-    return {c: (f"comm.compression={c} is left out of the recommendation: target_accuracy is set, and {w}")
-            for c, w in why.items() if w}
+def advice_notes(cfg, a: advice.Advice) -> list[str]:
+    """Why a setting is left out (its recorded curves trail), and what an untested one's measuring run is held
+    against."""
+    own = syncmode.label(cfg)
+    notes = []
+    for j in a.left_out:
+        batch = j.option.prediction.global_batch
+        what = f"global_batch={batch}"
+        if j.option.compression != own:
+            what = " ".join(syncmode.paste_args(j.option.compression, own)) + (
+                f" at global batch {batch:,}" if batch != a.now.option.prediction.global_batch else "")
+        notes.append(f"{what} is left out of the recommendation: {j.evidence.why}")
+    if a.untested:
+        notes.append(f"an untested setting's run records its held-out curve; the next plan holds it against "
+                     f"every-step training at global batch {a.now.option.prediction.global_batch:,} at equal "
+                     f"epochs, within {evidence.TOLERANCE * 100:g} point (the config as it is records that, "
+                     f"on the lab or on {a.alone_node} alone)")
+    return notes
 
 
 def time_to_accuracy(cfg, global_batch: int, whole: dict, rec: recommend.Recommendation, p: model.Prediction,
@@ -327,7 +248,8 @@ def time_to_accuracy(cfg, global_batch: int, whole: dict, rec: recommend.Recomme
     if choice is not None and choice.prediction.global_batch == global_batch:
         runs["choice"], compressions["choice"] = whole.get("choice"), choice.compression
     fastest = p.fastest_node
-    alone = (fastest, p.node_images_per_s[fastest]) if len(p.node_images_per_s) > 1 else None
+    alone_run = whole.get("alone")  # plan/weigh.py's, as the advice judges it
+    alone = (fastest, phases.RunCosts(**alone_run["costs"])) if alone_run and whole.get("now") else None
     out = accuracy.predict(cfg, cfg.target_accuracy, global_batch, runs, alone, compressions, curves=curves)
     if choice is not None and "choice" not in runs:
         out["notes"].append(f"no time to accuracy for the recommendation: it changes the global batch to "

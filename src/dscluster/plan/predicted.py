@@ -4,7 +4,7 @@
 
     {"schema": 1,
      "plans": {KEY: {"images_per_s": float, "step_s": float,
-                     "setting": "now"|"choice"|"without_compression"|"calibration", "model_step_s": float,
+                     "setting": "now"|"choice"|"untested"|"calibration", "model_step_s": float,
                      "created": unix time, "config": str, "hostfile": str, "busbw_GBps": float,
                      "compute_s": float, "overrides": [str],
                      "compute": FIGURE, "costs": RUNCOSTS, "model_costs": RUNCOSTS}},

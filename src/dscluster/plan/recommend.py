@@ -1,8 +1,8 @@
-"""plan's recommendation: the smallest change that makes the lab scale, searched over the model's
-predictions (plan/model.py): gradient accumulation (ACCUM_CHOICES), then the settings of LADDER at each
-(compressions, then local SGD every H steps on several nodes), the first that reaches the target
-efficiency within the global batch limit, else the fastest; and whether even that is slower than the
-fastest node alone. Pure arithmetic, no torch; docs/plan.md is the reference."""
+"""plan's search over settings by their step (plan/model.py): gradient accumulation (ACCUM_CHOICES), then the
+settings of LADDER at each (compressions, then local SGD every H steps on several nodes), in order of preference
+(`options`), and the first that reaches the target efficiency within the global batch limit, else the fastest.
+What is recommended is plan/advice.py's: by the whole run and by what is learned, from these options.
+Pure arithmetic, no torch; docs/plan.md is the reference."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ class Recommendation:
                    for k in ("choice", "without_compression", "needed")}}
 
 
-def _options(s: Scenario, compressions: tuple[str, ...], accums, max_global_batch: int | None) -> list[Option]:
+def options(s: Scenario, compressions: tuple[str, ...], accums, max_global_batch: int | None) -> list[Option]:
     """Options in order of preference: the smallest global batch first (a larger one changes the
     optimisation: learning rate, steps per epoch), then no compression before compression."""
     out = []
@@ -89,6 +89,17 @@ def ladder(current: str, allowed=None) -> tuple[str, ...]:
     return tuple(c for c in rungs[start:] if allowed is None or c == current or allowed(c)) or (current,)
 
 
+def settings(s: Scenario, compressions: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """The settings worth trying on scenario `s`: `compressions` (default: `ladder` from its own), only
+    "none" on one rank, nothing that averages every H steps on one node."""
+    comps = compressions or ladder(s.compression, allowed=lambda c: c != "powersgd" or bool(s.matrices))
+    if s.world < 2:  # one rank sends nothing: no compression and no averaging to recommend
+        return ("none",)
+    if len(s.nodes) < 2:  # one node's ranks average every step anyway (train/localsgd.py)
+        return tuple(c for c in comps if syncmode.parse_label(c)[1] == 1) or ("none",)
+    return comps
+
+
 def recommend(s: Scenario, *, target: float = TARGET_EFFICIENCY, max_global_batch: int = MAX_GLOBAL_BATCH,
               compressions: tuple[str, ...] | None = None) -> Recommendation:
     """The smallest gradient accumulation of ACCUM_CHOICES, with the smallest compression of
@@ -98,38 +109,39 @@ def recommend(s: Scenario, *, target: float = TARGET_EFFICIENCY, max_global_batc
         raise UsageError(f"target efficiency {target} must be in (0, 1]")
     if max_global_batch < 1:
         raise UsageError(f"max global batch {max_global_batch} must be at least 1")
-    comps = compressions or ladder(s.compression, allowed=lambda c: c != "powersgd" or bool(s.matrices))
-    if s.world < 2:  # one rank sends nothing: no compression and no averaging to recommend
-        comps = ("none",)
-    elif len(s.nodes) < 2:  # one node's ranks average every step anyway (train/localsgd.py)
-        comps = tuple(c for c in comps if syncmode.parse_label(c)[1] == 1) or ("none",)
-    options = _options(s, comps, ACCUM_CHOICES, max_global_batch)
-    plain = [o for o in options if o.compression == "none"]
-    choice = _first_reaching(options, target)
+    comps = settings(s, compressions)
+    tried = options(s, comps, ACCUM_CHOICES, max_global_batch)
+    plain = [o for o in tried if o.compression == "none"]
+    choice = _first_reaching(tried, target)
     reached = choice is not None
-    choice = choice or _best(options)
+    choice = choice or _best(tried)
     without = None
     if choice is not None and choice.compression != "none":
         without = _first_reaching(plain, target) or _best(plain)
     needed = None
     if not reached:
-        needed = _first_reaching(_options(s, comps[-1:], [2**k for k in range(13)], None), target)
+        needed = _first_reaching(options(s, comps[-1:], [2**k for k in range(13)], None), target)
     train_alone = len(s.nodes) > 1 and (choice is None or choice.prediction.speedup < 1)
     return Recommendation(target_efficiency=target, max_global_batch=max_global_batch, reached=reached,
                           choice=choice, without_compression=without, needed=needed, train_alone=train_alone,
                           summary=_summary(s, choice, reached, needed, train_alone, target, max_global_batch))
 
 
-def describe(o: Option) -> str:
+def setting_words(o: Option) -> str:
+    """`grad_accum 4 (global batch 256) with local sgd, the models averaged every 64 steps`."""
     comp = f" with {o.compression} gradient compression" if o.compression != "none" else ""
     mode, h = syncmode.parse_label(o.compression)
     if h > 1:
         comp = f" with {mode.replace('_', ' ')}, the models averaged every {h} steps"
     if o.compression == "powersgd":
         comp = " with powersgd gradient compression (low-rank, error feedback)"
+    return f"grad_accum {o.grad_accum} (global batch {o.prediction.global_batch:,}){comp}"
+
+
+def describe(o: Option) -> str:
     p = o.prediction
-    return (f"grad_accum {o.grad_accum} (global batch {p.global_batch:,}){comp}: {p.step_s:.2f} s/step, "
-            f"{p.images_per_s:,.0f} img/s, {p.efficiency:.0%} efficiency, {p.speedup:.1f}× {p.fastest_node} alone")
+    return (f"{setting_words(o)}: {p.step_s:.2f} s/step, {p.images_per_s:,.0f} img/s, {p.efficiency:.0%} efficiency, "
+            f"{p.speedup:.1f}× {p.fastest_node} alone")
 
 
 def _summary(s, choice, reached, needed, train_alone, target, limit) -> str:

@@ -9,13 +9,50 @@ from rich.markup import escape
 from rich.table import Table
 
 from dscluster import console
+from dscluster.plan.advice import clock
 from dscluster.plan.phases import WARMUP_STEPS
 
+HEADERS = ("setting", "batch", "compute", "comm", "hidden", "step", "img/s", "speed-up", "eff")
 
-def _row(label: str, p: dict, style: str = "") -> list[str]:
+
+def _row(label: str, p: dict, seconds: float | None, style: str = "") -> list[str]:
     cells = [label, f"{p['global_batch']:,}", f"{p['compute_s']:.3f}", f"{p['comm_s']:.3f}", f"{p['hidden_s']:.3f}",
-             f"{p['step_s']:.3f}", f"{p['images_per_s']:,.0f}", f"{p['speedup']:.2f}×", f"{p['efficiency']:.0%}"]
-    return [f"[{style}]{c}[/]" if style else c for c in cells]
+             f"{p['step_s']:.3f}", f"{p['images_per_s']:,.0f}", f"{p['speedup']:.2f}×", f"{p['efficiency']:.0%}",
+             clock(seconds) if seconds else "-"]
+    return [f"[{style}]{escape(c)}[/]" if style else escape(c) for c in cells]
+
+
+def _label(what: str, o: dict) -> str:
+    return f"{what}: accum {o['grad_accum']}" + (f"+{o['compression']}" if o["compression"] != "none" else "")
+
+
+def alone_step(doc: dict) -> dict:
+    """The fastest node alone as a table row: the config's global batch at its own img/s, nothing to send."""
+    p = doc["prediction"]
+    rate = p["node_images_per_s"][p["fastest_node"]]
+    step = doc["global_batch"] / rate
+    return {"global_batch": doc["global_batch"], "compute_s": step, "comm_s": 0.0, "hidden_s": 0.0, "step_s": step,
+            "images_per_s": rate, "speedup": 1.0, "efficiency": rate / sum(p["node_images_per_s"].values())}
+
+
+def step_table(doc: dict) -> Table:
+    """The steps of the config as given, the advice, the faster untested settings and the node alone, each
+    with what it is judged by (its whole run, or its time to the target)."""
+    rec = doc["recommendation"]
+    judged = rec.get("judged_by") or "whole run"
+    table = Table(title=f"one optimizer step, predicted (s; speed-up over the fastest node alone), and the {judged}",
+                  box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for col in (*HEADERS, judged):  # fold, never cut: print_whole widens a piped table to fit
+        table.add_column(col, justify="left" if col == "setting" else "right", overflow="fold")
+    table.add_row(*_row(f"now: accum {doc['grad_accum']}", doc["prediction"], rec.get("now_s")))
+    if rec["choice"] and rec["overrides"]:
+        table.add_row(*_row(_label("advised", rec["choice"]), rec["choice"]["prediction"], rec.get("choice_s"),
+                            "green"))
+    for u in rec.get("untested") or []:
+        table.add_row(*_row(_label("untested", u), u["prediction"], u["seconds"], "yellow"))
+    if len(doc["nodes"]) > 1:
+        table.add_row(*_row(f"{doc['prediction']['fastest_node']} alone", alone_step(doc), rec.get("alone_s")))
+    return table
 
 
 def whole_run_line(label: str, r: dict) -> str:
@@ -73,14 +110,6 @@ def time_to_accuracy_line(t: dict) -> str:
             "not counted)")
 
 
-def clock(seconds: float) -> str:
-    """3 h 05 min, 12 min 40 s, 41 s."""
-    s = round(seconds)
-    if s >= 3600:
-        return f"{s // 3600} h {s % 3600 // 60:02d} min"
-    return f"{s // 60} min {s % 60:02d} s" if s >= 60 else f"{seconds:.1f} s"
-
-
 def render(doc: dict) -> None:
     out = console.out
     p, rec = doc["prediction"], doc["recommendation"]
@@ -97,27 +126,17 @@ def render(doc: dict) -> None:
                      f"start-up ({doc['busbw_source']}); "
                      f"{c['seconds']:.4f} s per micro-batch of {doc['micro_batch']} "
                      f"({c['source']}{', ' + c['device'] if c['device'] else ''}{when})"), style="dim")
-    table = Table(title="one optimizer step, predicted (s; speed-up over the fastest node alone)",
-                  box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    # short headers: the table fits an 80-column terminal
-    for col in ("setting", "batch", "compute", "comm", "hidden", "step", "img/s", "speed-up", "eff"):
-        table.add_column(col, justify="left" if col == "setting" else "right", no_wrap=True)
-    table.add_row(*_row(f"now: accum {doc['grad_accum']}", p))
-    for key, label in (("choice", "best"), ("without_compression", "best fp32")):
-        o = rec[key]
-        if o and (o["grad_accum"], o["compression"]) != (doc["grad_accum"], "none"):
-            comp = f"+{o['compression']}" if o["compression"] != "none" else ""
-            table.add_row(*_row(f"{label}: accum {o['grad_accum']}{comp}", o["prediction"], "green"))
-    out.print(table)
+    console.print_whole(step_table(doc))
     micro = {n["name"]: n.get("alone_micro") or doc["micro_batch"] for n in doc["nodes"]}  # what each is priced at
     alone = ", ".join(f"{k} {v:,.0f} (micro {micro[k]})" for k, v in p["node_images_per_s"].items())
     out.print(escape(f"each node alone, img/s: {alone}"), style="dim")
     colour = "red" if p["slower"] else ("green" if p["efficiency"] >= rec["target_efficiency"] else "yellow")
     out.print(f"[{colour}]verdict[/]: {escape(p['verdict'])}")
     out.print(f"recommendation: {escape(rec['summary'])}")
-    for key, label in (("now", "as configured"), ("choice", "with the recommendation")):
+    alone_label = f"on {p['fastest_node']} alone"
+    for key, label in (("now", "as configured"), ("choice", "with the recommendation"), ("alone", alone_label)):
         r = (doc.get("runs") or {}).get(key)
-        if r and (key == "now" or rec["overrides"]):
+        if r and (key != "choice" or rec["overrides"]):
             out.print(escape(whole_run_line(label, r)))
             ends = epoch_ends_line(r) if key == "now" else None
             if ends:
@@ -128,11 +147,14 @@ def render(doc: dict) -> None:
         out.print(f"train on {escape(p['fastest_node'])} alone, its README command:")
         out.print("    " + rec["alone_command"], markup=False)
     if rec["overrides"]:
-        prefix = "if you keep every node, " if rec["train_alone"] else ""
-        out.print(f"{prefix}paste after ./entry_cn.sh (or dscluster train):")
+        out.print("paste after ./entry_cn.sh (or dscluster train):")
         out.print("    " + " ".join(rec["overrides"]), markup=False)
-    elif rec["reached"]:
-        out.print("nothing to change: the config as it is reaches the target")
+    elif rec["choice"] and not rec["train_alone"]:
+        out.print("nothing to change: the config as it is " + ("beats the node alone" if len(doc["nodes"]) > 1
+                                                               else "is the advice"))
+    for u in rec.get("untested") or []:
+        out.print(escape(u["summary"]) + "; to measure it:", style="yellow")
+        out.print("    " + u["command"], markup=False)
     for line in rec["pending"] + doc["notes"]:
         out.print(escape(f"note: {line}"), style="dim")
     if doc["saved_to"]:

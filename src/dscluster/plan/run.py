@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from dscluster.plan import alone, model, predicted, recommend
+from dscluster.plan import accuracy, alone, model, predicted, recommend
 from dscluster.plan import calibrate as calibration_run
 from dscluster.plan.document import build, run_key, save, saved_entry, scenario_of, uses_powersgd
 from dscluster.plan.inputs import PlanInputs, PlanOptions, calibrations_with, measure
@@ -15,6 +15,7 @@ from dscluster.plan.inputs import PlanInputs, PlanOptions, calibrations_with, me
 
 def run(opts: PlanOptions) -> dict:
     """The plan document (docs/schemas.md); `calibration_runs` holds any --calibrate run and its exit code."""
+    accuracy.check_file()  # a damaged curves file stops the plan before its probes run
     inputs = measure(opts)
     alone.measure_here(opts, inputs)  # each node's micro-batch alone, where this machine's GPU stands for them
     doc, rec = build(opts, inputs, inputs.calibration)
