@@ -41,13 +41,13 @@ if ! command -v dscluster >/dev/null 2>&1; then
   exit 2
 fi
 
-# --- who am I, and where is the state: dscluster.ranks and dscluster.state own the rules -------
+# --- who am I, and where is the state: dscluster.node.ranks and dscluster.files.state own the rules -------
 # Sets GLOBAL_RANK (empty without a launcher), LOCAL_RANK_ID, WORLD, LOCAL_WORLD, STATE.
 where="$(python - "$REPO" <<'PY'
 import shlex, sys
 from dscluster.errors import UsageError
-from dscluster.ranks import detect_ranks, shell_assignments
-from dscluster.state import rank_state_dir
+from dscluster.node.ranks import detect_ranks, shell_assignments
+from dscluster.files.state import rank_state_dir
 try:
     print(shell_assignments(detect_ranks()), end="")
 except UsageError as e:
@@ -105,7 +105,7 @@ export DSCLUSTER_RUN_AGREED=1
 # with the hostfile's fingerprint (hosts.hostfile_sha256) to compare with the one check recorded.
 eval "$(python - <<'PY'
 import os, shlex
-from dscluster.hosts import hostfile_sha256
+from dscluster.node.hosts import hostfile_sha256
 from dscluster.rundir.layout import resolve_run_id, runs_root
 rid = resolve_run_id()
 print(f"export DSCLUSTER_RUN_ID={shlex.quote(rid)}")
@@ -126,7 +126,7 @@ PROGRAM_RECORD=""  # set while a user's program runs: its rank's record (process
 record_end() {
   [ -n "$PROGRAM_RECORD" ] || return 0
   PROGRAM_RECORD=""
-  python -m dscluster.rankrecord end "$1" || true
+  python -m dscluster.rundir.rankrecord end "$1" || true
 }
 cleanup() {
   trap - EXIT TERM INT HUP
@@ -184,12 +184,12 @@ fi
 # `./entry_cn.sh python my_train.py ...` runs that program instead of `dscluster train`: the
 # first argument names a program unless it is an option (-x, --config) or a key=value override,
 # which are train's. It gets the same node env, GPUs, sampler and run directory, plus its place
-# in the job (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_*: train/dist.py's rule) and DSCLUSTER_RUN_DIR.
+# in the job (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_*: core/dist.py's rule) and DSCLUSTER_RUN_DIR.
 if [ "${1#-}" = "$1" ] && ! [[ "$1" =~ ^[A-Za-z_][A-Za-z0-9_.]*= ]]; then
   exports="$(python -m dscluster.userlog --exports)" || exit 2
   eval "$exports"
   # Each rank's start, end, exit code, host and GPU, so a script without userlog still says how it ended.
-  python -m dscluster.rankrecord start -- "$@" && PROGRAM_RECORD=1
+  python -m dscluster.rundir.rankrecord start -- "$@" && PROGRAM_RECORD=1
   # Its stderr also goes to process/rank-R.stderr, so diagnose can read how it died (a DeepSpeed op build).
   ERR_FILE="$RUN_DIR/process/rank-${GLOBAL_RANK:-0}.stderr"
   mkdir -p "$RUN_DIR/process" 2>/dev/null && : > "$ERR_FILE" 2>/dev/null || ERR_FILE=/dev/null

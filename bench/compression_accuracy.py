@@ -21,9 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from dscluster import paths
 from dscluster.bench.runner import as_node_argv, free_port
-from dscluster.fsutil import atomic_write_json
+from dscluster.files import paths
+from dscluster.files.fsutil import atomic_write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 

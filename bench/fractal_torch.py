@@ -5,7 +5,7 @@ Plain PyTorch on one GPU, no DeepSpeed or timm (so it runs on a bare GPU host wi
 torchvision): torchvision's VisionTransformer in the ViT-S/16 shape (12 blocks, width 384, 6 heads),
 the settings of configs/vit_small_fractal.yaml (AdamW 1e-3 at batch 512, 200 warm-up steps, cosine,
 weight decay 0.05, clip 1, bf16 autocast), the fractal set rendered by DataLoader workers exactly as
-`dscluster train` renders it (dscluster.train.fractal). It first times the workers alone, then trains
+`dscluster train` renders it (dscluster.core.fractal). It first times the workers alone, then trains
 until --seconds have passed, evaluating the held-out set every epoch.
 
     python bench/fractal_torch.py --seconds 400 --workers 14 --out fractal_torch.json
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torchvision.models.vision_transformer import VisionTransformer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from dscluster.train.fractal import MEAN, STD, FractalRenderer  # noqa: E402
+from dscluster.core.fractal import MEAN, STD, FractalRenderer  # noqa: E402
 
 
 class Batches(torch.utils.data.Dataset):

@@ -26,7 +26,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dscluster import paths
 from dscluster.bench import tta
 from dscluster.bench.labruns import (
     accuracy_by_compression,
@@ -36,10 +35,11 @@ from dscluster.bench.labruns import (
     whole_run,
     with_recommendation,
 )
-from dscluster.fsutil import atomic_write_json, read_jsonl
-from dscluster.hosts import format_hostfile, parse_hostfile
+from dscluster.core.timing import WARMUP_STEPS
+from dscluster.files import paths
+from dscluster.files.fsutil import atomic_write_json, read_jsonl
+from dscluster.node.hosts import format_hostfile, parse_hostfile
 from dscluster.sim import lab as sim_lab
-from dscluster.train.timing import WARMUP_STEPS
 
 ROOT = Path(__file__).resolve().parents[1]
 LAB = "benchlab"

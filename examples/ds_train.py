@@ -29,7 +29,7 @@ import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from dscluster import userlog  # noqa: E402
-from dscluster.train.dist import skip_cpu_shm_build  # noqa: E402
+from dscluster.core.dist import skip_cpu_shm_build  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

@@ -25,8 +25,9 @@ from pathlib import Path
 
 from rich.table import Table
 
-from dscluster import console, paths
+from dscluster import console
 from dscluster.errors import UsageError
+from dscluster.files import paths
 from dscluster.launch.mpirun import App, mpirun_argv, mpirun_path
 from dscluster.rundir import layout
 from dscluster.sim import lab as sim

@@ -58,7 +58,7 @@ def reference(accum: int, steps: int, clip: float, momentum: float) -> tuple[dic
     Returns the final parameters and the gradient norm of every step."""
     import torch
 
-    from dscluster.train.balanced import BalancedBatchSampler
+    from dscluster.core.balanced import BalancedBatchSampler
 
     model = make_model()
     x, y = make_data()
@@ -81,17 +81,17 @@ def worker(out_dir: Path) -> None:
     import deepspeed
     import torch
 
-    from dscluster.train.balanced import BalancedBatchSampler, loss_weight
-    from dscluster.train.dist import skip_cpu_shm_build
+    from dscluster.core.balanced import BalancedBatchSampler, loss_weight
+    from dscluster.core.dist import skip_cpu_shm_build
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     skip_cpu_shm_build()  # as training does: the op is unused there and took a minute to build on a fresh clone
     deepspeed.init_distributed(dist_backend="gloo")
     import contextlib
 
-    from dscluster.train.config import load_config
-    from dscluster.train.optstep import StepBoundary
-    from dscluster.train.setup_engine import wrap_for_overlap
+    from dscluster.core.config import load_config
+    from dscluster.core.optstep import StepBoundary
+    from dscluster.core.setup_engine import wrap_for_overlap
 
     x, y = make_data()
     results = {}

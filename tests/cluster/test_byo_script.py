@@ -20,7 +20,7 @@ import pytest
 from test_launch_lab import Cluster, explain
 
 from dscluster.analysis.monitor import read_csv_series
-from dscluster.fsutil import read_jsonl
+from dscluster.files.fsutil import read_jsonl
 
 # Slow, and must stay so: unmodified DeepSpeed scripts under entry_cn.sh on a 2-node lab, one mpirun
 # each.

@@ -1,7 +1,7 @@
 """Communication options and the measured step split, with ranks under a real local mpirun (gloo).
 
 No simulated lab: ranks on this machine, kept short (a few hundred digits samples) so the file
-takes a few minutes on 2 cores. A slow link is a test-only fault (train/faults.py: slow_comm holds
+takes a few minutes on 2 cores. A slow link is a test-only fault (core/faults.py: slow_comm holds
 the last gradient bucket before it is sent, so every rank waits for the network).
 """
 
@@ -17,8 +17,8 @@ import pytest
 from _local_mpirun import DSCLUSTER, ROOT, require_mpirun
 from test_train_local import mpirun as train_mpirun
 
-from dscluster.fsutil import read_jsonl
-from dscluster.plan import phases
+from dscluster.files.fsutil import read_jsonl
+from dscluster.runmodel import phases
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dscluster.fsutil import read_jsonl
+from dscluster.files.fsutil import read_jsonl
 from dscluster.sim import lab as sim
 from dscluster.sim.plan import iface_name
 

@@ -28,7 +28,7 @@ import pytest
 from _local_mpirun import DSCLUSTER, MPIRUN, ROOT, require_mpirun, train_command
 
 from _wait import Deadline, scaled
-from dscluster.fsutil import read_jsonl
+from dscluster.files.fsutil import read_jsonl
 from dscluster.sim.ns import netns_pids, pid_is_zombie
 
 pytestmark = pytest.mark.slow

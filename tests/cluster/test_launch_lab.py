@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from _wait import Deadline, scaled, wait_until
-from dscluster.fsutil import read_jsonl
+from dscluster.files.fsutil import read_jsonl
 from dscluster.sim.ns import netns_pids, pid_is_zombie
 
 # Slow, and must stay so: each test trains digits on a 3-node lab.

@@ -26,8 +26,8 @@ from test_faults import diagnose, job_processes, records
 from test_launch_lab import DSCLUSTER, explain, set_up
 
 from _wait import Deadline, wait_until
-from dscluster.hosts import hostfile_sha256
 from dscluster.launch.slurmjob import ACTIVE
+from dscluster.node.hosts import hostfile_sha256
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

@@ -114,7 +114,7 @@ MPIRUN = f"{REPO}/.venv/bin/mpirun"
 
 
 def records(path: Path, kind: str | None = None) -> list[dict]:
-    from dscluster.fsutil import read_jsonl
+    from dscluster.files.fsutil import read_jsonl
     recs = read_jsonl(path) if path.exists() else []
     return [r for r in recs if kind is None or r.get("kind") == kind]
 

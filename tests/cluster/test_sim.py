@@ -23,7 +23,7 @@ import pytest
 
 from _wait import scaled, wait_until
 from dscluster.errors import UsageError
-from dscluster.hosts import parse_hostfile
+from dscluster.node.hosts import parse_hostfile
 from dscluster.sim import lab as sim
 from dscluster.sim.plan import SIM_ROOT
 

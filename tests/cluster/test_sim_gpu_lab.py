@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import lab_skip_reason
-from dscluster.hosts import parse_hostfile
+from dscluster.node.hosts import parse_hostfile
 from dscluster.sim import lab as sim
 from dscluster.sim.ns import tbf_available
 

@@ -20,7 +20,7 @@ import pytest
 from _local_mpirun import DSCLUSTER, ROOT, require_mpirun, train_command
 
 from dscluster.bench.runner import as_node_argv
-from dscluster.fsutil import read_jsonl
+from dscluster.files.fsutil import read_jsonl
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 require_mpirun()

@@ -14,7 +14,7 @@ from test_byo_script import set_up_and_checked
 from test_launch_lab import DSCLUSTER, REPO, Cluster, explain
 
 from _wait import wait_until
-from dscluster.fsutil import read_jsonl
+from dscluster.files.fsutil import read_jsonl
 
 pytestmark = pytest.mark.cluster
 
@@ -69,7 +69,7 @@ def test_a_running_job_shows_every_node_and_rank(cluster, tmp_path):
         for r in ranks:
             assert r["step"] >= 2 and r["images_per_s"] > 0 and r["status"] == "running", r
             # digits trains at zero_stage 0 through DDP's hook, so the step split measures every step's network
-            # wait (train/split.py), and top shows its share
+            # wait (core/split.py), and top shows its share
             steps = [s for s in read_jsonl(run / "metrics" / f"rank-{r['rank']}.jsonl") if s.get("kind") == "step"]
             assert all(isinstance(s.get("comm_s"), (int, float)) for s in steps), steps[-1]
             assert r["comm_share"] is not None and 0 <= r["comm_share"] <= 1, r

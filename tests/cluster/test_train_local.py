@@ -23,7 +23,7 @@ import yaml
 from _local_mpirun import BIN, ROOT, require_mpirun, train_command
 
 from _wait import scaled
-from dscluster.fsutil import read_jsonl
+from dscluster.files.fsutil import read_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -116,7 +116,7 @@ def test_the_whole_run_figure_is_images_over_the_runs_own_wall_clock(reference):
 
 def test_ranks_that_mpirun_bound_to_a_core_train_on_every_cpu_and_the_run_says_so(reference):
     # The README's command does not say `--bind-to none`, and OpenMPI binds each of two ranks to one core:
-    # training must free them (dscluster.cpus), or NCCL's socket threads queue on that core.
+    # training must free them (dscluster.node.cpus), or NCCL's socket threads queue on that core.
     run, out, _ = reference
     cpus = len(os.sched_getaffinity(0))
     if cpus < 2:  # the reference run then oversubscribes one CPU, and there is no core of its own to bind a rank to

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from _local_mpirun import DSCLUSTER, ROOT, require_mpirun, train_command
 
-from dscluster.fsutil import read_jsonl
+from dscluster.files.fsutil import read_jsonl
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 require_mpirun()

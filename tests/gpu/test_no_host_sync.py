@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dscluster.train.data import SyntheticImageSet, TensorImageSet
+from dscluster.core.data import SyntheticImageSet, TensorImageSet
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dscluster.fsutil import read_jsonl
-from dscluster.netif import free_port
-from dscluster.train.timing import WARMUP_STEPS
+from dscluster.core.timing import WARMUP_STEPS
+from dscluster.files.fsutil import read_jsonl
+from dscluster.node.netif import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dscluster.bench.runner import dscluster_train_module_args, free_port, torchrun_argv
-from dscluster.fsutil import read_jsonl
+from dscluster.files.fsutil import read_jsonl
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -111,7 +111,7 @@ def make_plain_run(root: Path, name: str = "plain", *, exit_codes: dict[int, int
                    monitor: bool = True, gpus: bool = False) -> Path:
     """A user's own script run through entry_cn.sh without userlog: process/rank-R.json per rank,
     each node's telemetry, DeepSpeed's csv_monitor files, and summary.json as rankrecord writes it."""
-    from dscluster import rankrecord
+    from dscluster.rundir import rankrecord
 
     exit_codes = {0: 0, 1: 0} if exit_codes is None else exit_codes
     world = len(exit_codes)

@@ -23,10 +23,10 @@ FP16_MAX = 65504.0
 
 
 def record(steps_ok: int = 60, steps_bad: int = 60, start_power: int = 16) -> list[dict]:
-    from dscluster.train import data
-    from dscluster.train.config import load_config
-    from dscluster.train.losscale import make_dynamic_scaler
-    from dscluster.train.model import build_model
+    from dscluster.core import data
+    from dscluster.core.config import load_config
+    from dscluster.core.losscale import make_dynamic_scaler
+    from dscluster.core.model import build_model
 
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "digits.yaml")
     torch.manual_seed(0)

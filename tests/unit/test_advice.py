@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from dscluster.cli import main
-from dscluster.plan import accuracy, advice, evidence, model, recommend
-from dscluster.train.config import load_config
+from dscluster.core.config import load_config
+from dscluster.plan import advice, evidence, model, recommend
+from dscluster.runmodel import accuracy
 
 REPO = Path(__file__).resolve().parents[2]
 VIT_B = str(REPO / "configs/vit_base.yaml")
@@ -104,7 +105,7 @@ def test_curves_are_held_against_every_step_training_at_equal_epochs():
 
 def test_a_tested_setting_is_pasted_and_saved_under_the_key_train_looks_up(tmp_path, monkeypatch, capsys):
     from dscluster.cli.train import check_batch_arithmetic
-    from dscluster.plan import predicted
+    from dscluster.runmodel import predicted
 
     monkeypatch.setenv("DSCLUSTER_STATE", str(tmp_path / "state"))
     (tmp_path / "hosts.txt").write_text("node1 slots=1\nnode2 slots=1\nnode3 slots=2\n")

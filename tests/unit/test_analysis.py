@@ -208,7 +208,7 @@ def test_a_run_too_short_for_its_warm_up_is_not_called_steady_in_the_report(tmp_
     from dscluster.analysis.stats import summary_row
 
     assert SHORT_RUN not in dict(summary_table_rows(summary_row(load_run(make_run(tmp_path, "long")))))[STEADY_LABEL]
-    # 4 steps: every step counted (train/timing.py is_timed), from the records and from train's summary alike
+    # 4 steps: every step counted (core/timing.py is_timed), from the records and from train's summary alike
     short = make_run(tmp_path, "short", steps=4, summary=False)
     assert dict(summary_table_rows(summary_row(load_run(short))))[STEADY_LABEL].endswith(SHORT_RUN)
     (short / "summary.json").write_text(json.dumps({"status": "complete", "images_per_s": 64.2, "timed_steps": 4,

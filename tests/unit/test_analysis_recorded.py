@@ -19,7 +19,7 @@ from dscluster.analysis import analyse
 from dscluster.analysis.diagnose import diagnose
 from dscluster.analysis.load import load_run
 from dscluster.analysis.report import STEADY_LABEL, summary_table_rows
-from dscluster.train.timing import WARMUP_STEPS
+from dscluster.core.timing import WARMUP_STEPS
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "data" / "runs"

@@ -73,8 +73,8 @@ what it was before (nothing half-written, no run directory, no state).
 | telemetry-run-dir-file    | dscluster telemetry --run-dir FILE      | a file, not a directory                        |
 | setup-timeout-zero        | dscluster setup --timeout 0             | zero timeout                                   |
 | check-timeout-zero        | dscluster check --timeout 0             | zero timeout                                   |
-| node-env-*  (reader)      | dscluster.state.read_env_file           | <state>/env/<host>.env: 3 malformed lines      |
-| deepspeed-env-* (reader)  | dscluster.state.read_deepspeed_env      | .deepspeed_env: 2 malformed lines              |
+| node-env-*  (reader)      | dscluster.files.state.read_env_file     | <state>/env/<host>.env: 3 malformed lines      |
+| deepspeed-env-* (reader)  | dscluster.files.state.read_deepspeed_env | .deepspeed_env: 2 malformed lines             |
 """
 
 from __future__ import annotations
@@ -90,9 +90,9 @@ from pathlib import Path
 import pytest
 
 from _childenv import RANK_VARS
-from dscluster import state
 from dscluster.cli import main
 from dscluster.errors import UsageError
+from dscluster.files import state
 
 REPO = Path(__file__).resolve().parents[2]
 GOOD_HOSTS = "node1 slots=1\nnode2 slots=1\n"
@@ -205,7 +205,7 @@ CASES = [
          ("override 'model.name=vit_bse_patch16_224'", "not a timm model", "e.g. vit_")),
     Case("world-resume-nothing", ["train", "checkpoint.resume=true"], {},
          ("override 'checkpoint.resume=true'", "no complete checkpoint", "checkpoint.resume=auto")),
-    # --- env files written by `dscluster check` (read by dscluster.state) ----------------------
+    # --- env files written by `dscluster check` (read by dscluster.files.state) ----------------------
     Case("cluster-env-bad-line", ["launch", "--dry-run"],
          _checked_state(cluster_env="export MASTER_ADDR='10.77.1.1'\nGLOO SOCKET=eth0\n"),
          ("cluster.env:2:", "'GLOO SOCKET=eth0'", "export KEY='value'")),

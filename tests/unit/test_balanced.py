@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 
+from dscluster.core.balanced import BalancedBatchSampler, SharePlan, calibrate, loss_weight, plan_shares
 from dscluster.errors import UsageError
-from dscluster.train.balanced import BalancedBatchSampler, SharePlan, calibrate, loss_weight, plan_shares
 
 
 def test_shares_follow_speed_and_sum_exactly():
@@ -143,7 +143,7 @@ def test_share_plan_records_weights_and_step_times():
 
 
 def test_auto_batching_follows_the_cluster_decision_and_an_explicit_choice_wins():
-    from dscluster.train.balanced import resolve_batching
+    from dscluster.core.balanced import resolve_batching
 
     assert resolve_batching("auto", {"DSCLUSTER_BATCHING": "balanced"}) == "balanced"
     assert resolve_batching("auto", {}) == "uniform"  # no `dscluster check` on this cluster

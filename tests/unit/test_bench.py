@@ -10,7 +10,7 @@ from dscluster.bench import mixed, runner, vit
 from dscluster.bench.models import model_spec, peak_bf16_flops
 from dscluster.cli.bench import _gpu_counts
 from dscluster.errors import UsageError
-from dscluster.fsutil import JsonlWriter
+from dscluster.files.fsutil import JsonlWriter
 
 
 def test_gpu_counts_n_means_the_whole_scaling_curve():
@@ -33,7 +33,7 @@ def test_vit_b16_costs_105_gflops_per_trained_image_and_h100_peak_is_known():
 @pytest.mark.parametrize("model", ["tiny", "vit_base_patch16_224"])
 def test_bench_overrides_are_valid_dscluster_train_keys(model):
     """The bench drives `dscluster train` only through its public keys; a renamed key fails here."""
-    from dscluster.train.config import load_config
+    from dscluster.core.config import load_config
 
     opts = vit.VitBenchOptions(model=model, micro_batch="auto", memory_cap_gb=8, compile=True, zero=1)
     cfg = load_config(None, vit.train_overrides(opts))
@@ -46,7 +46,7 @@ def test_bench_overrides_are_valid_dscluster_train_keys(model):
 
 def test_memory_cap_uniform_run_fits_the_small_card_and_keeps_the_global_batch():
     """Uniform batching beside an 8 GB rank: auto-fit to it, same global batch as the balanced run."""
-    from dscluster.train.config import load_config
+    from dscluster.core.config import load_config
 
     opts = mixed.MixedBenchOptions(gpus=4, micro_batch=128, memory_cap_gb=8, scenarios=["memory-cap"])
     uni = load_config(None, mixed.train_overrides(opts, "uniform", "memory-cap"))
@@ -181,7 +181,7 @@ def _fake_run(run_dir, step_times, world=2, micro=8, status="complete", summary=
 
 
 def test_throughput_without_a_summary_figure_is_the_trainers_definition(tmp_path):
-    # A run that ended before rank 0 wrote images_per_s: train/timing.py's rule on the step records,
+    # A run that ended before rank 0 wrote images_per_s: core/timing.py's rule on the step records,
     # the 5 warm-up steps (slow: compile) left out; steps 6..8 take 0.5 s each for 16 images.
     _fake_run(tmp_path, [3.0, 1.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0.5], status="failed")
     fig = runner.read_train_run(tmp_path)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from PIL import Image
 
-from dscluster import paths
 from dscluster.bench.imagefolder import MARKER, Options, build_folder, data_args, images_per_class, train_argv
+from dscluster.files import paths
 
 
 def test_each_run_is_the_readme_command_on_one_gpu_bounded_to_its_steps(tmp_path):

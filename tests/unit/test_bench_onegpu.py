@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from dscluster.bench import onegpu
-from dscluster.plan import phases
 from dscluster.rundir.writer import RunLog, summary_record
+from dscluster.runmodel import phases
 
 ROOT = Path(__file__).resolve().parents[2]
 

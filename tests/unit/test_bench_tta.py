@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 from dscluster.bench import tta
-from dscluster.fsutil import atomic_write_json
+from dscluster.core.evaluation import TimeToAccuracy
+from dscluster.files.fsutil import atomic_write_json
 from dscluster.rundir.writer import summary_record
-from dscluster.train.evaluation import TimeToAccuracy
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import shlex
 
-from dscluster import paths
 from dscluster.bench import zero_memory
-from dscluster.train.config import load_config
+from dscluster.core.config import load_config
+from dscluster.files import paths
 
 
 def test_dry_run_prints_the_readme_command_for_every_stage_and_gpu_count_and_writes_nothing(tmp_path, monkeypatch,

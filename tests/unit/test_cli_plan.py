@@ -8,10 +8,10 @@ import pytest
 from test_advice import keep_up
 
 from dscluster.cli import main
+from dscluster.core import probe as plan_probe
 from dscluster.errors import UsageError
 from dscluster.plan import calibrate as plan_calibrate
 from dscluster.plan import inputs as plan_inputs
-from dscluster.plan import probe as plan_probe
 
 REPO = Path(__file__).resolve().parents[2]
 LAB = "node1 slots=1\nnode2 slots=1\nnode3 slots=2\n"  # the GPU lab: 4 ranks on 3 nodes
@@ -128,7 +128,7 @@ def test_per_node_compute_times_slowest_sets_the_step(lab, capsys):
 
 
 def test_batch_shape_follows_the_trainer():
-    from dscluster.train.config import load_config
+    from dscluster.core.config import load_config
 
     cfg = load_config(REPO / "configs/vit_base.yaml")
     shape, note = plan_inputs.batch_shape(cfg, 4)
@@ -149,7 +149,7 @@ def test_measures_compute_on_this_machine():
     """No GPU in unit tests: a few CPU steps of the small digits ViT, scaled and labelled as CPU."""
     import torch
 
-    from dscluster.train.config import load_config
+    from dscluster.core.config import load_config
 
     cfg = load_config(REPO / "configs/digits.yaml")
     f = plan_probe.measure_compute(cfg, 1, 10, 8)
@@ -162,10 +162,10 @@ def test_measures_compute_on_this_machine():
 
 
 def test_the_whole_run_prices_evaluation_with_trains_own_evaluation_as_measured(tmp_path, monkeypatch, capsys):
-    # the probe runs train/evaluation.py's `evaluate`; the whole run's evaluation is the held-out
+    # the probe runs core/evaluation.py's `evaluate`; the whole run's evaluation is the held-out
     # images × that figure, not a third of the training step's compute
     calls = []
-    from dscluster.train import evaluation
+    from dscluster.core import evaluation
 
     real = evaluation.evaluate
 
@@ -191,7 +191,7 @@ def test_out_of_memory_while_measuring_names_the_fix(monkeypatch):
     """On an H100, micro_batch=100000 ran out of memory allocating the batch: exit 2, not a traceback."""
     import torch
 
-    from dscluster.train.config import load_config
+    from dscluster.core.config import load_config
 
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 56.08 GiB")
@@ -210,7 +210,7 @@ def test_check_on_another_rank_count_is_noted(lab, capsys):
 
 
 def test_the_config_as_given_is_saved_for_train_under_the_key_it_looks_up(lab, capsys, monkeypatch):
-    from dscluster.plan import predicted
+    from dscluster.runmodel import predicted
 
     monkeypatch.setenv("DSCLUSTER_PRECISION", "bf16")  # what `dscluster check` decided for the cluster
     assert run_plan(lab, "--compute-s", "0.0427", "--busbw", "0.119", "--json") == 0
@@ -234,7 +234,7 @@ def test_half_gradients_are_not_offered_half_precision_compression(lab, capsys):
 
 
 def test_saved_prediction_against_the_measured_figure(tmp_path):
-    from dscluster.plan import predicted
+    from dscluster.runmodel import predicted
 
     env = {"DSCLUSTER_STATE": str(tmp_path / "state")}
     k = predicted.key(model="m", micro_batch=32, global_batch=64, precision="fp32", compression="powersgd", ranks=2)
@@ -285,7 +285,7 @@ def plan_2_nodes(lab, capsys, *extra):
 
 
 def test_runs_measured_against_their_plan_correct_the_next_recommendation(lab, capsys):
-    from dscluster.plan import predicted
+    from dscluster.runmodel import predicted
 
     # curves show PowerSGD learning as every-step training does at these batches: plan may advise it
     keep_up(lab / "state", str(REPO / "configs/vit_base.yaml"), LAB_2_NODES, "powersgd", batches=(256, 512, 1024),
@@ -355,7 +355,7 @@ def test_a_failed_calibration_run_exits_1_and_leaves_the_plan_uncalibrated(lab, 
 
 
 def test_a_global_batch_the_ranks_cannot_split_evenly_is_saved_under_trains_key(lab, capsys):
-    from dscluster.plan import predicted
+    from dscluster.runmodel import predicted
 
     (lab / "three.txt").write_text("node1 slots=1\nnode2 slots=1\nnode3 slots=1\n")
     assert main(["plan", "--config", str(REPO / "configs/digits.yaml"), "--hostfile", str(lab / "three.txt"),
@@ -408,7 +408,7 @@ def plan_digits_on_two(lab, capsys, *extra):
 
 def test_a_calibrated_plan_keeps_its_compute_figure_when_the_probe_turns_5x_slower(lab, capsys, monkeypatch):
     """issue 33: a busy head node made the probe 26x slower and the calibrated prediction 26x off."""
-    from dscluster.plan import predicted
+    from dscluster.runmodel import predicted
 
     seconds = [0.02]
     stand_in_probe(monkeypatch, seconds)
@@ -456,7 +456,7 @@ def test_a_disturbed_compute_probe_is_measured_again_and_reported(lab, capsys, m
 def test_a_calibration_faster_than_the_compute_figure_wins_and_is_reported(lab, capsys, monkeypatch):
     """A probe slower than the whole measured step (a busy head node): the measured step is the better
     evidence, and the plan says the figure was too slow."""
-    from dscluster.plan import predicted
+    from dscluster.runmodel import predicted
 
     stand_in_probe(monkeypatch, [0.5])
     first = plan_digits_on_two(lab, capsys)
@@ -549,11 +549,12 @@ def test_each_nodes_probe_is_asked_for_its_micro_batch_alone(lab, capsys, monkey
 
 
 def test_the_fastest_node_alones_time_to_accuracy_is_priced_at_its_own_micro_batch(lab, capsys, monkeypatch):
-    """plan/accuracy.py prices the fastest node alone with the whole-run model at the step its figure
+    """runmodel/accuracy.py prices the fastest node alone with the whole-run model at the step its figure
     alone gives (global batch ÷ its img/s at its own micro-batch)."""
     from dataclasses import replace
 
-    from dscluster.plan import accuracy, nodes, phases
+    from dscluster.plan import nodes
+    from dscluster.runmodel import accuracy, phases
 
     def over_ssh(hostfile, config, overrides, micro, precision, *, only, alone, **kw):
         line = {"seconds": 0.0226, "device": "cuda (H100)", "alone": [{"micro": 256, "seconds": 0.0316}]}

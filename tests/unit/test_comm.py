@@ -17,11 +17,11 @@ import torch.distributed as tdist
 from test_bad_input import ISOLATE, snapshot
 
 from _spawn import spawn_ranks
+from dscluster.core.comm import CommHook
+from dscluster.core.config import ConfigValueError, load_config
+from dscluster.core.config_checks import compression_conflict
+from dscluster.core.split import StepSplit
 from dscluster.errors import UsageError
-from dscluster.train.comm import CommHook
-from dscluster.train.config import ConfigValueError, load_config
-from dscluster.train.config_checks import compression_conflict
-from dscluster.train.split import StepSplit
 
 # --- the step split ------------------------------------------------------------------------------
 

@@ -20,8 +20,8 @@ import typing
 import pytest
 from test_bad_input import ISOLATE, snapshot
 
+from dscluster.core.config import ConfigValueError, TrainConfig, load_config
 from dscluster.errors import UsageError
-from dscluster.train.config import ConfigValueError, TrainConfig, load_config
 
 BOUNDS = ("ge", "gt", "le", "lt")
 

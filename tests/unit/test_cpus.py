@@ -1,4 +1,4 @@
-"""A rank that a launcher bound to one core gets the node back (dscluster.cpus)."""
+"""A rank that a launcher bound to one core gets the node back (dscluster.node.cpus)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from dscluster import cpus
+from dscluster.node import cpus
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2
                                 or len(os.sched_getaffinity(0)) < 2, reason="needs 2+ CPUs and CPU affinity")
@@ -27,7 +27,7 @@ def worker():
     started.set()
     stop.wait()
 t = threading.Thread(target=worker); t.start(); started.wait()
-from dscluster import cpus
+from dscluster.node import cpus
 note = cpus.free_launcher_binding()
 out = {"note": note, "main": sorted(os.sched_getaffinity(0)), "thread": sorted(os.sched_getaffinity(info["tid"]))}
 stop.set(); t.join()

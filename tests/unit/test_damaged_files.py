@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from dscluster.cli import main
-from dscluster.plan import predicted
-from dscluster.plan.predicted import PlansFileError
+from dscluster.runmodel import predicted
+from dscluster.runmodel.predicted import PlansFileError
 
 RECORDED = Path(__file__).resolve().parents[1] / "data" / "runs" / "cpu-2node"
 

@@ -9,11 +9,11 @@ import os
 import pytest
 import torch
 
+from dscluster.core import data, datacache
+from dscluster.core.config import DataConfig
+from dscluster.core.loader import with_loader
+from dscluster.core.sampler import StepSampler
 from dscluster.errors import UsageError
-from dscluster.train import data, datacache
-from dscluster.train.config import DataConfig
-from dscluster.train.loader import with_loader
-from dscluster.train.sampler import StepSampler
 
 CPU = torch.device("cpu")
 GiB = 2**30

@@ -16,11 +16,11 @@ import torch
 from PIL import Image
 
 from _wait import wait_until
+from dscluster.core import data
+from dscluster.core.config import DataConfig
+from dscluster.core.loader import LoaderSteps, default_workers, with_loader
+from dscluster.core.sampler import BalancedStepSampler, StepSampler
 from dscluster.errors import UsageError
-from dscluster.train import data
-from dscluster.train.config import DataConfig
-from dscluster.train.loader import LoaderSteps, default_workers, with_loader
-from dscluster.train.sampler import BalancedStepSampler, StepSampler
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")

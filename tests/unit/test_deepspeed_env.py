@@ -11,8 +11,8 @@ import pytest
 from test_launch import make_plan
 from test_launch_cli import lab_dir, write_check  # noqa: F401 (lab_dir is a fixture)
 
-from dscluster import state
 from dscluster.cli import main
+from dscluster.files import state
 from dscluster.launch import builders as launch
 
 CHECK_KEYS = {"DSCLUSTER_PRECISION": "fp32", "MASTER_ADDR": "10.0.0.1", "NCCL_SOCKET_IFNAME": "eth0"}

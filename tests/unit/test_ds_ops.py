@@ -73,7 +73,7 @@ def test_check_warns_per_node_never_errors():
 
 def test_check_writes_a_usable_arch_list_into_the_nodes_env_file_where_the_inherited_one_would_crash():
     from dscluster.check.rules import evaluate, node_envs
-    from dscluster.hosts import parse_hostfile_text
+    from dscluster.node.hosts import parse_hostfile_text
 
     gpu = Gpu(index=0, name="NVIDIA H200", uuid="GPU-1", compute_capability="9.0", memory_total_mb=143771,
               driver="580", ecc_uncorrected=0)

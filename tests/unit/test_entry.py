@@ -165,7 +165,7 @@ def test_launcher_rendezvous_wins_over_check_values(rig):
 
 def test_the_rank_is_trainings_rule_when_launchers_disagree(rig):
     """torchrun started under mpirun: its workers get RANK/LOCAL_RANK and still inherit the agent's
-    OMPI_COMM_WORLD_*. entry_cn.sh and training take the same one (dscluster.ranks)."""
+    OMPI_COMM_WORLD_*. entry_cn.sh and training take the same one (dscluster.node.ranks)."""
     write_node_env(rig, "export NCCL_SOCKET_IFNAME='eth0'\n")
     torchrun = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
     out = run_entry(rig, extra={**under_mpirun(local_rank=0, rank=0), **torchrun})
@@ -182,7 +182,7 @@ def test_a_rank_outside_the_world_stops_with_exit_2(rig):
 
 
 def test_without_local_state_a_rank_uses_the_checkouts(tmp_path):
-    from dscluster.state import rank_state_dir
+    from dscluster.files.state import rank_state_dir
 
     checkout, work = tmp_path / "repo", tmp_path / "work"
     work.mkdir()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch._dynamo.utils import counters
 
-from dscluster.train.evaluation import evaluate
+from dscluster.core.evaluation import evaluate
 
 
 class Held:

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from dscluster.analysis.report import summary_table_rows
+from dscluster.core import data
+from dscluster.core.config import DataConfig, load_config
+from dscluster.core.fractal import FractalRenderer
 from dscluster.errors import UsageError
-from dscluster.fsutil import read_jsonl
-from dscluster.train import data
-from dscluster.train.config import DataConfig, load_config
-from dscluster.train.fractal import FractalRenderer
+from dscluster.files.fsutil import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 

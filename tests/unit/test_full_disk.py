@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dscluster.fsutil import JsonlWriter, StorageFull, read_jsonl
+from dscluster.files.fsutil import JsonlWriter, StorageFull, read_jsonl
+from dscluster.rundir import checkpoints
 from dscluster.train import checkpoint
 
 
@@ -68,7 +69,7 @@ def test_a_checkpoint_the_disk_has_no_room_for_leaves_the_previous_latest_loadab
     ok, msg = checkpoint.save(Engine(1_000_000), ckpt, checkpoint.Position(1, 10, 20), rank=0)  # 4 MB > 2 MB disk
     assert not ok
     assert "still points to epoch0000-step00000010" in msg and f"{ckpt} has " in msg and "MB free" in msg, msg
-    assert checkpoint.find_latest(ckpt) == checkpoint.tag_for(first)
+    assert checkpoints.find_latest(ckpt) == checkpoint.tag_for(first)
     assert not (ckpt / checkpoint.tag_for(checkpoint.Position(1, 10, 20))).exists()  # the torn tag is removed
     state = torch.load(ckpt / checkpoint.tag_for(first) / "mp_rank_00_model_states.pt")
     assert state["position"] == first.to_dict() and state["module"].numel() == 10_000

@@ -7,7 +7,7 @@ import pytest
 
 from dscluster.cli import main
 from dscluster.errors import UsageError
-from dscluster.hosts import parse_hostfile, parse_hostfile_text
+from dscluster.node.hosts import parse_hostfile, parse_hostfile_text
 
 
 def test_valid_hostfile_with_comments_blank_lines_and_addresses():

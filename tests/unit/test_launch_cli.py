@@ -175,7 +175,7 @@ def test_torchrun_exit_code_is_the_first_failed_nodes():
 def test_the_node_where_a_rank_died_comes_first_even_when_the_survivors_node_ended_sooner(tmp_path):
     # rank 1 on node2 SIGKILLed (its metrics stop without an end record); rank 0 on node1 failed at once on the
     # closed connection and its torchrun ended first: the run directory, not the order of the ends, names node2
-    from dscluster.fsutil import JsonlWriter
+    from dscluster.files.fsutil import JsonlWriter
     from dscluster.launch.run import NodeResult, failed_first, nodes_exit_code
 
     for rank, host in ((0, "node1"), (1, "node2")):

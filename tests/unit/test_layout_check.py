@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import os
 
-from dscluster import manifest
 from dscluster.check.layout import describe, layout_findings
+from dscluster.files import manifest
 
 
 def _node(checkout="copy", same=True, runs="own", **extra) -> dict:

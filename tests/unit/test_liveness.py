@@ -4,8 +4,8 @@ import socket
 
 import pytest
 
-from dscluster import liveness
 from dscluster.bringup import files as bf
+from dscluster.node import liveness
 
 # What mpirun (OpenMPI 5.0.11) printed on the lab when node3's cable was pulled.
 PRTE_LOST = """--------------------------------------------------------------------------

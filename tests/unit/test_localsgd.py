@@ -2,7 +2,7 @@
 loss scales agreeing, the state a checkpoint keeps, the config's refusals; buffers, a non-finite rank, a
 parameter without a gradient on one rank, nodes told apart by machine, and the streamed average with a
 checkpoint taken while it is in flight. The averager runs on a real gloo group of 4 processes on two
-"nodes" (train/localsgd.py)."""
+"nodes" (core/localsgd.py)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,10 @@ import torch
 import torch.distributed as tdist
 
 from _spawn import spawn_ranks
-from dscluster import syncmode
+from dscluster.core import localsgd, syncmode
+from dscluster.core.config import load_config
+from dscluster.core.guards import TrainingAborted
 from dscluster.errors import UsageError
-from dscluster.train import localsgd
-from dscluster.train.config import load_config
-from dscluster.train.guards import TrainingAborted
 
 
 def test_sync_points_are_step_numbers_every_rank_shares():

@@ -16,7 +16,7 @@ from dscluster.check.facts import node_facts
 from dscluster.check.nccltune import GRID, MIN_LINK_BPS, decide_socket_tuning, grid_envs
 from dscluster.check.rules import deepspeed_env, evaluate, node_envs
 from dscluster.check.run import ActiveLaunch, tune_sockets
-from dscluster.hosts import parse_hostfile_text
+from dscluster.node.hosts import parse_hostfile_text
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "facts"
 TEN_GBIT = 10 * 10**9

@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from dscluster.check.facts import node_facts
-from dscluster.netif import Interface, candidate_networks, iface_for_address, parse_ip_addr, plan_network
+from dscluster.node.netif import Interface, candidate_networks, iface_for_address, parse_ip_addr, plan_network
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "facts" / "lab-3070-1080"
 

@@ -12,7 +12,7 @@ import pytest
 
 from dscluster.check.netprobe import parse_client, parse_server_ready, rounds
 from dscluster.check.netrules import evaluate_links, links_summary, rule_df, rule_mtu, rule_nic, rule_ports, rule_speed
-from dscluster.netif import NetworkPlan
+from dscluster.node.netif import NetworkPlan
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "links" / "lab-4node-faults.json"
 

@@ -1,4 +1,4 @@
-"""dscluster.paths finds entry_cn.sh, the presets and the venv in a checkout and in a
+"""dscluster.files.paths finds entry_cn.sh, the presets and the venv in a checkout and in a
 non-editable install (`pip install .`), whose wheel ships them as data files; entry_cn.sh of an
 installed copy runs that copy's python; the hashed lock file pins what requirements.txt pins."""
 
@@ -15,7 +15,7 @@ import pytest
 
 import dscluster
 from _install import build_wheel, installed_venv, new_venv, site_packages
-from dscluster import paths
+from dscluster.files import paths
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = ("from dscluster import paths; print(paths.checkout_root()); print(paths.entry_script()); "
@@ -43,7 +43,7 @@ def test_in_the_checkout_everything_is_at_its_root():
 
 def test_a_relative_config_missing_here_names_the_shipped_preset_and_a_local_file_wins(tmp_path, monkeypatch):
     """Ranks and `dscluster plan` start in the launch directory, not in the repository."""
-    from dscluster.train.config import load_config
+    from dscluster.core.config import load_config
 
     monkeypatch.chdir(tmp_path)
     assert paths.config_path("configs/vit_base.yaml") == ROOT / "configs" / "vit_base.yaml"

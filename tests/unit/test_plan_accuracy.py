@@ -1,4 +1,4 @@
-"""plan's time to accuracy (plan/accuracy.py): runs leave their held-out curves, plan prices the steps
+"""plan's time to accuracy (runmodel/accuracy.py): runs leave their held-out curves, plan prices the steps
 to the target with the whole-run model, for the lab and for its fastest node alone."""
 
 import json
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from dscluster.core.config import load_config
 from dscluster.errors import UsageError
-from dscluster.fsutil import read_jsonl
-from dscluster.plan import accuracy, phases
-from dscluster.train.config import load_config
+from dscluster.files.fsutil import read_jsonl
+from dscluster.runmodel import accuracy, phases
 
 REPO = Path(__file__).resolve().parents[2]
 FRACTAL = str(REPO / "configs" / "vit_small_fractal.yaml")
@@ -162,7 +162,7 @@ def test_plan_with_a_damaged_curves_file_exits_2_and_writes_nothing(tmp_path, mo
     assert (tmp_path / "state" / "curves.json").read_text() == bad
     import gc
 
-    assert gc.isenabled()  # plan, run inside this process, gave the garbage collector back (train/startgc.py)
+    assert gc.isenabled()  # plan, run inside this process, gave the garbage collector back (core/startgc.py)
 
 
 @pytest.mark.slow  # real `dscluster train` processes (torch and DeepSpeed start-ups, digits epochs)
@@ -347,7 +347,7 @@ def test_for_time_to_accuracy_plan_recommends_no_compression_that_learned_too_sl
 
 
 def test_a_runs_first_costs_are_kept_even_where_its_steps_mixed_plain_and_powersgd(tmp_path):
-    from dscluster.plan import predicted
+    from dscluster.runmodel import predicted
 
     env = {"DSCLUSTER_STATE": str(tmp_path)}
     cmp = {"key": "k", "model_step_s": 0.04, "measured_images_per_s": 10000.0, "timed_steps": 295,

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from dscluster.cli import main
-from dscluster.plan import datafeed, phases
-from dscluster.train.config import load_config
-from dscluster.train.data import load
+from dscluster.core.config import load_config
+from dscluster.core.data import load
+from dscluster.plan import datafeed
+from dscluster.runmodel import phases
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from dscluster.core import probe
 from dscluster.errors import UsageError
-from dscluster.hosts import parse_hostfile_text
-from dscluster.plan import model, nodes, probe
+from dscluster.node.hosts import parse_hostfile_text
+from dscluster.plan import model, nodes
 
 LAB = parse_hostfile_text("node1 slots=1\nnode2 slots=1\nnode3 slots=2\n", "hosts.txt")
 
@@ -117,8 +118,8 @@ def test_a_node_probes_the_preset_the_head_loaded_wherever_plan_was_started(tmp_
 
 
 def test_each_node_alone_takes_the_micro_batch_training_would_give_its_own_ranks():
+    from dscluster.core.config import load_config
     from dscluster.plan.inputs import batch_shape
-    from dscluster.train.config import load_config
 
     config = Path(__file__).resolve().parents[2] / "configs" / "digits.yaml"  # micro_batch auto, global_batch 64
     cfg = load_config(config)
@@ -135,7 +136,7 @@ def test_each_node_alone_takes_the_micro_batch_training_would_give_its_own_ranks
 
 
 def gpu_stand_in(monkeypatch, device="cuda (Stand-in H100)"):
-    """plan/probe.py's measurement replaced by one that is faster per image at a larger batch, as a GPU
+    """core/probe.py's measurement replaced by one that is faster per image at a larger batch, as a GPU
     is (0.0226 s at 128 and 0.0316 s at 256 on an H100 for fractal ViT-S), on `device`."""
     taken = []
 

@@ -1,5 +1,5 @@
-"""plan's whole-run model (plan/phases.py): a run as configured, phase by phase, and train's
-end-of-run comparison for the steps a run timed (plan/predicted.py)."""
+"""plan's whole-run model (runmodel/phases.py): a run as configured, phase by phase, and train's
+end-of-run comparison for the steps a run timed (runmodel/predicted.py)."""
 
 import json
 from pathlib import Path
@@ -8,8 +8,9 @@ import pytest
 from test_advice import keep_up
 
 from dscluster.cli import main
-from dscluster.plan import phases, predicted, saveprobe
-from dscluster.train import timing
+from dscluster.core import timing
+from dscluster.plan import saveprobe
+from dscluster.runmodel import phases, predicted
 
 REAL_SAVE_PROBE = saveprobe.measure  # before tests/unit/conftest.py's steady_save_rate replaces it in each test
 
@@ -158,7 +159,7 @@ def test_pasted_recommendation_includes_the_start_step_and_the_whole_run(tmp_pat
 
 def test_the_compute_figure_is_cached_per_host_device_and_config_and_its_first_step_cost_is_the_warmup(
         tmp_path, monkeypatch, capsys):
-    from dscluster.plan import probe
+    from dscluster.core import probe
 
     monkeypatch.setenv("DSCLUSTER_STATE", str(tmp_path / "state"))
     (tmp_path / "hosts.txt").write_text("node1 slots=1\nnode2 slots=1\n")
@@ -189,8 +190,8 @@ def test_the_compute_figure_is_cached_per_host_device_and_config_and_its_first_s
 
 
 def test_the_probe_compiles_only_where_training_compiles():
-    from dscluster.plan import probe
-    from dscluster.train.config import load_config
+    from dscluster.core import probe
+    from dscluster.core.config import load_config
 
     cfg = load_config(str(REPO / "configs/vit_tiny.yaml"), [])
     assert cfg.compile == "auto" and probe.compiles_here(cfg) is False  # no GPU here: eager, as training
@@ -207,7 +208,7 @@ def test_a_resumed_run_is_not_charged_the_evaluation_its_predecessor_ran():
 
 def test_a_probe_taken_again_keeps_the_first_steps_cost_that_only_the_first_try_saw():
     # the second try reuses the process's compiled graphs: its first step costs nothing extra
-    from dscluster.plan import probe
+    from dscluster.core import probe
 
     tries = iter([(0.9, 29.0), (0.1, 0.007)])  # (spread, warm-up extra): disturbed, then steady
 
@@ -237,8 +238,8 @@ def test_the_first_plans_steady_figure_on_one_h200_holds_the_epoch_ends_train_ti
     # evaluation, the copy of the held-out set to the GPU and the loader's restart at each epoch end
     # being left out (train's steady windows hold them). From the recorded probe, the epoch ends are
     # priced within 10 % of the held-out pass each run measured, and steady img/s within 8 %.
+    from dscluster.core.config import load_config
     from dscluster.plan import datafeed, model, wholerun
-    from dscluster.train.config import load_config
 
     probe, runs = recorded_h200()
     cfg = load_config(str(REPO / "configs/vit_small_fractal.yaml"), ["precision=fp16"])
@@ -265,7 +266,7 @@ def test_a_second_plan_prices_the_warmup_as_the_run_of_its_setting_measured_it(t
     # Found on one H200: the probe's first step paid a cold compile (26 s); the run after it found the
     # compile cache warm and measured 9 s; the second plan still priced 26 s (the larger of the two) and
     # its whole run read +25 %. Now the newest run of the same setting sets it, and plan says so.
-    from dscluster.plan import probe
+    from dscluster.core import probe
 
     monkeypatch.setenv("DSCLUSTER_STATE", str(tmp_path / "state"))
     (tmp_path / "hosts.txt").write_text("localhost slots=1\n")

@@ -33,10 +33,12 @@ from typing import Callable
 import paramiko
 import pytest
 
-from dscluster import hostkeys, state
 from dscluster.check import checkfile
 from dscluster.check.checkfile import CheckFile, NodeResult
-from dscluster.plan import predicted
+from dscluster.files import state
+from dscluster.rundir import checkpoints
+from dscluster.runmodel import predicted
+from dscluster.ssh import hostkeys
 from dscluster.train import checkpoint
 
 # Slow, and must stay so: 200 real SIGKILLs of a writer per file kind (more on a loaded machine).
@@ -187,12 +189,12 @@ def test_plans_json(tmp_path):
 
 @in_a_small_process
 def test_checkpoint_latest(tmp_path):
-    path = tmp_path / checkpoint.LATEST
+    path = tmp_path / checkpoints.LATEST
     tags = ["epoch0000-step00000010", "epoch0001-step00000020"]
     for tag in tags:
         (tmp_path / tag).mkdir()
     stats = hammer(path, lambda v: checkpoint.commit_latest(tmp_path, tags[v]),
-                   lambda: checkpoint.find_latest(tmp_path), {tags[0]: 0, tags[1]: 1})
+                   lambda: checkpoints.find_latest(tmp_path), {tags[0]: 0, tags[1]: 1})
     assert sum(stats["seen"].values()) == ITERATIONS  # `latest` is tiny: kills rarely land inside its write
 
 

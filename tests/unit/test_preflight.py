@@ -15,7 +15,7 @@ from dscluster.check.rules import (
     has_errors,
     node_envs,
 )
-from dscluster.hosts import parse_hostfile_text
+from dscluster.node.hosts import parse_hostfile_text
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "facts"
 HOSTS = parse_hostfile_text("node1 slots=2\nnode2 slots=2\nnode3 slots=1\n", "hosts.txt")

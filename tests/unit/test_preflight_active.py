@@ -8,7 +8,7 @@ from dscluster.check.facts import node_facts
 from dscluster.check.probe import parse_reach
 from dscluster.check.rules import Finding, evaluate
 from dscluster.check.run import CheckRun, active_mpirun_argv
-from dscluster.hosts import parse_hostfile_text
+from dscluster.node.hosts import parse_hostfile_text
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "facts" / "lab-3070-1080"
 

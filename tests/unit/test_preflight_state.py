@@ -4,8 +4,8 @@ import subprocess
 
 import pytest
 
-from dscluster import state
 from dscluster.errors import UsageError
+from dscluster.files import state
 
 
 def test_env_file_round_trips_and_bash_sources_it_without_running_anything(tmp_path):

@@ -1,11 +1,11 @@
-"""The one secret rule (dscluster.redact) and the places that write or print an environment through it."""
+"""The one secret rule (dscluster.files.redact) and the places that write or print an environment through it."""
 
 import json
 
 import pytest
 
-from dscluster import redact
 from dscluster.cli import envreport, main
+from dscluster.files import redact
 from dscluster.rundir.writer import RunLog, effective_env
 
 KEY_BLOCK = "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAA\n-----END OPENSSH PRIVATE KEY-----\n"

@@ -10,8 +10,8 @@ import time
 import paramiko
 import pytest
 
-from dscluster import hostkeys, remote
-from dscluster.remote import RemoteError, Target
+from dscluster.ssh import hostkeys, remote
+from dscluster.ssh.remote import RemoteError, Target
 
 T = Target("node2", "10.77.1.12", 22, "lab")
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from dscluster import hostkeys, remote
 from dscluster.bench.runner import free_port
-from dscluster.remote import RemoteError, Target
+from dscluster.ssh import hostkeys, remote
+from dscluster.ssh.remote import RemoteError, Target
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 pytestmark = pytest.mark.skipif(

@@ -1,4 +1,4 @@
-"""One run-shape resolver (train/shape.py): plan and train work out precision, micro-batch,
+"""One run-shape resolver (core/shape.py): plan and train work out precision, micro-batch,
 accumulation and per-rank shares with the same code, so what plan predicts is what train runs."""
 
 import json
@@ -29,9 +29,9 @@ def test_plan_refuses_the_global_batch_train_refuses(state, capsys):
     """micro_batch 32 on 4 ranks cannot make global_batch 100 in whole micro-steps: train stops
     with exit 2 before anything runs (cli/train.py), and plan must not predict a run that never starts."""
     from dscluster.cli.train import check_batch_arithmetic
+    from dscluster.core.balanced import resolve_batching
+    from dscluster.core.config import load_config
     from dscluster.errors import UsageError
-    from dscluster.train.balanced import resolve_batching
-    from dscluster.train.config import load_config
 
     overrides = ["micro_batch=32", "global_batch=100"]
     cfg = load_config(REPO / "configs/digits.yaml", overrides)
@@ -59,12 +59,12 @@ def mixed_shares(cfg, world: int) -> list[str]:
 @pytest.mark.parametrize("preset", PRESETS)
 def test_plan_and_train_agree_on_the_run_shape(state, capsys, preset, probes_once):
     """For every preset on 1-5 ranks, as configured and with mixed balanced shares: the micro-batch,
-    accumulation and global batch plan predicts are those train runs (train/shape.py with what a
+    accumulation and global batch plan predicts are those train runs (core/shape.py with what a
     CPU rank knows: no memory limit), and plan's saved prediction is found under train's key."""
-    from dscluster.plan import predicted
-    from dscluster.train.balanced import resolve_batching
-    from dscluster.train.config import load_config
-    from dscluster.train.shape import DeviceFacts, resolve
+    from dscluster.core.balanced import resolve_batching
+    from dscluster.core.config import load_config
+    from dscluster.core.shape import DeviceFacts, resolve
+    from dscluster.runmodel import predicted
 
     config = REPO / "configs" / preset
     for world in range(1, 6):
@@ -91,7 +91,7 @@ def test_plan_and_train_agree_on_the_run_shape(state, capsys, preset, probes_onc
 def test_a_training_start_decides_its_precision_once_and_turns_the_collector_back_on(tmp_path):
     """precision.decide_here once per start: the compression check before anything is written and the
     run itself use the same decision (made on the rank's own GPU), not two that could differ. And the
-    garbage collector, off while the rank starts (train/startgc.py), is on again for training, with the
+    garbage collector, off while the rank starts (core/startgc.py), is on again for training, with the
     start-up's objects frozen out of its passes: off for a whole run, cycles would pile up for days. The
     engine, frozen with them, is still freed before the process group goes (left to interpreter exit, a
     finished gloo rank aborted in teardown, exit 134)."""
@@ -103,14 +103,15 @@ def test_a_training_start_decides_its_precision_once_and_turns_the_collector_bac
     env.update(DSCLUSTER_RUNS=str(tmp_path), DSCLUSTER_RUN_ID="once")
     code = f"""
 import json, sys
-from dscluster.train import loop, precision
+from dscluster.train import loop
+from dscluster.core import precision
 calls = []
 def counted(*args, **kwargs):
     calls.append(args)
     return precision.decide_here(*args, **kwargs)
 loop.decide_here = counted
 import gc, weakref
-from dscluster.train import dist, setup_engine, startgc
+from dscluster.core import dist, setup_engine, startgc
 seen = {{}}
 settle, build, destroy = startgc.settle, setup_engine.build, dist.destroy
 def settled():

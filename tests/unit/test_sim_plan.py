@@ -7,7 +7,7 @@ import ipaddress
 import pytest
 
 from dscluster.errors import UsageError
-from dscluster.hosts import parse_hostfile_text
+from dscluster.node.hosts import parse_hostfile_text
 from dscluster.sim.options import (
     assign_gpus,
     check_gpu_supply,

@@ -15,7 +15,7 @@ from dscluster.analysis.diagnose import diagnose
 from dscluster.analysis.load import load_run
 from dscluster.analysis.report import render_report
 from dscluster.analysis.stats import summary_row
-from dscluster.fsutil import read_jsonl
+from dscluster.files.fsutil import read_jsonl
 from dscluster.launch import slurmjob
 from dscluster.rundir.writer import RunLog, RunRecord
 from dscluster.train.stopped import record_stop

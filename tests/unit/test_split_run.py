@@ -7,10 +7,10 @@ import json
 
 from _analysis_runs import make_plain_run
 
-from dscluster import rankrecord
 from dscluster.analysis import load_run
 from dscluster.analysis.diagnose import diagnose
 from dscluster.cli import main
+from dscluster.rundir import rankrecord
 
 JOB = "prterun-node1-4242@1"
 

@@ -57,7 +57,7 @@ def test_after_close_sigterm_is_the_default_again(tmp_path):
 def test_a_stopped_rank_0_writes_its_end_and_a_summary_only_where_the_run_has_none(tmp_path):
     import json
 
-    from dscluster.fsutil import read_jsonl
+    from dscluster.files.fsutil import read_jsonl
     from dscluster.rundir.writer import RunLog, RunRecord
     from dscluster.train.stopped import record_stop
 

@@ -57,7 +57,7 @@ def test_plot_writes_the_export_and_does_not_read_it_back_as_a_monitor(tmp_path)
 
 
 def test_deepspeeds_monitors_write_into_the_run_directory_unless_the_user_said_where(tmp_path):
-    from dscluster.train.ds_config import merged, monitor_defaults
+    from dscluster.core.ds_config import merged, monitor_defaults
 
     theirs = {"tensorboard": {"enabled": True}, "csv_monitor": {"enabled": False}}
     ds = merged(merged({}, monitor_defaults(theirs, tmp_path / "runs" / "r1")), theirs)

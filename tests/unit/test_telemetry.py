@@ -204,6 +204,6 @@ UUIDS = ["GPU-2026f024-622f", "GPU-99c3cba6-1a43", "GPU-86a0ff3c-d33b", "GPU-441
     ("0,7,1", [0]),                  # as in CUDA: an entry that names no GPU ends the list
 ])
 def test_a_node_samples_only_the_gpus_its_processes_see(cvd, expected):
-    from dscluster.gpus import visible_indices
+    from dscluster.node.gpus import visible_indices
 
     assert visible_indices(cvd, UUIDS) == expected

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from dscluster import remote, thishost
+from dscluster.ssh import remote, thishost
 
 
 @pytest.mark.parametrize("name", ["localhost", "LOCALHOST", "127.0.0.1", "127.0.1.1", socket.gethostname()])

@@ -13,8 +13,8 @@ from rich.console import Console
 from _wait import scaled
 from dscluster.cli import main
 from dscluster.cli.top import render
-from dscluster.telemetry.live import tail_records
-from dscluster.telemetry.watch import NodePlace, Watcher
+from dscluster.top.live import tail_records
+from dscluster.top.watch import NodePlace, Watcher
 
 
 def _jsonl(path: Path, records: list[dict]) -> None:
@@ -237,7 +237,7 @@ def split_run(tmp_path: Path, now: float) -> tuple[Path, Path]:
 
 
 def test_once_with_run_dir_sends_the_job_samplers_sample_and_the_nodes_ranks(tmp_path):
-    from dscluster.telemetry.once import sample_once
+    from dscluster.top.once import sample_once
 
     now = time.time()
     _, node = split_run(tmp_path, now)
@@ -252,7 +252,7 @@ def test_once_with_run_dir_sends_the_job_samplers_sample_and_the_nodes_ranks(tmp
 
 
 def test_once_without_a_fresh_job_sample_takes_one_and_still_reads_the_ranks(tmp_path):
-    from dscluster.telemetry.once import sample_once
+    from dscluster.top.once import sample_once
 
     now = time.time()
     _, node = split_run(tmp_path, now - 60)  # the node's sampler stopped a minute ago; its files remain
@@ -264,7 +264,7 @@ def test_once_without_a_fresh_job_sample_takes_one_and_still_reads_the_ranks(tmp
 
 
 def test_once_line_stays_small_with_many_ranks_and_long_records(tmp_path):
-    from dscluster.telemetry.once import MAX_RANKS, sample_once
+    from dscluster.top.once import MAX_RANKS, sample_once
 
     now = time.time()
     for rank in range(MAX_RANKS + 6):
@@ -282,7 +282,7 @@ def test_the_once_command_on_a_nodes_copy_adds_its_ranks_to_the_heads(tmp_path):
     """once_command's argv run as SSH runs it (a shell), its line parsed, and merged with the head's files."""
     import subprocess
 
-    from dscluster.telemetry.live import merge_rank_records, once_command, parse_once, rank_views, read_rank_records
+    from dscluster.top.live import merge_rank_records, once_command, parse_once, rank_views, read_rank_records
 
     now = time.time()
     head, node = split_run(tmp_path, now)
@@ -297,7 +297,7 @@ def test_the_once_command_on_a_nodes_copy_adds_its_ranks_to_the_heads(tmp_path):
 
 
 def test_the_heads_file_wins_over_a_nodes_copy_and_the_newer_node_copy_over_an_older(tmp_path):
-    from dscluster.telemetry.live import RankRecords, merge_rank_records, rank_views
+    from dscluster.top.live import RankRecords, merge_rank_records, rank_views
 
     def rec(step: int, t: float, source: str) -> RankRecords:
         s = {"kind": "step", "t": t, "host": "node2", "step": step, "step_time": 1.0}
@@ -310,7 +310,7 @@ def test_the_heads_file_wins_over_a_nodes_copy_and_the_newer_node_copy_over_an_o
 
 
 def test_the_view_and_json_show_where_each_ranks_records_came_from(tmp_path):
-    from dscluster.telemetry.live import Snapshot, merge_rank_records, rank_views, read_rank_records
+    from dscluster.top.live import Snapshot, merge_rank_records, rank_views, read_rank_records
 
     now = time.time()
     head, node = split_run(tmp_path, now)

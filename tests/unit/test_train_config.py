@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from dscluster.core.config import load_config, to_yaml
+from dscluster.core.ds_config import build_ds_config
+from dscluster.core.shape import plan_batch
 from dscluster.errors import UsageError
-from dscluster.train.config import load_config, to_yaml
-from dscluster.train.ds_config import build_ds_config
-from dscluster.train.shape import plan_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,7 +112,7 @@ def test_fp16_amp_on_zero0_uses_torch_autocast_and_deepspeed_fp16_elsewhere():
 
 
 def test_range_errors_name_the_line_or_the_override_that_set_the_value(tmp_path):
-    from dscluster.train.config import ConfigValueError
+    from dscluster.core.config import ConfigValueError
 
     p = write(tmp_path, "seed: 1\ndata:\n  holdout_fraction: 1.5\nepochs: 3\n")
     with pytest.raises(ConfigValueError) as e:
@@ -130,9 +130,9 @@ def test_range_errors_name_the_line_or_the_override_that_set_the_value(tmp_path)
 
 
 def test_ddp_bucket_size_is_checked_and_reaches_ddp(tmp_path):
-    from dscluster.train import dist
-    from dscluster.train.config import ConfigValueError
-    from dscluster.train.setup_engine import wrap_for_overlap
+    from dscluster.core import dist
+    from dscluster.core.config import ConfigValueError
+    from dscluster.core.setup_engine import wrap_for_overlap
 
     p = write(tmp_path, "epochs: 1\nddp_bucket_mb: 0\n")
     with pytest.raises(ConfigValueError) as e:
@@ -147,7 +147,7 @@ def test_ddp_bucket_size_is_checked_and_reaches_ddp(tmp_path):
 
 
 def test_linear_lr_scaling_with_the_global_batch():
-    from dscluster.train.setup_engine import peak_lr
+    from dscluster.core.setup_engine import peak_lr
 
     cfg = load_config(None, ["optim.lr=0.002", "optim.lr_reference_batch=64"])
     assert peak_lr(cfg, 64) == pytest.approx(0.002)

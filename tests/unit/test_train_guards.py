@@ -6,13 +6,14 @@ from pathlib import Path
 
 import pytest
 
+from dscluster.core.config import load_config
+from dscluster.core.faults import FaultHook, parse_fault
+from dscluster.core.guards import LossScaleGuard, TrainingAborted, check_equal_steps
+from dscluster.core.losscale import recommend_initial_scale_power, replay_dynamic_scaler, write_initial_scale_power
 from dscluster.errors import JobFailed, UsageError
-from dscluster.ranks import RankInfo
-from dscluster.train.checkpoint import Checkpointer, Position, commit_latest, find_latest, resume_decision, zero_shards
-from dscluster.train.config import load_config
-from dscluster.train.faults import FaultHook, parse_fault
-from dscluster.train.guards import LossScaleGuard, TrainingAborted, check_equal_steps
-from dscluster.train.losscale import recommend_initial_scale_power, replay_dynamic_scaler, write_initial_scale_power
+from dscluster.node.ranks import RankInfo
+from dscluster.rundir.checkpoints import find_latest, resume_decision
+from dscluster.train.checkpoint import Checkpointer, Position, commit_latest, zero_shards
 
 # Recorded by tests/unit/record_loss_scale.py: 60 healthy steps, then lr=5 makes the model diverge.
 RECORDED = json.loads((Path(__file__).parent / "data" / "fp16_scale_sequence.json").read_text())["points"]

@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from dscluster.train.config import load_config
-from dscluster.train.dist import ensure_single_process_group
-from dscluster.train.ds_config import build_ds_config
-from dscluster.train.optstep import StepBoundary, decode, dscluster_clips
-from dscluster.train.shape import plan_batch
+from dscluster.core.config import load_config
+from dscluster.core.dist import ensure_single_process_group
+from dscluster.core.ds_config import build_ds_config
+from dscluster.core.optstep import StepBoundary, decode, dscluster_clips
+from dscluster.core.shape import plan_batch
 
 
 @pytest.fixture(scope="module")

@@ -2,12 +2,12 @@
 
 import pytest
 
+from dscluster.core import dist
+from dscluster.core.autofit import choose_micro_batch, largest_fit, with_margin
+from dscluster.core.dist import default_master_port, detect_ranks, export_env
+from dscluster.core.precision import decide
+from dscluster.core.sampler import StepSampler
 from dscluster.errors import JobFailed, UsageError
-from dscluster.train import dist
-from dscluster.train.autofit import choose_micro_batch, largest_fit, with_margin
-from dscluster.train.dist import default_master_port, detect_ranks, export_env
-from dscluster.train.precision import decide
-from dscluster.train.sampler import StepSampler
 
 
 @pytest.mark.parametrize("cap,expected", [((9, 0), "bf16"), ((8, 6), "bf16"), ((7, 5), "fp16"),

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from dscluster.core.config import load_config
+from dscluster.core.dist import default_extensions_dir, is_peer_failure
+from dscluster.core.setup_engine import calibration_batch, needs_memory_fit
 from dscluster.rundir.writer import RunLog, RunRecord
 from dscluster.train.checkpoint import is_write_failure
-from dscluster.train.config import load_config
-from dscluster.train.dist import default_extensions_dir, is_peer_failure
-from dscluster.train.setup_engine import calibration_batch, needs_memory_fit
 
 
 def test_torch_save_on_a_full_disk_counts_as_a_write_failure(tmp_path):
@@ -79,7 +79,7 @@ def test_extensions_dir_defaults_to_a_per_user_cache_and_keeps_an_explicit_one(t
 _BRING_UP = r"""
 import datetime, os, sys, time
 import torch
-from dscluster.train import dist
+from dscluster.core import dist
 dist.prepare_accelerator()
 t = time.time()
 dist.init_process_group(dist.RankInfo(0, 0, 1, 1, "single"), "gloo", 30)

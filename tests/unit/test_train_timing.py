@@ -2,7 +2,7 @@
 
 import pytest
 
-from dscluster.train.timing import WARMUP_STEPS, StepWindow, ends_warmup, is_timed, warmup_left_out
+from dscluster.core.timing import WARMUP_STEPS, StepWindow, ends_warmup, is_timed, warmup_left_out
 
 
 class Clock:
@@ -80,7 +80,7 @@ def test_the_process_start_counts_the_interpreter_and_its_imports(tmp_path):
     import os
     import time
 
-    from dscluster.train.timing import process_started
+    from dscluster.core.timing import process_started
 
     # stat(5): the command name may hold spaces and parentheses; starttime is field 22, in clock ticks since boot
     tick = os.sysconf("SC_CLK_TCK")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dscluster.errors import UsageError
-from dscluster.transfer import rsync_argv, safe_rel
+from dscluster.ssh.transfer import rsync_argv, safe_rel
 
 
 @pytest.mark.parametrize("bad", ["../etc/passwd", "/etc/passwd", "a/../../b", ".", ".."])

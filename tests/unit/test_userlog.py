@@ -13,7 +13,7 @@ import pytest
 from dscluster.analysis import analyse
 from dscluster.analysis.diagnose import diagnose
 from dscluster.analysis.load import load_run
-from dscluster.fsutil import read_jsonl
+from dscluster.files.fsutil import read_jsonl
 from dscluster.rundir import userlog
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,7 +87,7 @@ def test_two_ranks_load_plot_and_name_the_straggler(tmp_path):
     assert plots["loss"].series["loss rank 0 (%s)" % data.ranks[0].host]["x"] == list(range(1, 9))
     assert plots["loss"].series["held-out accuracy"]["y"] == pytest.approx([75.0])
     assert res.summary["stragglers"] == [1]
-    # No figure in summary.json: train/timing.py's, from the records; the job goes at its slowest
+    # No figure in summary.json: core/timing.py's, from the records; the job goes at its slowest
     # rank's pace (3 timed steps of 1.0 s for a global batch of 32).
     assert res.summary["images_per_s"] == pytest.approx(32.0)
     assert res.report.exists() and all(p.path.exists() for p in res.plots)

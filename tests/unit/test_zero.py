@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from _childenv import RANK_VARS
-from dscluster.train.config import ConfigValueError, load_config
-from dscluster.train.ds_config import build_ds_config
-from dscluster.train.shape import plan_batch
+from dscluster.core.config import ConfigValueError, load_config
+from dscluster.core.ds_config import build_ds_config
+from dscluster.core.shape import plan_batch
 
 ISOLATE = ("DSCLUSTER_RUNS", "DSCLUSTER_RUN_ID", "DSCLUSTER_STATE", *RANK_VARS, "DSCLUSTER_FAULT")
 
@@ -80,8 +80,8 @@ def test_offloaded_optimizer_steps_like_torch_adamw():
 
     import deepspeed
 
-    from dscluster.train.dist import ensure_single_process_group
-    from dscluster.train.setup_engine import make_optimizer, param_groups
+    from dscluster.core.dist import ensure_single_process_group
+    from dscluster.core.setup_engine import make_optimizer, param_groups
 
     ensure_single_process_group()
     cfg = load_config(None, ["zero_stage=3", "offload_optimizer=cpu", "optim.grad_clip=0", "optim.lr=0.01",

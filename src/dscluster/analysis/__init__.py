@@ -7,12 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dscluster import redact
 from dscluster.analysis.diagnose import diagnose
 from dscluster.analysis.load import RunData, load_run
 from dscluster.analysis.stats import summary_row
 from dscluster.analysis.tbexport import export as export_tensorboard
-from dscluster.fsutil import atomic_write_text
+from dscluster.files import redact
+from dscluster.files.fsutil import atomic_write_text
 from dscluster.rundir.layout import PLOTS_DIR, REPORT_FILE
 
 

@@ -19,13 +19,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dscluster import core
 from dscluster.analysis.gpusplit import busy_but_waiting_words, gpu_views
 from dscluster.analysis.load import RunData
 from dscluster.analysis.opbuild import op_build_cause
 from dscluster.analysis.stats import COMM_BOUND_SHARE, comm_share, rank_stats, step_split
-from dscluster.rankrecord import exit_text
 from dscluster.rundir.agree import split_here, split_message
-from dscluster.train.dist import PEER_FAILURE
+from dscluster.rundir.rankrecord import exit_text
 
 STOPPED_CODES = (130, 137, 143)
 """Exit codes of a rank the launcher (or the user) stopped: SIGINT, SIGKILL, SIGTERM."""
@@ -136,7 +136,7 @@ def _another_cause(run: RunData, rank: int) -> bool:
         if r == rank or rm.process is not None:
             continue
         if rm.end is None or (rm.end.get("status") == "failed"
-                              and not str(rm.end.get("error") or "").startswith(PEER_FAILURE)):
+                              and not str(rm.end.get("error") or "").startswith(core.PEER_FAILURE)):
             return True
     return False
 
@@ -312,7 +312,7 @@ def cancelled_findings(run: RunData, findings: list[Finding]) -> list[Finding]:
     resume = summary.get("resume") if isinstance(summary.get("resume"), str) else "run it again with the same run id"
     out = [Finding("warning", "run_cancelled", f"{who} at step {summary.get('steps')}; to resume: {resume}")]
     for f in findings:
-        peer_gone = f.kind == "rank_failed" and PEER_FAILURE in f.message
+        peer_gone = f.kind == "rank_failed" and core.PEER_FAILURE in f.message
         if f.severity == "error" and (f.kind in _CANCEL_SHOWS or peer_gone):
             f.severity = "warning"
             f.message += " (stopped by the cancel)"

@@ -2,7 +2,7 @@
 
 NVML counts a GPU as busy while any kernel runs, and an NCCL all-reduce kernel spinning on bytes
 from a slow network is a kernel: a GPU can read 100 % busy while its steps wait for the network
-(the step split, train/split.py; docs/run-directory.md). This module pairs the two per GPU so the
+(the step split, core/split.py; docs/run-directory.md). This module pairs the two per GPU so the
 utilisation picture, the report and `diagnose` can say it in words.
 
 A rank's GPU: the one entry_cn.sh recorded for it (process/rank-R.json), else the local-rank-th

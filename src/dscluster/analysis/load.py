@@ -16,12 +16,12 @@ from typing import Any
 
 import yaml
 
-from dscluster import redact
 from dscluster.analysis.monitor import read_monitor
 from dscluster.analysis.opbuild import read_tail
 from dscluster.errors import UsageError
-from dscluster.filemodel import NUMBER, validate
-from dscluster.fsutil import read_jsonl
+from dscluster.files import redact
+from dscluster.files.filemodel import NUMBER, validate
+from dscluster.files.fsutil import read_jsonl
 from dscluster.rundir.layout import (
     CHECKPOINT_DIR,
     CONFIG_FILE,
@@ -173,7 +173,7 @@ def _read_records(path: Path, problems: list[str]) -> list[dict]:
     return [r for r in records if isinstance(r, dict)]
 
 
-# summary.json's fields (runlog.summary_record) and their types, for dscluster.filemodel.
+# summary.json's fields (runlog.summary_record) and their types, for dscluster.files.filemodel.
 SUMMARY_TYPES: dict[str, tuple[type, ...]] = {
     "status": (str,), "run_id": (str,), "world_size": (int,), "hosts": (list,), "hosts[]": (str,),
     "precision": (str,), "model": (str,), "dataset": (str,), "epochs": (int,), "steps": (int,),

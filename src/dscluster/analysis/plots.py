@@ -18,6 +18,7 @@ from matplotlib import colormaps  # noqa: E402
 from matplotlib.colors import to_hex, to_rgb  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from dscluster import core
 from dscluster.analysis.gpusplit import busy_but_waiting_words, gpu_views  # noqa: E402
 from dscluster.analysis.load import RunData  # noqa: E402
 from dscluster.analysis.monitor import by_kind  # noqa: E402
@@ -32,7 +33,6 @@ from dscluster.analysis.stats import (  # noqa: E402
     time_to_accuracy,
 )
 from dscluster.telemetry.backends import SLOWDOWN_REASONS  # noqa: E402
-from dscluster.train.timing import WARMUP_STEPS  # noqa: E402
 
 DPI = 80
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#d62728"]
@@ -174,7 +174,8 @@ def plot_throughput(run: RunData, out: Path) -> Plot:
         ax_t.plot(xs, ys, color=colour, ls=ls, label=label + (" — straggler" if rank in stragglers else ""),
                   lw=2.2 if rank in stragglers else 1.3)
         plot.series[f"samples_per_s {label}"] = {"x": xs, "y": ys}
-        times = [s["step_time"] for s in steps[WARMUP_STEPS:] or steps if isinstance(s.get("step_time"), (int, float))]
+        steady = steps[core.WARMUP_STEPS:] or steps
+        times = [s["step_time"] for s in steady if isinstance(s.get("step_time"), (int, float))]
         if times:
             box_data.append(times)
             box_labels.append(f"r{rank}\n{run.ranks[rank].host or '?'}")
@@ -191,7 +192,7 @@ def plot_throughput(run: RunData, out: Path) -> Plot:
             patch.set_facecolor(c)
             patch.set_alpha(0.6)
     ax_b.set_ylabel("step time (s)")
-    ax_b.set_title(f"wall-clock step time per rank (first {WARMUP_STEPS} steps excluded)" + (
+    ax_b.set_title(f"wall-clock step time per rank (first {core.WARMUP_STEPS} steps excluded)" + (
         f"; straggler: rank {', '.join(map(str, stragglers))}" if stragglers else "; no straggler"), fontsize=9)
     ax_b.grid(alpha=0.3, axis="y")
     plot.notes.append(f"stragglers: {stragglers}" if stragglers else "no straggler")
@@ -348,7 +349,7 @@ def _lighter(colour: str, amount: float) -> str:
 
 
 def plot_step_split(run: RunData, out: Path) -> Plot:
-    """Where each rank's step time went (measured, train/split.py): stacked bars per rank, and the share
+    """Where each rank's step time went (measured, core/split.py): stacked bars per rank, and the share
     of each step spent waiting for the network over the run. A communication-bound run shows at once."""
     plot = Plot("step_split", out / "step_split.png", _title(run, "step time: compute, network, data per rank"))
     fig, (ax_b, ax_t) = _new(2)

@@ -10,9 +10,9 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dscluster import core
 from dscluster.analysis.load import RunData
-from dscluster.rankrecord import exit_text
-from dscluster.train.timing import WARMUP_STEPS, StepWindow, is_timed, warmup_left_out
+from dscluster.rundir.rankrecord import exit_text
 
 STRAGGLER_FACTOR = 1.15
 """A rank is a straggler when its median step time is this much above the median rank's.
@@ -39,8 +39,8 @@ class RankStat:
 
 def _steady(steps: list[dict]) -> list[dict]:
     """Drop the warm-up steps (JIT, compilation, allocator, communicator set-up), which the run's
-    own images/s leaves out too (train/timing.py), when there are steps after them."""
-    rest = steps[WARMUP_STEPS:]
+    own images/s leaves out too (core/timing.py), when there are steps after them."""
+    rest = steps[core.WARMUP_STEPS:]
     return rest if rest else steps
 
 
@@ -94,7 +94,7 @@ def global_batch(run: RunData) -> int | None:
 
 
 def job_throughput(run: RunData) -> tuple[float | None, int]:
-    """(images/s of the whole job, the steps it counts), by train/timing.py's definition.
+    """(images/s of the whole job, the steps it counts), by core/timing.py's definition.
 
     summary.json's figure when rank 0 wrote one. Without it (a run that crashed or is still
     going, or a script of the user's that logs through userlog) the same figure from the step
@@ -108,9 +108,9 @@ def job_throughput(run: RunData) -> tuple[float | None, int]:
     clocks = []
     for rank in sorted(run.ranks):
         steps = run.ranks[rank].steps
-        window = StepWindow(clock=lambda: 0.0)
+        window = core.StepWindow(clock=lambda: 0.0)
         for done, step in enumerate(steps, start=1):
-            if is_timed(done, len(steps)) and isinstance(step.get("step_time"), (int, float)):
+            if core.is_timed(done, len(steps)) and isinstance(step.get("step_time"), (int, float)):
                 window.timed_s += float(step["step_time"])
                 window.timed_steps += 1
         clocks.append(window)
@@ -129,7 +129,7 @@ def warmup_steps(run: RunData) -> int | None:
         recorded = summary.get("warmup_steps")
         return recorded if isinstance(recorded, int) else None  # a summary from before the field: not known
     longest = max((len(r.steps) for r in run.ranks.values()), default=0)
-    return warmup_left_out(longest) if longest else None
+    return core.warmup_left_out(longest) if longest else None
 
 
 def throughput(run: RunData) -> float | None:
@@ -214,7 +214,7 @@ def time_to_accuracy(run: RunData) -> dict[str, Any]:
 
 
 SPLIT_PARTS = ("compute_s", "comm_s", "data_s", "other_s")
-"""A step record's measured split (train/split.py): they add up to its step_time."""
+"""A step record's measured split (core/split.py): they add up to its step_time."""
 COMM_BOUND_SHARE = 0.2
 """More of the step than this waiting for the network, and the job cannot reach the 80% scaling
 efficiency `dscluster plan` aims for: 'communication-bound'."""

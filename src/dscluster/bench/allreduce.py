@@ -4,7 +4,7 @@
     python -m dscluster.bench.allreduce --json                                     # one host, all its GPUs
 
 Bandwidth follows nccl-tests' definitions (algbw = bytes / time, busbw = algbw * 2 (n - 1) / n), so
-figures compare with theirs. Ranks come from the launcher (`dscluster.ranks`, training's rule), else
+figures compare with theirs. Ranks come from the launcher (`dscluster.node.ranks`, training's rule), else
 this process spawns one per local GPU (2 on CPU). With MASTER_ADDR set, each rank picks its own
 interface on MASTER_ADDR's subnet (GLOO/NCCL_SOCKET_IFNAME): names differ between lab machines.
 """
@@ -20,9 +20,9 @@ import sys
 import time
 from datetime import timedelta
 
-from dscluster.cpus import free_launcher_binding
-from dscluster.netif import free_port, iface_for_address, merge_interfaces, parse_ip_addr, parse_ip_link
-from dscluster.ranks import detect_ranks
+from dscluster.node.cpus import free_launcher_binding
+from dscluster.node.netif import free_port, iface_for_address, merge_interfaces, parse_ip_addr, parse_ip_link
+from dscluster.node.ranks import detect_ranks
 
 # 64 KiB: the start-up latency of one all-reduce (plan's latency term; PowerSGD's factors are this
 # small). A 1 MiB message is not: a shaper's token bucket lets it burst through above the line rate.

@@ -19,7 +19,7 @@ import time
 from datetime import timedelta
 
 from dscluster.bench.models import build_model, model_spec
-from dscluster.fsutil import atomic_write_json
+from dscluster.files.fsutil import atomic_write_json
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

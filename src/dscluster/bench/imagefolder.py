@@ -2,8 +2,8 @@
 
 It writes an ImageFolder of generated, photo-like JPEGs on this host (no download), then runs the
 README's own command twice on one GPU: on synthetic data (what the model alone can do) and on the
-folder (decoded by the loader workers, train/loader.py). Both figures are summary.json's images_per_s,
-the one throughput definition (train/timing.py). The method is in docs/performance.md.
+folder (decoded by the loader workers, core/loader.py). Both figures are summary.json's images_per_s,
+the one throughput definition (core/timing.py). The method is in docs/performance.md.
 
     python bench/imagefolder.py                                        # on a GPU host
     python bench/imagefolder.py --device cpu --config configs/digits.yaml --classes 10 --image-size 24 \
@@ -24,13 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
-from dscluster import paths
+from dscluster import core
 from dscluster.bench import runner
 from dscluster.errors import UsageError
-from dscluster.fsutil import atomic_write_json, read_jsonl
+from dscluster.files import paths
+from dscluster.files.fsutil import atomic_write_json, read_jsonl
 from dscluster.launch.mpirun import App, mpirun_argv, mpirun_path
 from dscluster.rundir.layout import METRICS_DIR, SUMMARY_FILE
-from dscluster.train.config import load_config
 
 TARGET_RATIO = 0.9
 """The goal: real data at no less than 0.9× the synthetic-data throughput on one GPU."""
@@ -159,7 +159,7 @@ def read_run(run_dir: Path, job: runner.JobResult) -> dict:
 def global_batch_of(opts: Options) -> int:
     # entry_cn.sh reads a relative --config that is not here as the checkout's preset: so does this
     config = opts.config if Path(opts.config).exists() else paths.assets_root() / opts.config
-    cfg = load_config(config, [f"precision={opts.precision}", f"micro_batch={opts.micro_batch}", *opts.train_args])
+    cfg = core.load_config(config, [f"precision={opts.precision}", f"micro_batch={opts.micro_batch}", *opts.train_args])
     if cfg.global_batch:
         return cfg.global_batch
     if str(cfg.micro_batch).isdigit():
@@ -207,13 +207,12 @@ def run(opts: Options) -> tuple[dict, Path]:
               f"img/s in {runs[kind]['wall_s']} s", flush=True)
     synthetic = runs["synthetic"].get("images_per_s")
     real = runs["imagefolder"].get("images_per_s")
-    from dscluster.train.loader import default_workers  # torch: train.loader imports it at its top
 
     card = info.get("device_name") if opts.device == "cuda" else "cpu"
     doc = {
         "bench": "imagefolder", "date": time.strftime("%Y-%m-%d"), "created": time.time(),
         "card": card, "link": "none", **info, "cpu_count": os.cpu_count(),
-        "workers": opts.workers if opts.workers is not None else default_workers(1),
+        "workers": opts.workers if opts.workers is not None else core.default_workers(1),
         "synthetic_images_per_s": synthetic, "imagefolder_images_per_s": real,
         "ratio": _ratio(real, synthetic), "target_ratio": TARGET_RATIO,
         "second_half_ratio": _ratio(runs["imagefolder"].get("second_half_images_per_s"),

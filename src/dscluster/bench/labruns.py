@@ -8,8 +8,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from dscluster.fsutil import read_jsonl
-from dscluster.train.timing import WARMUP_STEPS
+from dscluster import core
+from dscluster.files.fsutil import read_jsonl
 
 SPLIT_KEYS = ("compute_s", "comm_s", "data_s", "other_s")
 
@@ -45,7 +45,7 @@ def median_split(run_dir: Path) -> dict | None:
         steps = [r for r in read_jsonl(run_dir / "metrics" / "rank-0.jsonl") if r.get("kind") == "step"]
     except OSError:
         return None
-    steps = steps[WARMUP_STEPS:]
+    steps = steps[core.WARMUP_STEPS:]
     out = {}
     for k in SPLIT_KEYS:
         vals = [r[k] for r in steps if isinstance(r.get(k), (int, float))]

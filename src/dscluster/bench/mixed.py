@@ -20,7 +20,7 @@ from pathlib import Path
 from dscluster.bench import runner
 from dscluster.bench.vit import model_overrides, synthetic_samples
 from dscluster.errors import UsageError
-from dscluster.fsutil import atomic_write_json
+from dscluster.files.fsutil import atomic_write_json
 
 
 @dataclass

@@ -10,8 +10,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from dscluster import core
 from dscluster.errors import UsageError
-from dscluster.train.config import ModelConfig
 
 # ViT sizes small enough for a CPU smoke run: "tiny" is a 0.45 M-parameter ViT (dim 96, depth 4,
 # patch 4).
@@ -50,21 +50,19 @@ class ModelSpec:
 
 
 def _model_config(name: str):
-    from dscluster.train.model import SMALL_IMAGE  # torch: train.model imports it at its top
 
     if name in TINY_VITS:
         kw = TINY_VITS[name]
-        return ModelConfig(name=SMALL_IMAGE, patch_size=kw["patch_size"], embed_dim=kw["embed_dim"],
+        return core.ModelConfig(name=core.SMALL_IMAGE, patch_size=kw["patch_size"], embed_dim=kw["embed_dim"],
                            depth=kw["depth"], num_heads=kw["num_heads"])
-    return ModelConfig(name=name)
+    return core.ModelConfig(name=name)
 
 
 def build_model(name: str, num_classes: int | None = None):
-    """The very ViT `dscluster train` builds for the same name (dscluster.train.model)."""
-    from dscluster.train.model import build_model as train_build_model  # torch: as in _model_config
+    """The very ViT `dscluster train` builds for the same name (dscluster.core.model)."""
 
     img_size, classes = _input_spec(name)
-    return train_build_model(_model_config(name), in_chans=3, num_classes=num_classes or classes, img_size=img_size)
+    return core.build_model(_model_config(name), in_chans=3, num_classes=num_classes or classes, img_size=img_size)
 
 
 def _input_spec(name: str) -> tuple[int, int]:

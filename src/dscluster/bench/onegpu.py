@@ -19,14 +19,13 @@ import sys
 import time
 from pathlib import Path
 
-from dscluster import paths
+from dscluster import core
 from dscluster.analysis.load import load_run
 from dscluster.bench import tta
 from dscluster.errors import UsageError
-from dscluster.fsutil import atomic_write_json, read_jsonl
+from dscluster.files import paths
+from dscluster.files.fsutil import atomic_write_json, read_jsonl
 from dscluster.rundir import layout
-from dscluster.train.config import load_config
-from dscluster.train.timing import WARMUP_STEPS
 
 METHOD = """In a fresh work folder (its own state and runs folders, and by default its own torch.compile caches, so
 that the first plan is a new user's), with the hostfile `localhost slots=1`:
@@ -110,8 +109,8 @@ def measured(run_dir: Path) -> dict:
                                                                                           (int, float)))
     return {"whole_run_s": tta.training_seconds(run_dir), "steady_images_per_s": summary.get("images_per_s"),
             # the warm-up steps close a window of their own: each step's share of it, summed, is its wall-clock
-            "warmup_s": round(sum(s["step_time"] for s in steps[:WARMUP_STEPS]), 3) if len(steps) > WARMUP_STEPS
-            else None,
+            "warmup_s": (round(sum(s["step_time"] for s in steps[:core.WARMUP_STEPS]), 3)
+                         if len(steps) > core.WARMUP_STEPS else None),
             # the passes at epoch ends another epoch follows (the loader's refill under them), as train keeps them
             "cache_fill_s": round(fill, 3), "epoch_end_s": statistics.median(evals[:-1]) if evals[:-1] else None,
             "evaluations_s": evals, "status": summary.get("status"), "steps": summary.get("steps"),
@@ -194,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     overrides = [f"precision={args.precision}", *args.set]
     try:
-        load_config(str(paths.assets_root() / args.preset), overrides)  # a bad override: exit 2, nothing run
+        core.load_config(str(paths.assets_root() / args.preset), overrides)  # a bad override: exit 2, nothing run
     except UsageError as e:
         print(f"bench/plan_onegpu.py: {e}", file=sys.stderr)
         return 2

@@ -3,7 +3,7 @@
 Commands are built (pure functions, exact argv) separately from running them. Both paths
 are started as separate processes exactly as a user would start them: `dscluster train`
 under torchrun or mpirun, the DDP baseline under torchrun. Throughput is read from the run
-directory `dscluster train` writes, through `analysis.load` (the run's own figure, train/timing.py),
+directory `dscluster train` writes, through `analysis.load` (the run's own figure, core/timing.py),
 never from a bench-only hook.
 """
 
@@ -25,7 +25,7 @@ from dscluster.analysis.stats import job_throughput, overflow_counts
 from dscluster.errors import UsageError
 from dscluster.launch import mpirun as launch_mpirun
 from dscluster.launch.mpirun import App, mpirun_path
-from dscluster.netif import free_port  # noqa: F401  (each job gets its own rendezvous)
+from dscluster.node.netif import free_port  # noqa: F401  (each job gets its own rendezvous)
 from dscluster.rundir.layout import METRICS_DIR
 
 LAUNCHERS = ("torchrun", "mpirun")
@@ -137,7 +137,7 @@ def _peak_mem(rm: RankMetrics) -> float | None:
 
 def read_train_run(run_dir: Path) -> TrainFigures:
     """What a `dscluster train` run measured, read through `analysis.load` like every reader of
-    a run directory. Throughput is the run's own (train/timing.py, via `analysis.stats`):
+    a run directory. Throughput is the run's own (core/timing.py, via `analysis.stats`):
     wall-clock windows closed after the device sync, warm-up left out."""
     try:
         run = load_run(run_dir)

@@ -12,7 +12,7 @@ import json
 import statistics
 from pathlib import Path
 
-from dscluster.fsutil import read_jsonl
+from dscluster.files.fsutil import read_jsonl
 from dscluster.rundir import layout
 
 ALONE, LAB = "alone", "lab"
@@ -54,7 +54,7 @@ def training_seconds(run_dir: Path) -> float | None:
         return None
     fill = sum(r["seconds"] for r in recs
                if r.get("kind") == "data_cache" and isinstance(r.get("seconds"), (int, float)))
-    # The steps of one log window (train/timing.py) share its mean `step_time` and are written at its
+    # The steps of one log window (core/timing.py) share its mean `step_time` and are written at its
     # end: the first step began the window's length of steps before (a warm-up of 5 steps at 1.9 s
     # each: 9.4 s, not 1.9 s).
     window = next((i for i, r in enumerate(steps) if r["step_time"] != steps[0]["step_time"]), len(steps))

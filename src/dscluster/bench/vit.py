@@ -18,7 +18,7 @@ from pathlib import Path
 from dscluster.bench import runner
 from dscluster.bench.models import TINY_VITS, model_spec, peak_bf16_flops
 from dscluster.errors import UsageError
-from dscluster.fsutil import atomic_write_json
+from dscluster.files.fsutil import atomic_write_json
 
 
 @dataclass

@@ -20,11 +20,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dscluster import paths
 from dscluster.analysis.load import load_run
 from dscluster.bench import runner
 from dscluster.errors import UsageError
-from dscluster.fsutil import atomic_write_json
+from dscluster.files import paths
+from dscluster.files.fsutil import atomic_write_json
 from dscluster.launch.mpirun import App, mpirun_argv, mpirun_path
 
 SETTINGS = (("zero0", 0, "none"), ("zero1", 1, "none"), ("zero2", 2, "none"), ("zero3", 3, "none"),

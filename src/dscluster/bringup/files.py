@@ -11,9 +11,9 @@ import re
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from dscluster import liveness
 from dscluster.errors import DsclusterError
-from dscluster.hostkeys import format_line
+from dscluster.node import liveness
+from dscluster.ssh.hostkeys import format_line
 
 BEGIN = "# >>> dscluster >>>"
 END = "# <<< dscluster <<<"

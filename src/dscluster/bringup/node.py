@@ -18,9 +18,10 @@ from pathlib import Path
 
 import paramiko
 
-from dscluster import liveness, remote
 from dscluster.bringup import files as bf
-from dscluster.remote import RemoteError, Target
+from dscluster.node import liveness
+from dscluster.ssh import remote
+from dscluster.ssh.remote import RemoteError, Target
 
 KEY = ".ssh/id_ed25519"
 # Wanted modes: sshd's StrictModes refuses keys when these are group/world-writable.

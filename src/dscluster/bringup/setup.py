@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dscluster import hostkeys, remote
 from dscluster.bringup import files as bf
 from dscluster.bringup.node import (  # noqa: F401  (SetupOptions: the command's input, imported from here)
     DIR_MODE,
@@ -33,8 +32,9 @@ from dscluster.bringup.node import (  # noqa: F401  (SetupOptions: the command's
     run_sh,
     verify_toolchain,
 )
-from dscluster.fsutil import atomic_write_text
-from dscluster.remote import Target
+from dscluster.files.fsutil import atomic_write_text
+from dscluster.ssh import hostkeys, remote
+from dscluster.ssh.remote import Target
 
 
 @dataclass

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from dscluster import manifest, paths, remote, state, transfer
 from dscluster.errors import UsageError
-from dscluster.hosts import parse_hostfile
+from dscluster.files import manifest, paths, state
+from dscluster.node.hosts import parse_hostfile
+from dscluster.ssh import remote, transfer
 
 STATE_FILES = ("cluster.env", "check.json")
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from dscluster import filemodel
 from dscluster.errors import UsageError
-from dscluster.filemodel import NUMBER
-from dscluster.fsutil import atomic_write_json
+from dscluster.files import filemodel
+from dscluster.files.filemodel import NUMBER
+from dscluster.files.fsutil import atomic_write_json
 
 SCHEMA_VERSION = 1
 
@@ -151,7 +151,7 @@ def write(path: str | Path, doc: CheckFile) -> Path:
     return atomic_write_json(path, doc.to_dict())
 
 
-# check.json's fields and their types (dscluster.filemodel: absent or null is "not known").
+# check.json's fields and their types (dscluster.files.filemodel: absent or null is "not known").
 FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "schema": (int,), "ok": (bool,), "created": NUMBER, "wall_s": NUMBER, "hostfile": (str,),
     "hostfile_sha256": (str,), "np": (int,), "head": (str,), "precision": (dict,), "batching": (dict,),

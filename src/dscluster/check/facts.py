@@ -13,8 +13,8 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 
-from dscluster.gpus import visible_indices
-from dscluster.netif import Interface, merge_interfaces, parse_ip_addr, parse_ip_link
+from dscluster.node.gpus import visible_indices
+from dscluster.node.netif import Interface, merge_interfaces, parse_ip_addr, parse_ip_link
 
 SECTION_MARK = "@@dscluster-section"
 RC_MARK = "@@dscluster-rc"

@@ -13,8 +13,9 @@ import os
 import secrets
 from pathlib import Path
 
-from dscluster import manifest, paths, remote
 from dscluster.check.rules import Finding
+from dscluster.files import manifest, paths
+from dscluster.ssh import remote
 
 MARKER_PREFIX = ".dscluster-layout-"
 SHOW_FILES = 5

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import shlex
 
-from dscluster import remote
+from dscluster.ssh import remote
 
 SERVER_PORTS = 4         # ephemeral TCP ports each node opens (NCCL opens a few per peer too)
 CONNECT_TIMEOUT_S = 2.0

@@ -15,7 +15,7 @@ from collections import defaultdict
 
 from dscluster.check.facts import NodeFacts
 from dscluster.check.rules import Finding
-from dscluster.netif import NetworkPlan
+from dscluster.node.netif import NetworkPlan
 
 SLOW_FRACTION = 0.5     # a link under half the median node's is slow
 WRONG_NIC_FRACTION = 0.5  # less than half the bytes on the chosen interface: they left by another

@@ -18,10 +18,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dscluster import remote
 from dscluster.check.dsops import ds_op_facts
 from dscluster.check.facts import NodeFacts, clock_offset, node_facts
 from dscluster.rundir.layout import runs_root
+from dscluster.ssh import remote
 
 GPU_QUERY = "index,name,uuid,compute_cap,memory.total,driver_version,ecc.errors.uncorrected.volatile.total"
 GPU_QUERY_OLD = "index,name,uuid,memory.total,driver_version,ecc.errors.uncorrected.volatile.total"

@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass, field
 
 from dscluster.check.dsops import arch_env, node_ops_findings
 from dscluster.check.facts import NodeFacts
-from dscluster.hosts import Hostfile
-from dscluster.netif import NetworkPlan, is_excluded, plan_network
+from dscluster.node.hosts import Hostfile
+from dscluster.node.netif import NetworkPlan, is_excluded, plan_network
 
 # Table columns, in order.
 CHECKS = ("reach", "hostname", "network", "versions", "gpu", "precision", "p2p",

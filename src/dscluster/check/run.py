@@ -17,7 +17,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from dscluster import paths, remote, state, thishost
 from dscluster.check.facts import NodeFacts
 from dscluster.check.layout import layout_findings, probe_layout
 from dscluster.check.nccltune import SOCKS, THREADS, decide_socket_tuning, grid_envs, grid_point, why_not_tuned
@@ -36,9 +35,11 @@ from dscluster.check.probe import (
 )
 from dscluster.check.rules import Evaluation, Finding, evaluate, has_errors, node_envs
 from dscluster.errors import UsageError
-from dscluster.hosts import Hostfile, hostfile_sha256, parse_hostfile
+from dscluster.files import paths, state
 from dscluster.launch.mcaparams import parse_writer, writer_command
 from dscluster.launch.mpirun import App, mpirun_argv, mpirun_path
+from dscluster.node.hosts import Hostfile, hostfile_sha256, parse_hostfile
+from dscluster.ssh import remote, thishost
 
 # Findings that make an mpirun across the cluster hang or fail for a known reason.
 BLOCKING_CHECKS = {"reach", "hostname", "network", "mesh", "port", "mpi"}

@@ -16,13 +16,13 @@ import json
 from rich.markup import escape
 from rich.table import Table
 
-from dscluster import console, paths, state
+from dscluster import console, core
 from dscluster.check import checkfile
 from dscluster.check.checkfile import CheckFile, NodeResult
 from dscluster.check.rules import CHECKS, cell_status, deepspeed_env
 from dscluster.check.run import CheckOptions, CheckRun, envs, ok, run_check
 from dscluster.errors import UsageError
-from dscluster.train.config import load_config
+from dscluster.files import paths, state
 
 MARK = {"ok": "[green]✓[/]", "warning": "[yellow]![/]", "error": "[red]✗[/]"}
 SEVERITY_STYLE = {"error": "red", "warning": "yellow", "info": "cyan"}
@@ -171,7 +171,7 @@ def data_folder(data: str | None, config: str | None) -> str | None:
     """The folder to compare on every node: --data, else the preset's data.path (None: none named)."""
     if data is not None or config is None:
         return data
-    return load_config(paths.config_path(config)).data.path or None
+    return core.load_config(paths.config_path(config)).data.path or None
 
 
 def check_command(args: argparse.Namespace) -> int:

@@ -12,9 +12,10 @@ import os
 import time
 from pathlib import Path
 
-from dscluster import console, state
+from dscluster import console
 from dscluster.check import checkfile
 from dscluster.errors import UsageError
+from dscluster.files import state
 from dscluster.launch.collect import push, timed_pull
 from dscluster.rundir.agree import split_message
 

@@ -8,10 +8,11 @@ import json
 from rich.markup import escape
 from rich.table import Table
 
-from dscluster import console, redact, state
+from dscluster import console
 from dscluster.analysis.diagnose import diagnose
 from dscluster.analysis.load import load_run
 from dscluster.check import checkfile
+from dscluster.files import redact, state
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -1,7 +1,7 @@
 """`dscluster env`: this machine's versions, GPUs, launcher and distributed settings, locally.
 
 Paste its output into a bug report. Nothing goes over SSH (for every node at once, run
-`dscluster check`); secrets (dscluster.redact's rule) show "***".
+`dscluster check`); secrets (dscluster.files.redact's rule) show "***".
 
 The `--json` document's schema (version 1, keys only ever added) is in docs/schemas.md.
 Exit status: 0 (a missing piece is reported, not an error); 2 bad usage.
@@ -16,8 +16,9 @@ import time
 from rich.markup import escape
 from rich.table import Table
 
-from dscluster import console, redact
+from dscluster import console
 from dscluster.cli import envreport
+from dscluster.files import redact
 
 NOT_INSTALLED = "[red]not installed[/]"
 STATUS_STYLE = {"ok": "green", "warning": "yellow", "error": "red", "unreachable": "red"}

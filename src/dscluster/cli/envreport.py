@@ -20,10 +20,11 @@ import subprocess
 import sys
 from typing import Callable, Iterable, Mapping
 
-from dscluster import __version__, redact, state
+from dscluster import __version__
 from dscluster.check import checkfile
 from dscluster.check.checkfile import CheckFile, CheckFileError
 from dscluster.check.dsops import ds_op_facts, ops_message, ops_verdict
+from dscluster.files import redact, state
 from dscluster.launch.mpirun import mpirun_path
 
 SCHEMA_VERSION = 1
@@ -32,7 +33,7 @@ SCHEMA_VERSION = 1
 # environment is noise in a bug report and may be private.
 ENV_PREFIXES = ("NCCL_", "GLOO_", "MASTER_", "OMPI_", "DS_", "DSCLUSTER_", "TORCH_NCCL_")
 ENV_NAMES = ("CUDA_VISIBLE_DEVICES",)
-# A report gets pasted into issues: a secret (dscluster.redact's rule) shows only that it is set.
+# A report gets pasted into issues: a secret (dscluster.files.redact's rule) shows only that it is set.
 HIDDEN = redact.HIDDEN
 STATUS_RANK = {"ok": 0, "warning": 1, "error": 2}
 

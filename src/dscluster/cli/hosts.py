@@ -8,7 +8,7 @@ import json
 from rich.table import Table
 
 from dscluster import console
-from dscluster.hosts import parse_hostfile
+from dscluster.node.hosts import parse_hostfile
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -18,14 +18,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dscluster import paths, redact, state
 from dscluster.check import checkfile
 from dscluster.check.checkfile import CheckFile
 from dscluster.errors import UsageError
-from dscluster.fsutil import atomic_write_text
-from dscluster.hosts import hostfile_sha256, parse_hostfile
+from dscluster.files import paths, redact, state
+from dscluster.files.fsutil import atomic_write_text
 from dscluster.launch import builders
 from dscluster.launch.mpirun import launcher_bin_dir
+from dscluster.node.hosts import hostfile_sha256, parse_hostfile
 from dscluster.rundir.layout import resolve_run_id, runs_root
 
 EPILOG = """examples:

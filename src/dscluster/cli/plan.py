@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from dscluster import core
 from dscluster.plan import calibrate, model
 from dscluster.plan.inputs import PlanOptions
 
@@ -72,9 +73,8 @@ def options(args: argparse.Namespace) -> PlanOptions:
 
 
 def plan_command(args: argparse.Namespace) -> int:
-    from dscluster.train import startgc
 
-    with startgc.start_up():  # the collector off until a compute probe's first step (train/startgc.py)
+    with core.start_up_gc():  # the collector off until a compute probe's first step (core/startgc.py)
         return _plan(args)
 
 

@@ -7,9 +7,9 @@ import json
 import sys
 from pathlib import Path
 
-from dscluster import redact
 from dscluster.analysis import analyse
 from dscluster.errors import DsclusterError, UsageError
+from dscluster.files import redact
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

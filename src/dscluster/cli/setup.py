@@ -15,9 +15,9 @@ from rich.table import Table
 from dscluster import console
 from dscluster.bringup.setup import SetupOptions, SetupResult, result_to_dict, run_setup
 from dscluster.errors import UsageError
-from dscluster.hosts import parse_hostfile
-from dscluster.remote import Target
-from dscluster.state import known_hosts_path
+from dscluster.files.state import known_hosts_path
+from dscluster.node.hosts import parse_hostfile
+from dscluster.ssh.remote import Target
 
 PASSWORD_ENV = "DSCLUSTER_SSH_PASSWORD"
 NEXT_STEP = "Next: step 4 of setup/CHECKLIST.md — dscluster check"

@@ -1,6 +1,6 @@
 """`dscluster top`: every node's GPUs, CPU, RAM and network, and a running job's ranks, live.
 
-Parse -> call (telemetry/watch.py takes each snapshot) -> render (rich). `--once --json` prints one
+Parse -> call (top/watch.py takes each snapshot) -> render (rich). `--once --json` prints one
 snapshot (docs/schemas.md) for scripts; `--once --svg FILE` saves the view as a picture (rich's SVG
 export) to paste into an issue or a lab notebook. Keys: q or Ctrl-C quits.
 """
@@ -26,9 +26,9 @@ from rich.text import Text
 
 from dscluster import console
 from dscluster.errors import UsageError
-from dscluster.fsutil import atomic_write_text
-from dscluster.hosts import parse_hostfile
-from dscluster.telemetry.watch import Watcher, node_places
+from dscluster.files.fsutil import atomic_write_text
+from dscluster.node.hosts import parse_hostfile
+from dscluster.top.watch import Watcher, node_places
 
 HOT_C = 85
 """A GPU at or above this temperature shows red even before NVML reports thermal slowdown."""

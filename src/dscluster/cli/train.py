@@ -6,13 +6,9 @@ import argparse
 import json
 import sys
 
+from dscluster import core
 from dscluster.errors import DsclusterError, UsageError
-from dscluster.train import dist, startgc
-from dscluster.train.balanced import resolve_batching
-from dscluster.train.config import load_config, to_yaml
-from dscluster.train.losscale import recommend_initial_scale_power, write_initial_scale_power
-from dscluster.train.shape import resolve
-from dscluster.train.timing import WARMUP_STEPS, warmup_left_out
+from dscluster.node import ranks
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -48,7 +44,7 @@ def check_batch_arithmetic(cfg, world_size: int) -> None:
     written or the process group waits for peers. (auto micro-batches and balanced shares are
     only known on the devices; setup_engine checks those.)"""
     if cfg.batching == "uniform" and isinstance(cfg.micro_batch, int):
-        resolve(cfg, world_size)
+        core.resolve_shape(cfg, world_size)
 
 
 def preflight(argv: list[str]) -> int:
@@ -62,7 +58,7 @@ def preflight(argv: list[str]) -> int:
     except SystemExit as e:  # -h (0) or a usage error argparse has already printed (2)
         return 0 if e.code in (0, None) else 2
     try:
-        load_config(args.config, args.overrides, world=not args.print_config)
+        core.load_config(args.config, args.overrides, world=not args.print_config)
     except DsclusterError as e:
         print(f"dscluster train: {e}", file=sys.stderr)
         return e.exit_code
@@ -70,53 +66,53 @@ def preflight(argv: list[str]) -> int:
 
 
 def throughput_words(outcome) -> str:
-    """The end line's img/s: the steady figure named so, the whole run's beside it (train/timing.py)."""
+    """The end line's img/s: the steady figure named so, the whole run's beside it (core/timing.py)."""
     if outcome.images_per_s is None:
         return "images/s n/a"
-    if outcome.steps_this_run and not warmup_left_out(outcome.steps_this_run):
+    if outcome.steps_this_run and not core.warmup_left_out(outcome.steps_this_run):
         words = (f"{outcome.images_per_s:,.0f} images/s over all {outcome.steps_this_run} steps (too few to leave "
-                 f"out {WARMUP_STEPS} warm-up steps: the first steps' compilation and allocation are in)")
+                 f"out {core.WARMUP_STEPS} warm-up steps: the first steps' compilation and allocation are in)")
     else:
-        words = f"{outcome.images_per_s:,.0f} images/s steady (after {WARMUP_STEPS} warm-up steps)"
+        words = f"{outcome.images_per_s:,.0f} images/s steady (after {core.WARMUP_STEPS} warm-up steps)"
     if outcome.run_images_per_s is not None:
         words += f", {outcome.run_images_per_s:,.0f} over the whole run (first step to end)"
     return words
 
 
 def train_command(args: argparse.Namespace) -> int:
-    with startgc.start_up():  # the collector off until the engine is built (train/startgc.py)
+    with core.start_up_gc():  # the collector off until the engine is built (core/startgc.py)
         return _train(args)
 
 
 def _train(args: argparse.Namespace) -> int:
     # What the config points at (data folder, timm model, checkpoint to resume) is checked here,
     # before train() creates the run directory; printing the config needs none of it.
-    cfg = load_config(args.config, args.overrides, world=not args.print_config)
-    cfg.batching = resolve_batching(cfg.batching)
+    cfg = core.load_config(args.config, args.overrides, world=not args.print_config)
+    cfg.batching = core.resolve_batching(cfg.batching)
     if args.write_config and not (args.calibrate_loss_scale or cfg.calibrate_loss_scale):
         raise UsageError("--write-config goes with --calibrate-loss-scale")
     if args.write_config and not args.config:
         raise UsageError("--write-config needs --config FILE to write into")
     if args.print_config:
-        sys.stdout.write(to_yaml(cfg))
+        sys.stdout.write(core.to_yaml(cfg))
         return 0
     calibrate = args.calibrate_loss_scale or cfg.calibrate_loss_scale
-    check_batch_arithmetic(cfg, dist.detect_ranks().world_size)
+    check_batch_arithmetic(cfg, ranks.detect_ranks().world_size)
     from dscluster.train.loop import train  # torch: loads only when training starts
 
     outcome = train(cfg, calibrate=calibrate)
-    if not dist.is_primary():
+    if not core.is_primary():
         return 0
     result = {"status": outcome.status, "run_dir": str(outcome.run_dir), "steps": outcome.steps,
               "accuracy": outcome.accuracy, "images_per_s": outcome.images_per_s,
               "run_images_per_s": outcome.run_images_per_s}
     if calibrate:
         points = [(s, o) for s, o in outcome.scale_history if s is not None]
-        power = recommend_initial_scale_power(points)
+        power = core.recommend_initial_scale_power(points)
         result.update(recommended_initial_scale_power=power, overflow_steps=sum(o for _, o in points),
                       scale_history=[s for s, _ in points])
         if args.write_config:
-            write_initial_scale_power(args.config, power)
+            core.write_initial_scale_power(args.config, power)
             result["written_to"] = args.config
     if args.json:
         print(json.dumps(result, sort_keys=True))

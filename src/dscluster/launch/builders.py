@@ -18,8 +18,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dscluster import state
 from dscluster.errors import UsageError
+from dscluster.files import state
 from dscluster.launch import mpirun
 
 LAUNCHERS = ("mpirun", "deepspeed", "torchrun", "slurm")

@@ -19,10 +19,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dscluster import manifest, paths, remote, transfer
 from dscluster.errors import UsageError
-from dscluster.hosts import parse_hostfile
+from dscluster.files import manifest, paths
+from dscluster.node.hosts import parse_hostfile
 from dscluster.rundir import agree
+from dscluster.ssh import remote, transfer
 
 
 @dataclass

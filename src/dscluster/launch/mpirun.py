@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from dscluster import paths
+from dscluster.files import paths
 
 
 @dataclass(frozen=True)

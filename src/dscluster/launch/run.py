@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dscluster import liveness
 from dscluster.launch.builders import NodeCommand
+from dscluster.node import liveness
 from dscluster.rundir import layout
 
 # After the run's summary.json is written (the job's outcome is known), or after mpirun exited
@@ -252,7 +252,7 @@ def run_over_ssh(commands: list[NodeCommand], *, known_hosts: Path, key_filename
     A pty is requested so that closing the session hangs up the remote command: when one
     node fails, the others are closed instead of waiting forever for a rendezvous.
     """
-    from dscluster import remote
+    from dscluster.ssh import remote
 
     results: dict[str, NodeResult] = {}
     channels: dict[str, object] = {}

@@ -2,14 +2,16 @@
 of this machine only): the figure again at the micro-batch each node trains at alone (plan/nodes.py
 `alone_micros`: micro_batch auto splits the global batch over that node's ranks only, and a GPU is
 faster per image at a larger batch), measured here and cached as the lab's figure is (plans.json
-`figures`, by plan/probe.py's key). The nodes' own probes measure theirs on the nodes (plan/nodes.py);
+`figures`, by core/probe.py's key). The nodes' own probes measure theirs on the nodes (plan/nodes.py);
 a CPU figure, or --compute-s, is scaled linearly from the lab's micro-batch, measured once.
 """
 
 from __future__ import annotations
 
-from dscluster.plan import nodeprobe, nodes, predicted
+from dscluster import core
+from dscluster.plan import nodeprobe, nodes
 from dscluster.plan.inputs import PlanInputs, PlanOptions, batch_shape, figure_of
+from dscluster.runmodel import predicted
 
 HERE = ("measured", "cached", "calibration")
 """compute.source of a figure measured on this machine (plan/inputs.py `compute_figure`)."""
@@ -33,14 +35,12 @@ def measure_here(opts: PlanOptions, inputs: PlanInputs) -> None:
 def figure_at(inputs: PlanInputs, micro: int, *, reuse: bool) -> float | None:
     """Seconds per micro-batch of `micro` here: cached for this host, device and config, else measured
     (nodeprobe.measure_alone) and cached; None where it does not fit the GPU, with a note."""
-    from dscluster.plan.probe import probe_key
-    from dscluster.train.shape import data_shape
 
-    key = probe_key(inputs.cfg, micro, inputs.precision)
+    key = core.probe_key(inputs.cfg, micro, inputs.precision)
     kept = predicted.figure(key) if reuse else None
     if kept is not None:
         return kept["seconds"]
-    found = nodeprobe.measure_alone(inputs.cfg, *data_shape(inputs.cfg), [micro])
+    found = nodeprobe.measure_alone(inputs.cfg, *core.data_shape(inputs.cfg), [micro])
     if not found:
         inputs.notes.append(f"micro_batch {micro}, a node's alone, does not fit this GPU for the measurement: "
                             f"that node alone is priced at the lab's micro-batch {inputs.micro}")

@@ -3,7 +3,7 @@ nodes, with the README's command, before the plan is made again from what they m
 
 Why: PowerSGD costs more across ranks than plan's one-rank probe shows, by an amount that moves with
 the machine (docs/plan.md), so plan measures it. `train` records the run against the model step
-plan saved for it (plan/predicted.py), like any run; plan/run.py decides when to run it and what
+plan saved for it (runmodel/predicted.py), like any run; plan/run.py decides when to run it and what
 to save first.
 """
 
@@ -16,11 +16,11 @@ import subprocess
 import sys
 import time
 
-from dscluster import paths
+from dscluster.files import paths
 from dscluster.rundir import layout
 
 STEPS = 12
-"""Steps of a calibration run: train's warm-up steps (train/timing.py), then the timed ones."""
+"""Steps of a calibration run: train's warm-up steps (core/timing.py), then the timed ones."""
 
 
 def overrides() -> list[str]:

@@ -1,4 +1,4 @@
-"""What the data set costs the whole run (plan/phases.py): its size as training splits it and, for a
+"""What the data set costs the whole run (runmodel/phases.py): its size as training splits it and, for a
 set made on the host (fractal, imagefolder, cifar10 resized), how fast the rank's loader workers make
 its images and what data.cache makes once.
 
@@ -24,8 +24,9 @@ import os
 import time
 from dataclasses import dataclass
 
+from dscluster import core
 from dscluster.errors import UsageError
-from dscluster.plan import phases
+from dscluster.runmodel import phases
 
 RENDER_PROBE_IMAGES = 64
 PROBE_SECONDS = 0.3
@@ -56,7 +57,7 @@ class DataFacts:
     cached_holdout: bool = False
     cache_reason: str = ""
     measured_fill_s: float | None = None
-    """The cache's fill as an earlier run of these ranks measured it (plan/predicted.py `startup`)."""
+    """The cache's fill as an earlier run of these ranks measured it (runmodel/predicted.py `startup`)."""
     image_bytes: int = 0
     """One uint8 image as the loader and the cache hold it (channels × side²); 0: not made on the host."""
     prefetch: int = 0
@@ -122,12 +123,11 @@ def probe_sample(size: int, workers: int, one_core_s: float, cpus: int) -> tuple
     """(images, images per item) of the fill probe: whole waves of one item per worker, at least
     PROBE_WAVES of them, about PROBE_SECONDS of making at one core's rate shared by the CPUs the
     workers can use, at most PROBE_MAX_IMAGES and the split."""
-    from dscluster.train.datacache import FILL_CHUNK
 
     w = max(1, workers)
     per_image = one_core_s / (min(w, cpus) if workers else 1)
     want = min(PROBE_MAX_IMAGES, int(PROBE_SECONDS / max(per_image, 1e-7)))
-    chunk = min(FILL_CHUNK, max(PROBE_MIN_CHUNK, want // (PROBE_WAVES * w)), size // (PROBE_WAVES * w))
+    chunk = min(core.FILL_CHUNK, max(PROBE_MIN_CHUNK, want // (PROBE_WAVES * w)), size // (PROBE_WAVES * w))
     if chunk < 1:  # fewer images than PROBE_WAVES waves of one image a worker: the split, one item a worker
         return size, max(1, -(-size // w))
     waves = max(PROBE_WAVES, min(want, size) // (w * chunk))
@@ -156,12 +156,11 @@ def fill_rate(images, workers: int, prefetch: int, one_core_s: float, cpus: int 
     seconds per image after the first wave (no fewer than one core's spread over the CPUs the workers
     share: where they outnumber the CPUs, the early ones make their items while the last start), and
     the start, the rest of the sample's fill."""
-    from dscluster.train import datacache
 
     cpus = cpus or os.cpu_count() or 1
     n, chunk = probe_sample(len(images), workers, one_core_s, cpus)
     arrivals: list[tuple[int, float]] = []
-    total = datacache.fill(_Sample(images, n), workers, prefetch, chunk=chunk,
+    total = core.fill_cache(_Sample(images, n), workers, prefetch, chunk=chunk,
                            arrived=lambda made, t: arrivals.append((made, t)))
     first = max(1, workers)
     rate = total / max(1, n)
@@ -175,32 +174,30 @@ def fill_rate(images, workers: int, prefetch: int, one_core_s: float, cpus: int 
 def data_facts(cfg, local_ranks: int) -> DataFacts | str:
     """The data set's facts for the whole run (training's split, the fill probe, data.cache's rule for
     rank 0 of a node with `local_ranks` ranks), or why they are unknown."""
-    from dscluster.train import datacache, loader
 
     d = cfg.data
     if d.dataset == "synthetic":
         return DataFacts(train_n=d.synthetic_samples, holdout_n=0, name="synthetic")
     try:
-        from dscluster.train.data import load
 
-        splits = load(d, "cpu", cfg.seed)
+        splits = core.load_data(d, "cpu", cfg.seed)
     except (UsageError, OSError, ImportError) as e:
         return f"data set {d.dataset!r} not readable here ({e})"
     train, hold = splits.train, splits.holdout
     facts = DataFacts(train_n=len(train), holdout_n=len(hold) if hold is not None else 0, name=train.name)
     if not train.host_prepared:
         return facts
-    workers = loader.workers_for(d, local_ranks)
+    workers = core.workers_for(d, local_ranks)
     try:
         one_core = render_seconds(train)
         rate = fill_rate(train, workers, d.prefetch, one_core)
     except UsageError as e:
         return f"data set {d.dataset!r} not readable here ({e})"
-    choice = datacache.CacheChoice(False, False, "")
+    choice = core.CacheChoice(False, False, "")
     if train.cacheable:
-        hold_bytes = datacache.split_bytes(hold) if hold is not None and hold.cacheable else 0
-        choice = datacache.choose(d.cache, datacache.split_bytes(train), hold_bytes, primary=True,
-                                  local_ranks=local_ranks, available=datacache.mem_available())
+        hold_bytes = core.cache_split_bytes(hold) if hold is not None and hold.cacheable else 0
+        choice = core.choose_cache(d.cache, core.cache_split_bytes(train), hold_bytes, primary=True,
+                                  local_ranks=local_ranks, available=core.memory_available())
     return DataFacts(train_n=facts.train_n, holdout_n=facts.holdout_n, name=train.name, s_per_image=rate.s_per_image,
                      start_s=rate.start_s, probe_images=rate.images, one_core_s=one_core, workers=workers,
                      cached_train=choice.training, cached_holdout=choice.holdout, cache_reason=choice.reason,

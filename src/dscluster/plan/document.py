@@ -1,5 +1,5 @@
 """The plan document: the scenario the model predicts from `PlanInputs` and the calibration, the
-recommendation, the notes, and the entries saved for `train` to compare with (plan/predicted.py).
+recommendation, the notes, and the entries saved for `train` to compare with (runmodel/predicted.py).
 
 The `--json` document (schema version `SCHEMA_VERSION`) is described in docs/schemas.md.
 """
@@ -8,31 +8,20 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from dscluster import syncmode
-from dscluster.plan import (
-    accuracy,
-    advice,
-    datafeed,
-    evidence,
-    model,
-    paste,
-    phases,
-    predicted,
-    recommend,
-    weigh,
-    wholerun,
-)
+from dscluster import core
+from dscluster.plan import advice, datafeed, evidence, model, paste, recommend, weigh, wholerun
 from dscluster.plan import calibrate as calibration_run
 from dscluster.plan import nodes as node_probe
 from dscluster.plan.inputs import PlanInputs, PlanOptions, figure_of
+from dscluster.runmodel import accuracy, phases, predicted
 
 SCHEMA_VERSION = 1
 
 
 def saved_entries(doc: dict, cfg, a: advice.Advice, opts: PlanOptions) -> dict[str, dict]:
-    """What `train` looks up at the end of a run (plan/predicted.py): the config as given, the advice and each
+    """What `train` looks up at the end of a run (runmodel/predicted.py): the config as given, the advice and each
     untested setting (its measuring run compares too), keyed by what decides its figure, with its run costs."""
-    settings = [("now", syncmode.label(cfg), doc["prediction"], [], doc["runs"]["now"])]
+    settings = [("now", core.sync_label(cfg), doc["prediction"], [], doc["runs"]["now"])]
     for name, j in [("choice", a.choice), *(("untested", u) for u in a.untested)]:
         if j is not None and j is not a.now:
             settings.append((name, j.option.compression, j.option.to_dict()["prediction"], list(j.overrides), j.run))
@@ -41,14 +30,14 @@ def saved_entries(doc: dict, cfg, a: advice.Advice, opts: PlanOptions) -> dict[s
     for name, comp, p, ovr, run in settings:
         k = run_key(doc, cfg, p["global_batch"] if any(o.startswith("global_batch=") for o in ovr) else None, comp)
         entry = saved_entry(doc, opts, name, p, ovr, run)
-        if (tta.get("runs") or {}).get(name, {}).get("seconds"):  # plan/accuracy.py's, for train to compare with
+        if (tta.get("runs") or {}).get(name, {}).get("seconds"):  # runmodel/accuracy.py's, for train to compare with
             entry.update(time_to_accuracy_s=tta["runs"][name]["seconds"], target_accuracy=tta["target"])
         out.setdefault(k, entry)
     return out
 
 
 def saved_entry(doc: dict, opts: PlanOptions, setting: str, p: dict, ovr: list[str], run: dict | None = None) -> dict:
-    """One plans.json entry (plan/predicted.py): a setting's predicted figures and what they came from;
+    """One plans.json entry (runmodel/predicted.py): a setting's predicted figures and what they came from;
     with its whole-run prediction, the run costs train's comparison predicts the timed steps from."""
     entry = {"images_per_s": p["images_per_s"], "step_s": p["step_s"], "model_step_s": p["model_step_s"],
              "setting": setting, "config": opts.config, "hostfile": doc["hostfile"], "busbw_GBps": doc["busbw_GBps"],
@@ -59,7 +48,7 @@ def saved_entry(doc: dict, opts: PlanOptions, setting: str, p: dict, ovr: list[s
 
 
 def run_key(doc: dict, cfg, global_batch: int | None, compression: str) -> str:
-    """train's key (plan/predicted.py) for a run of this plan: `global_batch` where the overrides
+    """train's key (runmodel/predicted.py) for a run of this plan: `global_batch` where the overrides
     set it, else the config's own, which train keeps when the ranks cannot split it evenly (64 on 3
     ranks: micro-batches 22, 21, 21)."""
     return predicted.key(model=doc["model"], micro_batch=doc["micro_batch"],
@@ -74,7 +63,7 @@ def scenario_of(inputs: PlanInputs, calibration: dict[str, dict]) -> model.Scena
                              **node_probe.alone_of(inputs.how, h.name)) for h in inputs.hostfile.hosts)
     return model.Scenario(nodes=nodes, micro_batch=inputs.micro, grad_accum=inputs.accum,
                           grad_bytes=model.gradient_bytes(inputs.params, model.FORMAT_BYTES[inputs.grad_format]),
-                          grad_format=inputs.grad_format, compression=syncmode.label(cfg),
+                          grad_format=inputs.grad_format, compression=core.sync_label(cfg),
                           powersgd_rank=cfg.comm.powersgd_rank, matrices=inputs.matrices,
                           busbw_GBps=inputs.busbw, bucket_bytes=cfg.ddp_bucket_mb * 2**20,
                           latency_s=inputs.latency, powersgd_s=inputs.powersgd_s or 0.0,
@@ -161,7 +150,7 @@ def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
     mixed, balance = node_probe.mixed_notes(scenario, prediction, scenario.balanced)
     rec_scenario = replace(scenario, balanced=True) if balance else scenario
     limit, kept = batch_limit(opts, cfg, scenario.global_batch)
-    comps = recommend.ladder(syncmode.label(cfg), allowed=lambda c: (
+    comps = recommend.ladder(core.sync_label(cfg), allowed=lambda c: (
         inputs.allowed.get(c) and not (opts.every_step and c in model.SYNC_LADDER)))
     searched = recommend.recommend(rec_scenario, max_global_batch=limit, compressions=comps)  # by the step
     tried = recommend.options(rec_scenario, recommend.settings(rec_scenario, comps), model.ACCUM_CHOICES, limit)
@@ -180,7 +169,7 @@ def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
                    "images_per_s": n.images_per_s(inputs.micro), "alone_micro": n.alone_micro,
                    "alone_compute_s": n.alone_compute_s} for n in scenario.nodes],
         "micro_batch": inputs.micro, "grad_accum": inputs.accum, "global_batch": scenario.global_batch,
-        "precision": inputs.precision, "compression": cfg.comm.compression, "sync": syncmode.label(cfg),
+        "precision": inputs.precision, "compression": cfg.comm.compression, "sync": core.sync_label(cfg),
         "grad_format": inputs.grad_format,
         "grad_bytes": int(scenario.grad_bytes), "wire_bytes": int(scenario.wire_bytes),
         "busbw_GBps": inputs.busbw, "busbw_source": inputs.source, "compute": inputs.how,
@@ -221,13 +210,13 @@ def recommendation_of(searched: recommend.Recommendation, a: advice.Advice) -> r
 def advice_notes(cfg, a: advice.Advice) -> list[str]:
     """Why a setting is left out (its recorded curves trail), and what an untested one's measuring run is held
     against."""
-    own = syncmode.label(cfg)
+    own = core.sync_label(cfg)
     notes = []
     for j in a.left_out:
         batch = j.option.prediction.global_batch
         what = f"global_batch={batch}"
         if j.option.compression != own:
-            what = " ".join(syncmode.paste_args(j.option.compression, own)) + (
+            what = " ".join(core.sync_paste_args(j.option.compression, own)) + (
                 f" at global batch {batch:,}" if batch != a.now.option.prediction.global_batch else "")
         notes.append(f"{what} is left out of the recommendation: {j.evidence.why}")
     if a.untested:
@@ -240,10 +229,10 @@ def advice_notes(cfg, a: advice.Advice) -> list[str]:
 
 def time_to_accuracy(cfg, global_batch: int, whole: dict, rec: recommend.Recommendation, p: model.Prediction,
                      curves: tuple[list[dict], str]) -> dict:
-    """plan/accuracy.py's prediction for the config as given, the recommendation (where it keeps the
+    """runmodel/accuracy.py's prediction for the config as given, the recommendation (where it keeps the
     global batch the recorded curves were made at) and the fastest node alone, from `curves`
     (accuracy.curves_for's answer)."""
-    runs, compressions = {"now": whole.get("now")}, {"now": syncmode.label(cfg)}
+    runs, compressions = {"now": whole.get("now")}, {"now": core.sync_label(cfg)}
     choice = rec.choice
     if choice is not None and choice.prediction.global_batch == global_batch:
         runs["choice"], compressions["choice"] = whole.get("choice"), choice.compression

@@ -1,6 +1,6 @@
 """Whether a setting that changes what is learned was shown to learn as well (docs/advisor.md, "Learning
 changes need evidence"): another global batch (fewer optimizer steps an epoch, the learning rate scaled
-with it), a sync period (local SGD), a compression. Recorded held-out curves decide (plan/accuracy.py):
+with it), a sync period (local SGD), a compression. Recorded held-out curves decide (runmodel/accuracy.py):
 the setting's own against every-step uncompressed ones at the config's global batch, at equal epochs,
 within TOLERANCE. Without such curves the setting is untested; where they trail it is left out.
 """
@@ -12,8 +12,8 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dscluster import syncmode
-from dscluster.plan import accuracy
+from dscluster import core
+from dscluster.runmodel import accuracy
 
 TOLERANCE = accuracy.TRAIL_POINTS
 """Held-out accuracy a setting may end below every-step training at equal epochs (1 point)."""
@@ -40,7 +40,7 @@ def changes(label: str, global_batch: int, *, own_label: str, own_batch: int, lr
     if global_batch != own_batch:
         parts.append(f"global batch {own_batch:,} → {global_batch:,}"
                      + (" with the learning rate scaled to it" if lr_scaled else ""))
-    period = syncmode.parse_label(label)[1]
+    period = core.parse_sync_label(label)[1]
     if label not in ("none", own_label):
         parts.append(f"the models averaged every {period} steps" if period > 1 else f"{label} gradient compression")
     return ", ".join(parts)
@@ -73,7 +73,7 @@ def judge(label: str, global_batch: int, *, own_label: str, own_batch: int, lr_s
     """The evidence for one setting. `curves_at(batch)`: the recorded curves of the config's trajectory at that
     global batch, as the setting's pasted line trains it; `steps_per_epoch(batch)`: None where the data set's size
     is unknown (only the config's own batch then compares, step by step); `family_says(label)`: why the curves of
-    another run length show the label learning more slowly (plan/accuracy.py `slower`), else None. A label whose
+    another run length show the label learning more slowly (runmodel/accuracy.py `slower`), else None. A label whose
     curves trail at the config's batch trails at any batch: a larger one only adds a change."""
     what = changes(label, global_batch, own_label=own_label, own_batch=own_batch, lr_scaled=lr_scaled)
     if not what:

@@ -10,16 +10,17 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dscluster import state, syncmode
+from dscluster import core
 from dscluster.check import checkfile
 from dscluster.check.checkfile import CheckFileError
 from dscluster.errors import UsageError
-from dscluster.hosts import Hostfile
-from dscluster.plan import model, predicted
-from dscluster.train.shape import RunShape
+from dscluster.files import state
+from dscluster.node.hosts import Hostfile
+from dscluster.plan import model
+from dscluster.runmodel import predicted
 
 COMPRESSION_KEY = "comm.compression"
-"""The training config key that compresses gradients on the wire (train/comm.py)."""
+"""The training config key that compresses gradients on the wire (core/comm.py)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -66,7 +67,7 @@ class PlanInputs:
     """Everything the prediction is made from that costs a measurement or a model build, once."""
 
     cfg: object
-    """The training config (train/config.py's TrainConfig), overrides applied."""
+    """The training config (core/config.py's TrainConfig), overrides applied."""
     hostfile: Hostfile
     """The nodes, as the hostfile lists them."""
     world: int
@@ -231,15 +232,13 @@ def parse_compute(text: str, names: list[str]) -> dict[str, float]:
     return out
 
 
-def batch_shape(cfg, world: int, precision: str = "fp32") -> tuple[RunShape, str | None]:
-    """The run's shape on `world` ranks by training's own resolver (train/shape.py), with what a plan
+def batch_shape(cfg, world: int, precision: str = "fp32") -> tuple[core.RunShape, str | None]:
+    """The run's shape on `world` ranks by training's own resolver (core/shape.py), with what a plan
     cannot know left out (no GPU memory fit, no measured balanced shares), and a note where that
     makes it a guess. Bad batch arithmetic is refused as `dscluster train` refuses it."""
-    from dscluster.train.balanced import resolve_batching
-    from dscluster.train.shape import DeviceFacts, resolve
 
-    cfg.batching = resolve_batching(cfg.batching)  # as `dscluster train` does first
-    shape = resolve(cfg, world, DeviceFacts(precision=precision))
+    cfg.batching = core.resolve_batching(cfg.batching)  # as `dscluster train` does first
+    shape = core.resolve_shape(cfg, world, core.DeviceFacts(precision=precision))
     note = None
     if cfg.micro_batch == "auto" and cfg.global_batch is None:
         note = f"micro_batch auto without global_batch: assumed {shape.micro_batch} (pass micro_batch=N)"
@@ -254,14 +253,12 @@ def gradient_shapes(cfg, in_chans: int, num_classes: int) -> tuple[int, tuple[tu
     device: shapes only, no memory, so ViT-B costs nothing to count."""
     import torch
 
-    from dscluster.train.model import build_model
-    from dscluster.train.model import count_params as count
 
     with torch.device("meta"):
-        net = build_model(cfg.model, in_chans=in_chans, num_classes=num_classes, img_size=cfg.data.img_size)
+        net = core.build_model(cfg.model, in_chans=in_chans, num_classes=num_classes, img_size=cfg.data.img_size)
     matrices = tuple((p.shape[0], p.numel() // p.shape[0]) if p.dim() else (1, 1)
                      for p in net.parameters() if p.requires_grad)
-    return count(net), matrices
+    return core.count_params(net), matrices
 
 
 def planned_precision(cfg) -> tuple[str, str | None]:
@@ -269,7 +266,6 @@ def planned_precision(cfg) -> tuple[str, str | None]:
     (DSCLUSTER_PRECISION, <state>/cluster.env), else this machine's GPU's, else fp32 with a note."""
     import os
 
-    from dscluster.train.precision import FORMATS, decide_here
 
     if cfg.precision != "auto":
         return cfg.precision, None
@@ -277,9 +273,9 @@ def planned_precision(cfg) -> tuple[str, str | None]:
     if not cluster and state.cluster_env_path().exists():
         # a damaged cluster.env is bad input (exit 2, as launch says), not a reason to plan for fp32
         cluster = state.read_env_file(state.cluster_env_path()).get("DSCLUSTER_PRECISION")
-    if cluster and cluster.strip().lower() in FORMATS:
+    if cluster and cluster.strip().lower() in core.FORMATS:
         return cluster.strip().lower(), None
-    decided = decide_here("auto").precision
+    decided = core.decide_here("auto").precision
     return decided, (None if decided != "fp32" else "precision auto and no `dscluster check` result here: planned "
                      "for fp32 (pass precision=... for the GPUs' format)")
 
@@ -288,18 +284,17 @@ def allowed_compressions(cfg, precision: str) -> tuple[dict[str, bool], list[str
     """Which comm.compression values and local SGD settings training accepts here, by its rules, and why not."""
     import copy
 
-    from dscluster.train.config_checks import ConfigValueError, compression_conflict, sync_conflict
 
     ok, why = {}, {}
     for comp in (*model.COMPRESSIONS, *model.SYNC_LADDER):
-        (mode, period), trial = syncmode.parse_label(comp), copy.deepcopy(cfg)
+        (mode, period), trial = core.parse_sync_label(comp), copy.deepcopy(cfg)
         trial.comm.compression, trial.sync.mode = comp if period == 1 else "none", mode
         trial.sync.period = max(2, period)
         try:
-            compression_conflict(trial, precision)
-            sync_conflict(trial, precision)
+            core.compression_conflict(trial, precision)
+            core.sync_conflict(trial, precision)
             ok[comp] = True
-        except ConfigValueError as e:
+        except core.ConfigValueError as e:
             ok[comp] = False
             if comp in model.LADDER:
                 why.setdefault(e.also, str(e))  # one line per cause (ZeRO refuses every compression alike)
@@ -316,13 +311,10 @@ INSIDE_NODE_SOURCE = ("one node: its ranks all-reduce inside it, not over the ne
 def measure(opts: PlanOptions) -> PlanInputs:
     """Everything the prediction is made from that costs a measurement or a model build, once: a
     calibration run rebuilds the plan from the same inputs."""
-    from dscluster.hosts import parse_hostfile
+    from dscluster.node.hosts import parse_hostfile
     from dscluster.plan import nodes
-    from dscluster.plan.probe import measure_powersgd
-    from dscluster.train.config import load_config
-    from dscluster.train.precision import gradient_format
 
-    cfg = load_config(opts.config, opts.overrides)
+    cfg = core.load_config(opts.config, opts.overrides)
     hostfile = parse_hostfile(opts.hostfile)
     names = hostfile.names
     compute = parse_compute(opts.compute_s, names) if opts.compute_s is not None else None
@@ -364,7 +356,7 @@ def measure(opts: PlanOptions) -> PlanInputs:
     powersgd_s = opts.powersgd_s if opts.powersgd_s is not None else how["powersgd_s"]
     if powersgd_s is None and allowed.get("powersgd") and world > 1 and how["source"] in ("measured", "cached",
                                                                                             nodes.MEASURED):
-        powersgd_s = how["powersgd_s"] = measure_powersgd(cfg, in_chans, num_classes, micro)
+        powersgd_s = how["powersgd_s"] = core.measure_powersgd(cfg, in_chans, num_classes, micro)
     if how["source"] in ("measured", "cached") and not how.get("disturbed"):
         try:  # cached per host, device and config (plans.json `figures`)
             predicted.save_figure(how["probe"], figure_of(how))
@@ -374,7 +366,7 @@ def measure(opts: PlanOptions) -> PlanInputs:
                       check_world=check_world, latency=latency, world=world, micro=micro, accum=accum,
                       global_batch=shape.global_batch, batch_note=batch_note, params=params, matrices=matrices,
                       precision=precision,
-                      precision_note=precision_note, grad_format=gradient_format(cfg, precision), allowed=allowed,
+                      precision_note=precision_note, grad_format=core.gradient_format(cfg, precision), allowed=allowed,
                       refused=refused, powersgd_s=powersgd_s, calibration=calibration, notes=list(shape.notes) + notes)
 
 
@@ -386,9 +378,8 @@ def compute_figure(cfg, in_chans: int, num_classes: int, micro: int, precision: 
     load, would move the prediction by the difference (a busy head node made one 26x too slow)."""
     import time
 
-    from dscluster.plan.probe import host_load, measure_steady_compute, probe_key
 
-    key = probe_key(cfg, micro, precision)
+    key = core.probe_key(cfg, micro, precision)
     kept = [c["compute"] for c in calibration.values() if (c.get("compute") or {}).get("probe") == key]
     if kept:
         figure = max(kept, key=lambda f: f["measured_at"])
@@ -404,14 +395,14 @@ def compute_figure(cfg, in_chans: int, num_classes: int, micro: int, precision: 
                "note": f"compute figure {figure['seconds']:.4f} s per micro-batch ({figure['device']}), measured at "
                        f"{when} for this host, device and config: used again (--no-calibration measures again)"}
     else:
-        f = measure_steady_compute(cfg, in_chans, num_classes, micro)
+        f = core.measure_steady_compute(cfg, in_chans, num_classes, micro)
         how = {"seconds": f.seconds, "source": "measured", "device": f.device, "note": f.note, "probe": key,
                "measured_at": time.time(), "spread": round(f.spread, 4), "samples": f.samples,
                "disturbed": f.disturbed, "powersgd_s": None, "warmup_extra_s": round(f.warmup_extra_s, 4),
                "compiled": f.compiled, "eval_s_per_image": f.eval_s_per_image}
         if f.disturbed:
             notes.append(f"the compute probe was disturbed: its {f.samples} samples spread {f.spread:.0%} around "
-                         f"their median{' twice' if f.tries > 1 else ''} ({host_load()}); its figure "
+                         f"their median{' twice' if f.tries > 1 else ''} ({core.host_load()}); its figure "
                          f"{f.seconds:.4f} s is uncertain: plan again when the machine is idle, or pass --compute-s")
     if how.get("disturbed") and how["source"] == "calibration":
         notes.append(f"that compute figure was disturbed when measured (samples spread {how['spread']:.0%}): "
@@ -425,7 +416,7 @@ FIGURE_KEYS = ("seconds", "device", "probe", "measured_at", "spread", "samples",
 
 
 def figure_of(how: dict) -> dict:
-    """The compute figure a plan's settings are saved with; a run's outcome keeps it (plan/predicted.py)."""
+    """The compute figure a plan's settings are saved with; a run's outcome keeps it (runmodel/predicted.py)."""
     return {k: how.get(k) for k in FIGURE_KEYS}
 
 

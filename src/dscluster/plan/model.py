@@ -30,7 +30,7 @@ buckets during the last micro-step's backward; the other accumulation micro-step
                                                   calibration would leave nothing)
 
 calibration is 0 s unless runs of this model, precision and rank count measured their step against
-this model before (`dscluster train` keeps each outcome, plan/predicted.py): then it is the median
+this model before (`dscluster train` keeps each outcome, runmodel/predicted.py): then it is the median
 of measured − modelled step for the compression in question, seconds per optimizer step. It may
 bring the step below the compute figure: with the compute figure its runs were planned with (plan
 keeps it), that happens only where the figure was too slow (a probe disturbed by a busy machine,
@@ -47,21 +47,21 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from dscluster import syncmode
+from dscluster import core
 from dscluster.errors import UsageError
 
 BACKWARD_SHARE = 2 / 3
 """Backward is about two thirds of a forward+backward (twice the forward's matmul FLOPs)."""
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
-"""comm.compression's values (train/comm.py)."""
-SYNC_LADDER = tuple(f"local_sgd:{h}" for h in syncmode.PERIODS)
+"""comm.compression's values (core/comm.py)."""
+SYNC_LADDER = tuple(f"local_sgd:{h}" for h in core.SYNC_PERIODS)
 LADDER = ("none", "fp16", "powersgd", *SYNC_LADDER)
 """Settings the recommendation tries at each accumulation, the smallest change first (bf16 sends
 what fp16 sends: it is tried in fp16's place when the config asks for it); then local SGD every H
 steps (sync.mode, syncmode.py: docs/ethernet-labs.md), the shortest period first, on several nodes only."""
 FORMAT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 POWERSGD_MIN_COMPRESSION_RATE = 2
-"""torch's powerSGD_hook compresses an n×m matrix only when r(n+m) × this < nm (train/comm.py)."""
+"""torch's powerSGD_hook compresses an n×m matrix only when r(n+m) × this < nm (core/comm.py)."""
 ACCUM_CHOICES = (1, 2, 4, 8, 16, 32)
 """Gradient accumulation steps the recommendation tries, smallest first."""
 TARGET_EFFICIENCY = 0.8
@@ -175,7 +175,7 @@ class Scenario:
     """(compression, measured − modelled step in seconds) from earlier runs of the same model, precision
     and ranks."""
     balanced: bool = False
-    """Balanced batching (train/balanced.py): each rank's share of the global micro-batch is proportional to
+    """Balanced batching (core/balanced.py): each rank's share of the global micro-batch is proportional to
     its speed, so a micro-step lasts about as long on every rank (`micro_step_s`)."""
     samples_per_step: int | None = None
     """Images an optimizer step trains where that is not micro_batch × grad_accum × ranks: a global
@@ -217,7 +217,7 @@ class Scenario:
     @property
     def sync_period(self) -> int:
         """H where `compression` is a MODE:H label (sync.mode local_sgd, diloco); 1: every step."""
-        return syncmode.parse_label(self.compression)[1]
+        return core.parse_sync_label(self.compression)[1]
 
     @property
     def global_batch(self) -> int:
@@ -290,10 +290,9 @@ def micro_step_s(s: Scenario) -> float:
     longest share × that rank's seconds per sample, the shares as training plans them (`plan_shares`)."""
     if not s.balanced:
         return max(n.compute_s for n in s.nodes)
-    from dscluster.train.balanced import plan_shares  # pure: no torch
 
     per_rank = [n.compute_s for n in s.nodes for _ in range(n.ranks)]
-    shares = plan_shares([s.micro_batch / c for c in per_rank], s.micro_batch * s.world)
+    shares = core.plan_shares([s.micro_batch / c for c in per_rank], s.micro_batch * s.world)
     return max(b * c / s.micro_batch for b, c in zip(shares, per_rank, strict=True))
 
 

@@ -5,6 +5,7 @@ measures compute on the node it runs on and prints one JSON line for the head's 
 
 from __future__ import annotations
 
+from dscluster import core
 from dscluster.errors import UsageError
 
 
@@ -13,9 +14,6 @@ def measure_here(config: str, overrides: list[str], ranks_text: str, alone_text:
     the head's plan (plan/nodes.py `parse_node_output` reads it)."""
     import socket
 
-    from dscluster.plan.probe import fault_ms, measure_steady_compute, probe_key
-    from dscluster.train.config import load_config
-    from dscluster.train.shape import data_shape
 
     try:
         first, count = (int(x) for x in ranks_text.split(":"))
@@ -27,21 +25,21 @@ def measure_here(config: str, overrides: list[str], ranks_text: str, alone_text:
         alone = [0]
     if not all(m >= 1 for m in alone):
         raise UsageError(f"--alone-micro {alone_text!r}: expected micro-batches, e.g. 512,256")
-    cfg = load_config(config, overrides)
+    cfg = core.load_config(config, overrides)
     if cfg.micro_batch == "auto" or cfg.precision == "auto":
         raise UsageError("--measure-node needs micro_batch=N and precision=P (plan passes both)")
     import torch
 
-    from dscluster import cpus
+    from dscluster.node import cpus
 
     if not torch.cuda.is_available():
         cpus.share_cores(count)  # the threads each of training's `count` ranks here will have
-    in_chans, num_classes = data_shape(cfg)
-    slow = fault_ms(first, count)
-    f = measure_steady_compute(cfg, in_chans, num_classes, int(cfg.micro_batch), slow_ms=slow)
+    in_chans, num_classes = core.data_shape(cfg)
+    slow = core.fault_ms(first, count)
+    f = core.measure_steady_compute(cfg, in_chans, num_classes, int(cfg.micro_batch), slow_ms=slow)
     return {**figure(f), "note": f.note, "host": socket.gethostname(), "threads": torch.get_num_threads(),
             "fault_ms": slow,
-            "probe": probe_key(cfg, int(cfg.micro_batch), cfg.precision) + (f" fault_ms={slow}" if slow else ""),
+            "probe": core.probe_key(cfg, int(cfg.micro_batch), cfg.precision) + (f" fault_ms={slow}" if slow else ""),
             # a CPU figure is a stand-in for the GPUs, scaled linearly anyway: measured once
             "alone": measure_alone(cfg, in_chans, num_classes, alone, slow) if f.device.startswith("cuda") else []}
 
@@ -52,16 +50,15 @@ def measure_alone(cfg, in_chans: int, num_classes: int, micros: list[int], slow_
     compiled, eval_s_per_image, measured_at}]; one that does not fit the GPU is left out (priced at
     the lab's micro-batch then). Each is compiled afresh: torch.compile would otherwise reuse the
     lab micro-batch's graphs and recompile with a dynamic batch size, which training alone does not."""
-    from dscluster.plan.probe import compiles_here, measure_steady_compute
 
     out = []
     for m in sorted(set(micros)):
-        if compiles_here(cfg):
+        if core.compiles_here(cfg):
             import torch
 
             torch._dynamo.reset()
         try:
-            f = measure_steady_compute(cfg, in_chans, num_classes, m, slow_ms=slow_ms)
+            f = core.measure_steady_compute(cfg, in_chans, num_classes, m, slow_ms=slow_ms)
         except UsageError:  # out of memory at that micro-batch
             continue
         out.append({"micro": m, **figure(f)})
@@ -69,7 +66,7 @@ def measure_alone(cfg, in_chans: int, num_classes: int, micros: list[int], slow_
 
 
 def figure(f) -> dict:
-    """What the head keeps of a plan/probe.py ComputeFigure measured now."""
+    """What the head keeps of a core/probe.py ComputeFigure measured now."""
     import time
 
     return {"seconds": f.seconds, "device": f.device, "spread": round(f.spread, 4), "samples": f.samples,

@@ -5,7 +5,7 @@ node where the models are unknown, and for any node a test fault slows), each fi
 The probe on a node is `<python> -m dscluster plan --config C --measure-node FIRST:COUNT OVERRIDES`
 (`node_command`): the same interpreter path as the head (shared software, like check's probes), the
 config and overrides as given, the planned micro-batch and precision pinned; it prints one JSON
-line (`parse_node_output`). It honours DSCLUSTER_FAULT's slow_gpu for the node's ranks (plan/probe.py
+line (`parse_node_output`). It honours DSCLUSTER_FAULT's slow_gpu for the node's ranks (core/probe.py
 `fault_ms`): plan passes the variable on, as mpirun's -x does for training, and OMP_NUM_THREADS where
 the head has it; without it, a CPU probe takes the threads training's ranks there take (cpus.py).
 
@@ -22,6 +22,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from dscluster import core
 from dscluster.errors import UsageError
 
 MEASURED = "measured on the nodes"
@@ -40,10 +41,9 @@ def rank_ranges(hostfile) -> dict[str, tuple[int, int]]:
 
 
 def faulted(ranks: tuple[int, int], env=None) -> bool:
-    """Whether DSCLUSTER_FAULT slows one of these ranks (test-only, train/faults.py)."""
-    from dscluster.train import faults
+    """Whether DSCLUSTER_FAULT slows one of these ranks (test-only, core/faults.py)."""
 
-    return any("slow_gpu" in faults.for_rank(r, env) for r in range(ranks[0], ranks[0] + ranks[1]))
+    return any("slow_gpu" in core.faults_for_rank(r, env) for r in range(ranks[0], ranks[0] + ranks[1]))
 
 
 def probe_groups(hostfile, models: dict[str, str | None], env=None) -> dict[str, list[str]]:
@@ -84,7 +84,7 @@ def node_command(python: str, config: str, overrides: list[str], micro: int, pre
     """The shell command that measures compute on a node (module docstring); `threads`, the head's
     OMP_NUM_THREADS, travels with it as DSCLUSTER_FAULT does; `alone`: the micro-batches to measure
     at as well."""
-    from dscluster import cpus
+    from dscluster.node import cpus
 
     argv = [python, "-m", "dscluster", "plan", "--config", config, "--measure-node", f"{ranks[0]}:{ranks[1]}",
             *(["--alone-micro", ",".join(map(str, alone))] if alone else []),
@@ -119,7 +119,7 @@ def node_config(config: str) -> str:
     """The config path a node's probe loads: the file the head's plan loaded (a preset named relative
     to the checkout, `configs/x.yaml`, resolves there, not in the directory plan runs in), at the same
     path on every node, where the checkout sits on all of them."""
-    from dscluster import paths
+    from dscluster.files import paths
 
     return str(paths.config_path(config).resolve())
 
@@ -130,8 +130,10 @@ def measure_nodes(hostfile, config: str, overrides: list[str], micro: int, preci
     """({node: figure}, {node: why it could not be measured}) for the hostfile's nodes (those in `only`),
     one probe per group (`probe_groups`), in parallel over SSH; a node in `alone` ({node: its micro-batch
     alone}) gets `alone_micro` and `alone_seconds` where its group's probe measured that micro-batch."""
-    from dscluster import cpus, remote, state
     from dscluster.check.probe import ProbeSettings, default_key, open_session
+    from dscluster.files import state
+    from dscluster.node import cpus
+    from dscluster.ssh import remote
 
     env = os.environ if env is None else env
     groups = probe_groups(hostfile, gpu_models(check_json) if check_json else {}, env)
@@ -177,13 +179,13 @@ def member_figure(probed: dict, probed_on: str, alone: int | None) -> dict:
 
 def is_here(names: list[str]) -> bool:
     """Whether the hostfile's nodes are all this machine (a one-machine plan measures in-process)."""
-    from dscluster import thishost
+    from dscluster.ssh import thishost
 
     return thishost.all_this_machine(names)
 
 
 def cache_key(cfg, node: str, micro: int, precision: str, fault: int, alone: int | None = None) -> str:
-    """A node figure's key in plans.json `figures`: the node, the config part of plan/probe.py's key, any fault,
+    """A node figure's key in plans.json `figures`: the node, the config part of core/probe.py's key, any fault,
     the micro-batch it trains at alone where that is another (`alone_micros`)."""
     return (f"node={node} model={cfg.model.name} micro_batch={micro} precision={precision} "
             f"dataset={cfg.data.dataset} img_size={cfg.data.img_size} channels_last={cfg.channels_last} "
@@ -223,11 +225,10 @@ def node_compute(opts, cfg, hostfile, micro: int, precision: str, shape_of, *, r
     """({node: seconds per micro-batch}, the document's `compute`, {node: why not measured}) from a
     probe on each node (cached per node and config; `reuse` false measures again), which on a GPU also
     measures each node's micro-batch alone (`alone_micros`, by `shape_of`)."""
-    from dscluster.plan import predicted
-    from dscluster.plan.probe import fault_ms
+    from dscluster.runmodel import predicted
 
     ranges, alone = rank_ranges(hostfile), alone_micros(cfg, hostfile, micro, precision, shape_of)
-    keys = {n: cache_key(cfg, n, micro, precision, fault_ms(*ranges[n]), alone.get(n)) for n in hostfile.names}
+    keys = {n: cache_key(cfg, n, micro, precision, core.fault_ms(*ranges[n]), alone.get(n)) for n in hostfile.names}
     figures = {n: predicted.figure(k) for n, k in keys.items()} if reuse else {}
     figures = {n: {**f, "source": "cached"} for n, f in figures.items() if f}
     missing = [h for h in hostfile.hosts if h.name not in figures]
@@ -260,17 +261,16 @@ def node_compute(opts, cfg, hostfile, micro: int, precision: str, shape_of, *, r
 
 
 def uses_balanced(cfg) -> bool:
-    """Whether training will balance the batch (train/balanced.py `resolve_batching`: the config's
+    """Whether training will balance the batch (core/balanced.py `resolve_batching`: the config's
     batching, or for auto DSCLUSTER_BATCHING from the environment or check's <state>/cluster.env)."""
-    from dscluster import state
-    from dscluster.train.balanced import resolve_batching
+    from dscluster.files import state
 
     try:
         cluster = state.read_env_file(state.cluster_env_path())
     except (OSError, UsageError):
         cluster = {}
     try:
-        return resolve_batching(cfg.batching, {**cluster, **os.environ}) == "balanced"
+        return core.resolve_batching(cfg.batching, {**cluster, **os.environ}) == "balanced"
     except UsageError:
         return False
 

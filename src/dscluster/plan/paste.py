@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import shlex
 
-from dscluster import syncmode
-from dscluster.hosts import format_hostfile
+from dscluster import core
 from dscluster.launch.builders import display
 from dscluster.launch.mpirun import App, mpirun_argv
+from dscluster.node.hosts import format_hostfile
 from dscluster.plan import recommend, wholerun
 
 
@@ -25,8 +25,8 @@ def overrides(cfg, current_global: int, option: recommend.Option | None, micro: 
                f"global_batch={option.prediction.global_batch}"]
         if cfg.optim.lr_reference_batch is None:
             out.append(f"optim.lr_reference_batch={current_global}")  # linear LR scaling, as DeiT's recipe
-    if option is not None and option.compression != syncmode.label(cfg):
-        out += syncmode.paste_args(option.compression, syncmode.label(cfg))
+    if option is not None and option.compression != core.sync_label(cfg):
+        out += core.sync_paste_args(option.compression, core.sync_label(cfg))
     if option is not None and start is not None and start != wholerun.start_for(cfg, option.compression, 2,
                                                                                recommended=False):
         out.append(f"comm.powersgd_start_step={start}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from dscluster import syncmode
+from dscluster import core
 from dscluster.errors import UsageError
 from dscluster.plan.model import (
     ACCUM_CHOICES,
@@ -95,8 +95,8 @@ def settings(s: Scenario, compressions: tuple[str, ...] | None = None) -> tuple[
     comps = compressions or ladder(s.compression, allowed=lambda c: c != "powersgd" or bool(s.matrices))
     if s.world < 2:  # one rank sends nothing: no compression and no averaging to recommend
         return ("none",)
-    if len(s.nodes) < 2:  # one node's ranks average every step anyway (train/localsgd.py)
-        return tuple(c for c in comps if syncmode.parse_label(c)[1] == 1) or ("none",)
+    if len(s.nodes) < 2:  # one node's ranks average every step anyway (core/localsgd.py)
+        return tuple(c for c in comps if core.parse_sync_label(c)[1] == 1) or ("none",)
     return comps
 
 
@@ -130,7 +130,7 @@ def recommend(s: Scenario, *, target: float = TARGET_EFFICIENCY, max_global_batc
 def setting_words(o: Option) -> str:
     """`grad_accum 4 (global batch 256) with local sgd, the models averaged every 64 steps`."""
     comp = f" with {o.compression} gradient compression" if o.compression != "none" else ""
-    mode, h = syncmode.parse_label(o.compression)
+    mode, h = core.parse_sync_label(o.compression)
     if h > 1:
         comp = f" with {mode.replace('_', ' ')}, the models averaged every {h} steps"
     if o.compression == "powersgd":

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from dscluster import console
 from dscluster.plan.advice import clock
-from dscluster.plan.phases import WARMUP_STEPS
+from dscluster.runmodel.phases import WARMUP_STEPS
 
 HEADERS = ("setting", "batch", "compute", "comm", "hidden", "step", "img/s", "speed-up", "eff")
 

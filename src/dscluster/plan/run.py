@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from dscluster.plan import accuracy, alone, model, predicted, recommend
+from dscluster.plan import alone, model, recommend
 from dscluster.plan import calibrate as calibration_run
 from dscluster.plan.document import build, run_key, save, saved_entry, scenario_of, uses_powersgd
 from dscluster.plan.inputs import PlanInputs, PlanOptions, calibrations_with, measure
+from dscluster.runmodel import accuracy, predicted
 
 
 def run(opts: PlanOptions) -> dict:

@@ -10,21 +10,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from dscluster import syncmode
-from dscluster.plan import (
-    accuracy,
-    advice,
-    datafeed,
-    evidence,
-    model,
-    paste,
-    phases,
-    predicted,
-    recommend,
-    saveprobe,
-    wholerun,
-)
+from dscluster import core
+from dscluster.plan import advice, datafeed, evidence, model, paste, recommend, saveprobe, wholerun
 from dscluster.plan.inputs import PlanInputs
+from dscluster.runmodel import accuracy, phases, predicted
 
 
 class Pricer:
@@ -108,7 +97,7 @@ def weigh(pricer: Pricer, rec_scenario: model.Scenario, tried: list[recommend.Op
     scenario = pricer.scenario
     prediction = pricer.prediction
     cfg: Any = inputs.cfg
-    own_label = syncmode.label(cfg)
+    own_label = core.sync_label(cfg)
     own_batch = scenario.global_batch
     at_batch: dict[int, list[dict]] = {}
 
@@ -132,7 +121,7 @@ def weigh(pricer: Pricer, rec_scenario: model.Scenario, tried: list[recommend.Op
         step = accuracy.reach(curves_at(global_batch), target, label)["step"]
         return None if step is None else to_step(run, step)
 
-    def to_step(run: dict, step: int) -> float:  # rounded as plan/accuracy.py's time to accuracy is
+    def to_step(run: dict, step: int) -> float:  # rounded as runmodel/accuracy.py's time to accuracy is
         return round(accuracy.seconds_to(phases.RunCosts(**run["costs"]), step, epochs=cfg.epochs,
                                          max_steps=cfg.max_steps), 1)
 

@@ -1,4 +1,4 @@
-"""What plan's whole-run prediction (plan/phases.py) is made from for one setting: the data set's
+"""What plan's whole-run prediction (runmodel/phases.py) is made from for one setting: the data set's
 facts (plan/datafeed.py: its size as training splits it, the fill probe, data.cache), the step
 times of the setting with and without its compression (at least what the loader workers need to make
 an uncached step's images), PowerSGD's start step, the warm-up's first-step costs, an evaluation pass
@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from dscluster import syncmode
-from dscluster.plan import datafeed, model, phases
+from dscluster import core
+from dscluster.plan import datafeed, model
+from dscluster.runmodel import phases
 
 
 def powersgd_start(cfg) -> int:
-    from dscluster.train.comm import powersgd_start as resolved
 
-    return resolved(cfg)
+    return core.powersgd_start(cfg)
 
 
 def start_for(cfg, compression: str, world: int, *, recommended: bool) -> int | None:
@@ -27,7 +27,7 @@ def start_for(cfg, compression: str, world: int, *, recommended: bool) -> int | 
     that compresses with PowerSGD pastes phases.POWERSGD_START_STEP where the config's start is later."""
     if world <= 1:
         return None
-    if syncmode.parse_label(compression)[1] > 1:  # local SGD: its warm-up steps all-reduce every step
+    if core.parse_sync_label(compression)[1] > 1:  # local SGD: its warm-up steps all-reduce every step
         return cfg.sync.warmup_steps or None
     if compression != "powersgd":
         return None

@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
 import sys
 import time
 from pathlib import Path
 
+from dscluster.errors import UsageError
+from dscluster.node.ranks import detect_ranks, export_env
 from dscluster.rundir.layout import resolve_run_id, runs_root
+from dscluster.rundir.writer import set_aside_summary
 
 RUN_VARS = ("DSCLUSTER_RUN_ID", "DSCLUSTER_RUNS")
 AGREE_TIMEOUT_S = 120.0
@@ -147,10 +151,9 @@ def ask(addr: str, port: int, me: dict, job: str, deadline: float) -> dict | Non
 
 
 def rendezvous(info, env: dict) -> tuple[str, int, str] | None:
-    """(address, port, the launcher's job id) to agree at, by train/dist.py's rule with the launcher's
+    """(address, port, the launcher's job id) to agree at, by node/ranks.py's rule with the launcher's
     id in place of the run id; None where there is nothing to ask (one rank, no live OpenMPI launcher,
     no address to reach)."""
-    from dscluster.train.dist import export_env
 
     if info.world_size <= 1 or info.source not in ("openmpi", "pmix"):
         return None  # torchrun and Slurm hand every rank the same id; torchrun's agent holds MASTER_PORT
@@ -166,7 +169,6 @@ def rendezvous(info, env: dict) -> tuple[str, int, str] | None:
 
 def begin(me: dict) -> None:
     """Rank 0, the run directory agreed: an earlier run's summary there is set aside, and said so."""
-    from dscluster.rundir.writer import set_aside_summary
 
     run_dir = os.path.join(me["runs"], me["run_id"])
     if (aside := set_aside_summary(Path(run_dir))) is not None:
@@ -177,8 +179,7 @@ def begin(me: dict) -> None:
 def settle(env: dict | None = None, timeout_s: float = AGREE_TIMEOUT_S) -> str | None:
     """Ask (rank 0: answer) whether every rank has this run directory: None when they agree or there is
     nothing to ask, else the message that stops this rank. Warnings go to stderr. Raises UsageError where
-    the rendezvous itself is wrong (train/dist.py's rule)."""
-    from dscluster.ranks import detect_ranks
+    the rendezvous itself is wrong (node/ranks.py's rule)."""
 
     env = dict(os.environ if env is None else env)
     info = detect_ranks(env)
@@ -213,7 +214,6 @@ def _warn(text: str) -> None:
 def require_one_run_dir(env: dict | None = None) -> None:
     """`dscluster train`'s guard, before it writes anything: UsageError (exit 2) when the ranks would
     write apart. Skipped where entry_cn.sh has settled it already (AGREED_ENV)."""
-    from dscluster.errors import UsageError
 
     env = os.environ if env is None else env
     if env.get(AGREED_ENV) != "1" and (message := settle(env)):
@@ -222,7 +222,6 @@ def require_one_run_dir(env: dict | None = None) -> None:
 
 def main() -> int:
     """entry_cn.sh's step: 0 when the ranks agree (or there is nothing to check), 2 when they do not."""
-    from dscluster.errors import UsageError
 
     try:
         message = settle()
@@ -258,7 +257,6 @@ def run_job(run_dir: Path) -> str | None:
 
 def split_command(run_dir: Path, job: str) -> str:
     """Shell command for a node: the run directories beside `run_dir` whose records name `job`."""
-    import shlex
 
     root = shlex.quote(str(Path(run_dir).absolute().parent))
     return (f"cd {root} 2>/dev/null && grep -l -F -- {shlex.quote(job)} */env/rank-*.json */process/rank-*.json "

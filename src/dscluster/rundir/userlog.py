@@ -20,26 +20,27 @@ between two steps count in the next step's time, as in `dscluster train`.
 
 `python -m dscluster.userlog --exports` prints the shell exports entry_cn.sh gives a user's
 program: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE and MASTER_ADDR/PORT by the same rank rule
-as `dscluster train` (train/dist.py), DSCLUSTER_RUN_DIR, and DSCLUSTER_LAUNCHER when it set RANK.
+as `dscluster train` (node/ranks.py), DSCLUSTER_RUN_DIR, and DSCLUSTER_LAUNCHER when it set RANK.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+import socket
 import sys
 import time
 from pathlib import Path
 
 from dscluster.errors import DsclusterError
-from dscluster.fsutil import atomic_write_json
+from dscluster.files.fsutil import atomic_write_json
+from dscluster.node import ranks
 from dscluster.rundir import layout
 from dscluster.rundir.writer import RunLog, effective_env, software_versions, summary_record
-from dscluster.train import dist
 
 RUN_DIR_ENV = "DSCLUSTER_RUN_DIR"
 LAUNCHER_ENV = "DSCLUSTER_LAUNCHER"
-"""Which launcher variables placed the rank (train/dist.py's names: openmpi, slurm, ...), kept by
+"""Which launcher variables placed the rank (node/ranks.py's names: openmpi, slurm, ...), kept by
 entry_cn.sh before it exports RANK etc., which would otherwise make every rank look torch-launched."""
 
 
@@ -53,9 +54,9 @@ class UserRun:
     """One rank's writer; make it with `open_run()`. Usable as a context manager: an exception
     inside the `with` block ends the run as failed, with the error."""
 
-    def __init__(self, path: Path, info: dist.RankInfo, clock=time.time):
+    def __init__(self, path: Path, info: ranks.RankInfo, clock=time.time):
         self.path, self.info, self._clock = path, info, clock
-        self._log = RunLog(path, info.rank, dist.hostname())
+        self._log = RunLog(path, info.rank, socket.gethostname())
         self._t0 = self._last = clock()
         self.steps = 0
         self.last_step: int | None = None
@@ -126,7 +127,7 @@ def open_run(*, device: str | None = None, precision: str | None = None, micro_b
     Every argument is optional and only describes the run in the report; the rank and world
     size come from the launcher's environment."""
     env = os.environ if env is None else env
-    info = dist.detect_ranks(env)
+    info = ranks.detect_ranks(env)
     run = UserRun(run_dir(env), info)
     snap = effective_env(env)  # the environment that placed this rank, as train writes it
     snap.update({"host": run._log.host, "pid": os.getpid(), "versions": software_versions()})
@@ -150,12 +151,12 @@ def _peak_mem_mb() -> float | None:
 
 def program_exports(env: dict[str, str] | None = None) -> dict[str, str]:
     """What a user's program needs besides entry_cn.sh's node env: its place in the job by
-    train/dist.py's rule (a launcher's own RANK/MASTER_* win) and the run directory, absolute,
+    node/ranks.py's rule (a launcher's own RANK/MASTER_* win) and the run directory, absolute,
     so a script that changes directory still writes into the job's run."""
     env = dict(os.environ if env is None else env)
-    info = dist.detect_ranks(env)
+    info = ranks.detect_ranks(env)
     before = dict(env)
-    dist.export_env(info, layout.resolve_run_id(env), env,
+    ranks.export_env(info, layout.resolve_run_id(env), env,
                     warn=lambda m: print(f"entry_cn: warning: {m}", file=sys.stderr))
     if info.local_world_size and not env.get("LOCAL_WORLD_SIZE"):
         env["LOCAL_WORLD_SIZE"] = str(info.local_world_size)

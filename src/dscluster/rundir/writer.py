@@ -15,8 +15,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dscluster import redact
-from dscluster.fsutil import JsonlWriter, atomic_write_json
+from dscluster.files import redact
+from dscluster.files.fsutil import JsonlWriter, atomic_write_json
 from dscluster.rundir import layout
 
 _ENV_PREFIXES = ("NCCL_", "GLOO_", "MASTER_", "OMPI_COMM_WORLD_", "DSCLUSTER_", "TORCH_NCCL_", "TORCH_FR_", "SLURM_",
@@ -157,13 +157,13 @@ class RunRecord:
     warmup_steps: int | None = None
     """The first steps of this process left out of images_per_s: 5, or 0 when it trained 5 or fewer (all counted)."""
     run_images_per_s: float | None = None
-    """Images ÷ seconds from the first step's start to the end (train/timing.py `StepWindow.whole_run`);
+    """Images ÷ seconds from the first step's start to the end (core/timing.py `StepWindow.whole_run`);
     images_per_s is the steady figure, after the warm-up steps."""
     run_s: float | None = None
     time_to_accuracy: dict = field(default_factory=dict)
     """evaluation.TimeToAccuracy.summary(): target_accuracy and time_to_accuracy where a target is set."""
     plan: dict | None = None
-    """plan's saved prediction against this run (plan/predicted.py), where there was one."""
+    """plan's saved prediction against this run (runmodel/predicted.py), where there was one."""
     vanished_hosts: list[str] | None = None
     """Nodes that stopped answering when a collective failed (liveness.py)."""
 

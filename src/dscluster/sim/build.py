@@ -18,7 +18,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from dscluster.fsutil import atomic_write_text
+from dscluster.files.fsutil import atomic_write_text
 from dscluster.sim.netfaults import apply_faults
 from dscluster.sim.ns import (
     SimError,
@@ -121,7 +121,7 @@ def write_node_files(state: LabState, node: SimNode, pw_hash: str) -> list[subpr
         "hosts": (render_hosts(state), 0o644),
         "hostname": (node.hostname + "\n", 0o644),
         # Each machine its own id, as installed machines have: with one kernel (one boot id) for every node,
-        # it is what tells two nodes apart when a fault gives them one hostname (train/dist.py node_identity).
+        # it is what tells two nodes apart when a fault gives them one hostname (core/dist.py node_identity).
         "machine-id": (hashlib.sha256(str(node_dir).encode()).hexdigest()[:32] + "\n", 0o444),
         # No DNS server is reachable from the lab; without this every name not in /etc/hosts
         # (and getent's AAAA-first lookups) waits out resolver timeouts. Port 53 on the node's

@@ -13,8 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dscluster import paths
 from dscluster.errors import UsageError
+from dscluster.files import paths
 from dscluster.sim.netfaults import NetFaults, fault_tools
 from dscluster.sim.ns import LINK_TOOLS, REQUIRED_TOOLS, TOOL_PACKAGES, find_tool, tbf_available
 from dscluster.sim.options import LINK_NONE, check_gpu_supply, count_listed_gpus

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Iterator
 
 from dscluster.errors import UsageError
-from dscluster.fsutil import atomic_write_text
-from dscluster.hosts import is_valid_host
+from dscluster.files.fsutil import atomic_write_text
+from dscluster.node.hosts import is_valid_host
 from dscluster.sim.build import build, restart_sshd, save_state, stray_netns, teardown, teardown_netns
 from dscluster.sim.host import (
     check_gpus,

@@ -15,8 +15,8 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from dscluster.cpus import threads_per_rank
 from dscluster.errors import UsageError
+from dscluster.node.cpus import threads_per_rank
 from dscluster.sim.netfaults import NetFaults
 from dscluster.sim.options import (  # noqa: F401  (validators re-exported: callers import them here)
     LINK_NONE,

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from dscluster.gpus import visible_indices
+from dscluster.node.gpus import visible_indices
 
 # NVML's clocks-event ("throttle") reason bits, from nvml.h. Kept here rather than read from
 # pynvml so decoding works (and is tested) on machines without the NVML library.

@@ -24,7 +24,7 @@ from typing import Any, Callable, TextIO
 
 import psutil
 
-from dscluster.fsutil import JsonlWriter, StorageFull
+from dscluster.files.fsutil import JsonlWriter, StorageFull
 from dscluster.rundir.layout import TELEMETRY_DIR
 from dscluster.telemetry.backends import GpuBackend, select_backend
 

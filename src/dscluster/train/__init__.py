@@ -1,16 +1,6 @@
-"""`dscluster train`: DeepSpeed ViT training on every rank (loop.py reads top to bottom).
+"""`dscluster train`: the Trainer's loop on every rank (loop.py reads top to bottom), built on the
+training core (dscluster.core): checkpointing (checkpoint.py, nodelocal.py), what a run records for
+the next plan (records.py), and the run's own progress, traces and stops.
 
-The modules by role:
-- config: config.py (the typed config), config_checks.py (its limits), ds_config.py;
-- batching: shape.py (the one run-shape resolver plan also calls), sampler.py, balanced.py,
-  autofit.py, loader.py, data.py, fractal.py;
-- step: step.py, optstep.py, comm.py, losscale.py, precision.py, guards.py, split.py, timing.py,
-  syncwatch.py;
-- record: logwindow.py, progress.py, traces.py, evaluation.py, memory.py (the run directory itself:
-  dscluster.rundir);
-- dist: dist.py, nodelocal.py;
-- components of the loop: checkpoint.py (the Checkpointer), faults.py (the test-only fault hook),
-  model.py, setup_engine.py.
-
-This face imports nothing: `import dscluster.train` must stay cheap (no torch).
+This face imports nothing: `import dscluster.train` stays cheap (no torch).
 """

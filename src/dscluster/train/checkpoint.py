@@ -28,13 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dscluster import console
+from dscluster.core import dist
 from dscluster.errors import UsageError
-from dscluster.filemodel import validate
-from dscluster.fsutil import StorageFull, atomic_write_text, free_space_text
+from dscluster.files.filemodel import validate
+from dscluster.files.fsutil import StorageFull, atomic_write_text, free_space_text
 from dscluster.rundir import layout
-from dscluster.train import dist, nodelocal
+from dscluster.rundir.checkpoints import LATEST, find_latest, resume_decision
+from dscluster.train import nodelocal
 
-LATEST = "latest"
 MAX_FAILED_SAVES = 2
 """Consecutive failed saves that stop the run; fewer: training goes on without them."""
 
@@ -65,30 +66,6 @@ class Position:
 
 def tag_for(pos: Position) -> str:
     return f"epoch{pos.epoch:04d}-step{pos.global_step:08d}"
-
-
-def find_latest(ckpt_dir: Path) -> str | None:
-    """The tag `latest` names, if it and its folder exist."""
-    p = Path(ckpt_dir) / LATEST
-    try:
-        tag = p.read_text(encoding="utf-8").strip()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    return tag if tag and (Path(ckpt_dir) / tag).is_dir() else None
-
-
-def resume_decision(mode: str, ckpt_dir: Path) -> str | None:
-    """The tag to resume from, None for a fresh start; resume=true with nothing is an error."""
-    if mode == "false":
-        return None
-    tag = find_latest(ckpt_dir)
-    if mode == "true" and tag is None:
-        raise UsageError(
-            f"checkpoint.resume=true but {ckpt_dir} has no complete checkpoint ('{LATEST}' missing or dangling); "
-            "use checkpoint.resume=auto to start fresh when there is none, or point checkpoint.dir at the old run "
-            "(or set DSCLUSTER_RUN_ID to the old run's id)"
-        )
-    return tag
 
 
 def commit_latest(ckpt_dir: Path, tag: str) -> None:
@@ -199,7 +176,7 @@ def load(engine, ckpt_dir: Path, tag: str) -> tuple[Position, dict]:
     return position_of(client, f"{ckpt_dir}/{tag}"), client
 
 
-# The client state's position (`save`), checked by dscluster.filemodel; all three are required.
+# The client state's position (`save`), checked by dscluster.files.filemodel; all three are required.
 POSITION_TYPES = {"position": (dict,), "position.epoch": (int,), "position.step_in_epoch": (int,),
                   "position.global_step": (int,)}
 

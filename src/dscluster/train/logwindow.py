@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from dscluster.train import optstep
-from dscluster.train.timing import StepWindow, is_timed
+from dscluster.core import optstep
+from dscluster.core.timing import StepWindow, is_timed
 
 
 class LogWindow:

@@ -6,7 +6,7 @@ process group (gloo on CPU, nccl on GPU, bounded timeout: `join`) → the Traine
 data/model/engine (setup_engine), the Checkpointer (checkpoint.py: where, when, what it resumes) →
 resume → per epoch: equal-step check, steps (step.py; records per log window, logwindow.py),
 held-out eval on rank 0 between barriers (evaluation.py), checkpoint → summary, and plan's
-saved prediction beside the measured images/s (plan/predicted.py). Any exception still writes the
+saved prediction beside the measured images/s (runmodel/predicted.py). Any exception still writes the
 `end` record and, where this rank knows the story, a failed summary.json (from the run's typed
 RunRecord, rundir/writer.py); the process group is
 destroyed in `finally`. Every rank keeps RUN_DIR/traces/rank-R.txt open for Python stack dumps
@@ -25,25 +25,26 @@ from pathlib import Path
 
 import torch
 
-from dscluster import console, cpus, liveness, syncmode
+from dscluster import console
+from dscluster.core import datacache, dist, evaluation, faults, guards, localsgd, startgc, syncmode
+from dscluster.core.config import TrainConfig, to_yaml
+from dscluster.core.config_checks import ConfigValueError, compression_conflict, sync_conflict
+from dscluster.core.optstep import StepBoundary
+from dscluster.core.precision import PrecisionDecision, decide_here
+from dscluster.core.step import TrainStep
+from dscluster.core.timing import WARMUP_STEPS, ends_warmup, process_started, warmup_left_out
 from dscluster.errors import DsclusterError, UsageError
-from dscluster.fsutil import atomic_write_json, atomic_write_text
-from dscluster.plan import predicted
+from dscluster.files.fsutil import atomic_write_json, atomic_write_text
+from dscluster.node import cpus, liveness
 from dscluster.rundir import agree, layout
 from dscluster.rundir.writer import RunLog, RunRecord
-from dscluster.train import datacache, dist, evaluation, faults, guards, localsgd, startgc
+from dscluster.train import records
 from dscluster.train.checkpoint import Checkpointer, Position
-from dscluster.train.config import TrainConfig, to_yaml
-from dscluster.train.config_checks import ConfigValueError, compression_conflict, sync_conflict
 from dscluster.train.logwindow import LogWindow
 from dscluster.train.memory import note_peaks
-from dscluster.train.optstep import StepBoundary
-from dscluster.train.precision import PrecisionDecision, decide_here
 from dscluster.train.progress import ProgressBar
-from dscluster.train.step import TrainStep
 from dscluster.train.stopped import OnTerminate, record_stop
 from dscluster.train.syncwatch import SyncWatch
-from dscluster.train.timing import WARMUP_STEPS, ends_warmup, process_started, warmup_left_out
 from dscluster.train.traces import StackTraces
 
 
@@ -55,7 +56,7 @@ class Outcome:
     accuracy: float | None = None
     steps: int = 0
     images_per_s: float | None = None
-    """Steady: after the warm-up steps, to the last step (train/timing.py)."""
+    """Steady: after the warm-up steps, to the last step (core/timing.py)."""
     run_images_per_s: float | None = None
     """The whole run: images ÷ wall-clock from the first step's start to the end, final evaluation in."""
     run_dir: Path | None = None
@@ -117,7 +118,7 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
         log.close()
         # The engine (and a DDP reducer in it) sits in reference cycles, frozen with the start-up: free it
         # while its process group still exists, not at interpreter exit (a rank then aborted in teardown,
-        # "terminate called without an active exception"; train/startgc.py).
+        # "terminate called without an active exception"; core/startgc.py).
         startgc.release()
         dist.destroy()
         traces.close()
@@ -243,10 +244,10 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, rank: Rank, log: RunLog, rdir: Path, record: RunRecord,
                  fault_hook: faults.FaultHook, *, calibrate: bool, started: float):
-        from dscluster.train.setup_engine import build
+        from dscluster.core.setup_engine import build
 
         if calibrate:
-            from dscluster.train.losscale import CALIBRATION_START_POWER
+            from dscluster.core.losscale import CALIBRATION_START_POWER
 
             cfg.fp16.initial_scale_power = CALIBRATION_START_POWER
             cfg.max_steps = cfg.fp16.calibrate_steps
@@ -374,7 +375,7 @@ class Trainer:
         """The host-sync report, the run's figures into its record, and plan's comparison."""
         self.progress.stop()
         if hasattr(self.b.sampler, "close"):
-            self.b.sampler.close()  # loader workers (train/loader.py): they exit now, not at interpreter exit
+            self.b.sampler.close()  # loader workers (core/loader.py): they exit now, not at interpreter exit
         if self.watch.enabled:
             for rec in self.watch.records():
                 self.log.record("host_sync", **rec)
@@ -391,23 +392,24 @@ class Trainer:
         record.run_s, record.run_images_per_s = round(run_s, 3), out.run_images_per_s
         record.time_to_accuracy = self.tta.summary()
         if self.primary and not self.calibrate and self.start.global_step == 0:
-            self.tta.keep(self.cfg, compression=syncmode.label(self.cfg), ranks=self.rank.info.world_size,
-                          run_id=record.run_id)
+            records.keep_curve(self.tta, self.cfg, compression=syncmode.label(self.cfg),
+                               ranks=self.rank.info.world_size, run_id=record.run_id)
         if self.primary and not self.calibrate:
-            plan_vs_measured(self.cfg, self.b, gb, self.rank.precision, self.rank.info, out, record, self.timed())
+            records.plan_vs_measured(self.cfg, self.b, gb, self.rank.precision, self.rank.info, out, record,
+                                     self.timed())
         return out
 
     def startup_s(self) -> float | None:
         """The process's start to its first step, less the data cache's fill: the interpreter, the imports,
-        the process group, the engine (train/timing.py `process_started`)."""
+        the process group, the engine (core/timing.py `process_started`)."""
         started = process_started()
         if started is None or self.tta.first_step_t is None:
             return None
         return max(0.0, self.tta.first_step_t - started - self.tta.fill_s)
 
     def timed(self) -> dict:
-        """What plan's phase-aware comparison needs of this run (plan/predicted.py `timed`)."""
-        from dscluster.train.comm import powersgd_start
+        """What plan's phase-aware comparison needs of this run (runmodel/predicted.py `timed`)."""
+        from dscluster.core.comm import powersgd_start
 
         powersgd = self.b.comm is not None and self.cfg.comm.compression == "powersgd"
         reached = self.tta.reached or {}
@@ -423,25 +425,3 @@ class Trainer:
                 # its checkpoint saves: modelled from one timed write (plan/saveprobe.py), so a save's miss must
                 # not count as the step's
                 "save_s": statistics.median(self.ckpt.save_seconds) if self.ckpt.save_seconds else None}
-
-
-def plan_vs_measured(cfg: TrainConfig, b, gb: int, precision: str, info, out: Outcome, record: RunRecord,
-                     run: dict) -> None:
-    """Rank 0, at the end: the saved prediction against what this run measured (plan/predicted.py),
-    for the steps this run timed (`run`: Trainer.timed). A damaged plans.json costs only the
-    comparison, with a warning that names it."""
-    try:
-        cmp = predicted.compare(predicted.key(model=cfg.model.name, micro_batch=max(b.shares), global_batch=gb,
-                                              precision=precision, compression=syncmode.label(cfg),
-                                              ranks=info.world_size), out.images_per_s, run=run)
-    except UsageError as e:
-        console.err.print(f"[yellow]warning:[/yellow] no plan comparison: {e}")
-        return
-    if cmp is not None:
-        record.plan = cmp
-        console.err.print(f"dscluster train: {predicted.line(cmp)}")
-        try:  # the next `plan` corrects itself by what this lab really did
-            predicted.record(cmp, model=cfg.model.name, precision=precision, compression=syncmode.label(cfg),
-                             ranks=info.world_size, global_batch=gb, run_id=record.run_id)
-        except OSError as e:
-            console.err.print(f"[yellow]warning:[/yellow] plan outcome not kept ({e})")

@@ -14,7 +14,7 @@ import torch
 
 
 def peak_mem_mb(device: torch.device | None) -> float | None:
-    """Peak GPU memory this rank allocated on its device (MiB) since the engine's start (train/setup_engine.py
+    """Peak GPU memory this rank allocated on its device (MiB) since the engine's start (core/setup_engine.py
     resets the counter after auto-fit's and balanced batching's probes, which try batches up to what does
     not fit); None on CPU, where there is no device pool."""
     if device is None or device.type != "cuda":

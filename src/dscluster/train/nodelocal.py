@@ -23,8 +23,8 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
+from dscluster.core import dist
 from dscluster.errors import UsageError
-from dscluster.train import dist
 
 
 def run_dir_shared(rdir: Path, rank: int) -> bool:

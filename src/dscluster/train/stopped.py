@@ -26,8 +26,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from dscluster.launch import slurmjob
-from dscluster.rundir import layout
-from dscluster.train import checkpoint
+from dscluster.rundir import checkpoints, layout
 
 EXIT_CODE = 128 + signal.SIGTERM
 
@@ -149,7 +148,7 @@ def slurm_cancel(run_dir: Path, env: Mapping[str, str] | None = None) -> dict[st
 def resume_text(run_dir: Path, script: str | None) -> str:
     """How to go on: the same run id submitted again; training resumes from the run's last checkpoint."""
     run_id = Path(run_dir).name
-    tag = checkpoint.find_latest(Path(run_dir) / layout.CHECKPOINT_DIR)
+    tag = checkpoints.find_latest(Path(run_dir) / layout.CHECKPOINT_DIR)
     start = f"from its checkpoint {tag}" if tag else "from step 0 (no checkpoint was saved in the run directory)"
     return (f"DSCLUSTER_RUN_ID={run_id} sbatch {shlex.quote(script) if script else 'JOB_SCRIPT'} (or `dscluster "
             f"launch --launcher slurm --submit --run-id {run_id} -- <the same train arguments>`): training resumes "

@@ -1,0 +1,76 @@
+"""How often the ranks' models meet (`sync.mode`, `sync.period`): the rules training and plan share.
+
+Pure: no torch. core/localsgd.py runs them, plan prices them (plan/model.py) and prints them to paste.
+
+- The label: one word for a run's communication setting, where plan keys its predictions and curves:
+  comm.compression on the every-step path (none, fp16, bf16, powersgd), `MODE:H` (local_sgd:8,
+  diloco:16) for a setting that averages every H steps.
+- The sync points: global step numbers, the same on every rank; with a delay (streamed), where an
+  average starts and the step, `delay` later, where it is applied.
+- The nodes: ranks grouped by machine identity (core/dist.py `node_identity`), never by host name alone.
+- The weights: a rank's share of its node's samples, and of all.
+"""
+
+from __future__ import annotations
+
+MODES = ("every_step", "local_sgd", "diloco")
+PERIODS = (4, 8, 16, 32, 64)
+"""The periods plan tries, the shortest (closest to every-step training) first."""
+
+
+def label(cfg) -> str:
+    """The run's setting as one word: comm.compression, or MODE:H when synchronising every H steps."""
+    if cfg.sync.mode == "every_step":
+        return cfg.comm.compression
+    return f"{cfg.sync.mode}:{cfg.sync.period}"
+
+
+def parse_label(text: str) -> tuple[str, int]:
+    """(mode, period) of a label; ("every_step", 1) for a compression."""
+    mode, _, h = text.partition(":")
+    if mode in MODES[1:] and h.isdigit() and int(h) >= 2:
+        return mode, int(h)
+    return "every_step", 1
+
+
+def paste_args(text: str, current: str = "none") -> list[str]:
+    """The overrides that turn a run of label `current` into one of label `text` (what plan prints)."""
+    mode, h = parse_label(text)
+    now_mode, _ = parse_label(current)
+    if mode == "every_step":
+        return [f"comm.compression={text}"] + (["sync.mode=every_step"] if now_mode != "every_step" else [])
+    compression_now = current if now_mode == "every_step" else "none"
+    return ([f"sync.mode={mode}", f"sync.period={h}"]
+            + (["comm.compression=none"] if compression_now != "none" else []))
+
+
+def is_sync_point(step: int, *, period: int, step_in_epoch: int, steps_per_epoch: int, total: int,
+                  every_steps: int = 0, delay: int = 0) -> bool:
+    """Whether global `step` (1-based; `step_in_epoch` 0-based) starts an average across ranks: every
+    `period` steps and at the last step; blocking (`delay` 0) also at an epoch's last step and at a
+    checkpoint.every_steps save. Streamed, those use the last completed average instead: a checkpoint
+    keeps each rank's own state (core/localsgd.py), so nothing there needs the ranks equal."""
+    if step % period == 0 or step >= total:
+        return True
+    if delay:
+        return False
+    return step_in_epoch + 1 >= steps_per_epoch or bool(every_steps and step % every_steps == 0)
+
+
+def node_groups(nodes: list[str]) -> list[list[int]]:
+    """Ranks grouped by node (each rank's node identity), in the order the nodes first appear."""
+    groups: dict[str, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        groups.setdefault(node, []).append(rank)
+    return list(groups.values())
+
+
+def weights(shares: list[int], nodes: list[str]) -> tuple[list[float], list[float]]:
+    """(each rank's weight inside its node, each rank's weight in the whole job): its share of the
+    samples of its node, and of all. Uniform batching: 1/ranks of the node, 1/world."""
+    total = sum(shares)
+    node_total: dict[str, int] = {}
+    for share, node in zip(shares, nodes, strict=True):
+        node_total[node] = node_total.get(node, 0) + share
+    inside = [share / node_total[node] for share, node in zip(shares, nodes, strict=True)]
+    return inside, [share / total for share in shares]

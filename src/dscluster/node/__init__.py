@@ -1,0 +1,2 @@
+"""What dscluster knows of a node: the hostfile, network interfaces, CPUs, GPUs, rank detection
+and whether a process is alive."""

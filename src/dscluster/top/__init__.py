@@ -1,0 +1,1 @@
+"""`dscluster top`: every node's GPUs and the running job's ranks, live, watched or once."""
