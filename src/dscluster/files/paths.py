@@ -22,7 +22,7 @@ SHARE_DIR = Path("share") / "dscluster"
 
 def checkout_root() -> Path | None:
     """The checkout this package runs from (an editable install or PYTHONPATH=src), else None."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     return root if (root / "pyproject.toml").is_file() and (root / ENTRY_SCRIPT).is_file() else None
 
 
