@@ -106,16 +106,16 @@ def functions():
                 yield name, node
 
 
-def lazy_imports() -> list[tuple[str, int, str]]:
-    """(module, line, imported root) of every import inside a function."""
+def lazy_imports() -> list[tuple[str, str, int, tuple[str, ...]]]:
+    """(module, function, line, the imported roots) of every import statement inside a function."""
     found = set()
     for name, function in functions():
         for node in ast.walk(function):
             if isinstance(node, ast.Import):
-                found |= {(name, node.lineno, a.name.split(".")[0]) for a in node.names}
+                found.add((name, function.name, node.lineno, tuple(a.name.split(".")[0] for a in node.names)))
             elif isinstance(node, ast.ImportFrom):
                 root = "." if node.level else (node.module or "").split(".")[0]
-                found.add((name, node.lineno, root))
+                found.add((name, function.name, node.lineno, (root,)))
     return sorted(found)
 
 
@@ -187,12 +187,14 @@ def test_the_core_face_loads_no_torch_and_every_name_it_offers_resolves():
 
 def test_at_most_six_modules_stand_at_the_top():
     top = sorted(n for n, p in MODULES.items() if n.count(".") == 1 and p.name != "__init__.py")
-    assert set(top) <= set(TOP_LEVEL), f"fold these into a package named for their job: {sorted(set(top) - set(TOP_LEVEL))}"
+    loose = sorted(set(top) - set(TOP_LEVEL))
+    assert not loose, f"fold these into a package named for their job: {loose}"
     assert len(top) <= 6
 
 
 def test_no_module_is_over_the_line_limit():
-    long = {name: n for name, p in MODULES.items() if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    long = {name: lines for name, path in MODULES.items()
+            if (lines := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert not long, f"over {MAX_LINES} lines: {long}; split by job"
 
 
@@ -220,10 +222,17 @@ def test_one_assignment_a_line_where_the_values_are_unrelated():
     assert not packed, f"write one assignment a line: {packed}"
 
 
+# Functions whose imports must stay inside them, with why.
+SELF_CONTAINED = {
+    ("dscluster.check.dsops", "ds_op_facts"): "check/probe.py sends this function's source alone to every node",
+}
+
+
 def test_imports_inside_functions_are_only_the_heavy_stack_and_few():
-    assert ("x", 2, "torch") in [(m, line, root) for m, line, root in lazy_imports_of("def f():\n    import torch\n")]
+    assert lazy_imports_of("def f():\n    import torch, os\n") == [("x", "f", 2, ("torch", "os"))]
     found = lazy_imports()
-    light = [f"{name}:{line} ({root})" for name, line, root in found if root not in HEAVY]
+    light = [f"{name}:{line} ({', '.join(roots)})" for name, function, line, roots in found
+             if not set(roots) <= HEAVY and (name, function) not in SELF_CONTAINED]
     assert not light, f"move these imports to the top of their module: {light}"
     assert len(found) <= MAX_LAZY_IMPORTS, f"{len(found)} imports inside functions (at most {MAX_LAZY_IMPORTS})"
 
