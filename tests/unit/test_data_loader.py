@@ -203,7 +203,7 @@ def test_digits_are_scikit_learns_digits_read_without_importing_it(monkeypatch):
         again = data.digits_arrays()
     assert (again[0] == d.images).all() and (again[1] == d.target).all()
     # a rank that trains on digits does not pay scikit-learn's (and SciPy's) import
-    probe = "import sys; from dscluster.train import data; data.digits_arrays(); print('sklearn' in sys.modules)"
+    probe = "import sys; from dscluster.core import data; data.digits_arrays(); print('sklearn' in sys.modules)"
     out = sp.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr[-2000:]
 

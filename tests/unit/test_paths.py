@@ -18,7 +18,7 @@ from _install import build_wheel, installed_venv, new_venv, site_packages
 from dscluster.files import paths
 
 ROOT = Path(__file__).resolve().parents[2]
-PROBE = ("from dscluster import paths; print(paths.checkout_root()); print(paths.entry_script()); "
+PROBE = ("from dscluster.files import paths; print(paths.checkout_root()); print(paths.entry_script()); "
          "print(paths.preset('digits')); print(paths.venv_dir())")
 # Where the user's program says it runs from: the interpreter's prefix and the dscluster it imports.
 WHO_AM_I = "import sys, dscluster; print('prefix', sys.prefix); print('package', dscluster.__file__)"
