@@ -16,6 +16,9 @@ import json
 from dscluster import core
 from dscluster.plan import calibrate, model
 from dscluster.plan.inputs import PlanOptions
+from dscluster.plan.nodeprobe import measure_here
+from dscluster.plan.render import render
+from dscluster.plan.run import run
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -73,24 +76,17 @@ def options(args: argparse.Namespace) -> PlanOptions:
 
 
 def plan_command(args: argparse.Namespace) -> int:
-
     with core.start_up_gc():  # the collector off until a compute probe's first step (core/startgc.py)
         return _plan(args)
 
 
 def _plan(args: argparse.Namespace) -> int:
     if args.measure_node:  # on a node, for the head's plan (plan/nodes.py)
-        from dscluster.plan.nodeprobe import measure_here
-
         print(json.dumps(measure_here(args.config, list(args.overrides), args.measure_node, args.alone_micro)))
         return 0
-    from dscluster.plan.run import run
-
     doc = run(options(args))
     if args.json:
         print(json.dumps(doc, indent=2, sort_keys=True))
     else:
-        from dscluster.plan.render import render
-
         render(doc)
     return 1 if any(r["exit_code"] for r in doc["calibration_runs"]) else 0

@@ -17,6 +17,7 @@ import sys
 import time
 
 from dscluster.files import paths
+from dscluster.launch.mpirun import App, mpirun_argv, mpirun_path
 from dscluster.rundir import layout
 
 STEPS = 12
@@ -35,8 +36,6 @@ def argv(hostfile: str, config: str, user_overrides: list[str], run_id: str, wor
     --config C OVERRIDES` (launch/mpirun.py builds it), the run named `run_id` on every rank. Not
     `dscluster launch`: that insists on the hostfile check ran on, and a plan for the first two
     nodes of a lab is a fair question."""
-    from dscluster.launch.mpirun import App, mpirun_argv, mpirun_path
-
     program = [str(paths.entry_script()), "--config", config, *user_overrides, *overrides()]
     return mpirun_argv(mpirun_path(), [App(world, program, {"DSCLUSTER_RUN_ID": run_id})],
                        hostfile=hostfile, as_root=os.geteuid() == 0)

@@ -2,20 +2,11 @@
 set made on the host (fractal, imagefolder, cifar10 resized), how fast the rank's loader workers make
 its images and what data.cache makes once.
 
-The fill probe runs train's own fill (train/datacache.fill: `make_loader` with the rank's workers,
-data.workers or the node's CPUs shared among its ranks, and data.prefetch; each batch through shared
-memory into a cache tensor) over the first images of the training split, on the head, in plan's own
-process, and reads when each item arrives. The first wave of items (one per worker) holds the workers'
-start and first calls; the waves after it give the wall-clock seconds per image with those workers in
-parallel. A fill of N images then takes start + N × that (phases.fill_seconds), and the same rate
-prices an uncached evaluation and the least an uncached training step takes. Why not one core's
-rendering divided by the workers: on 16-core GPU hosts a 224-px fractal image took 1.28-1.56 ms of one
-core and that division predicted 4.9-6.8 s for 50,000-image fills measured at 9.5-11.5 s with 14
-workers (their start, shared caches and memory bandwidth, the transfer into the cache; docs/plan.md).
-The one-core figure (`render_seconds`) only sizes the sample to about PROBE_SECONDS.
-data.workers=0: the loader runs in plan's process, the rate is the in-process one. The probe fills a
-sample object of its own: the split keeps no cache and no feed. Whether a split is cached is train's
-own rule (train/datacache.choose) with the head's available memory.
+The fill probe runs train's own fill over the first images of the training split, in plan's process,
+and reads when each item arrives: the first wave holds the workers' start, the waves after it give the
+wall-clock seconds per image with the workers in parallel. Measured, not one core's rendering divided by
+the workers: that division predicted fills about half as long as measured (docs/plan.md, "The whole
+run"). The one-core figure (`render_seconds`) only sizes the sample to about PROBE_SECONDS.
 """
 
 from __future__ import annotations

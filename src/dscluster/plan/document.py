@@ -81,7 +81,9 @@ def uses_powersgd(cfg, rec: recommend.Recommendation, world: int) -> bool:
 def notes_of(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict], rec: recommend.Recommendation,
              p: model.Prediction) -> list[str]:
     """What the reader should know about the inputs and the model's reach, one line each."""
-    cfg, world, powersgd_s = inputs.cfg, inputs.world, inputs.powersgd_s
+    cfg = inputs.cfg
+    world = inputs.world
+    powersgd_s = inputs.powersgd_s
     notes = [n for n in (inputs.batch_note, inputs.how["note"], inputs.precision_note) if n] + inputs.notes
     if inputs.check_world and inputs.check_world != world:
         notes.append(f"check measured the all-reduce over {inputs.check_world} ranks, this plan has {world}: if the "

@@ -6,17 +6,21 @@ of one micro-batch. A calibration run rebuilds the plan from the same `PlanInput
 
 from __future__ import annotations
 
+import copy
 import math
+import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dscluster import core
 from dscluster.check import checkfile
 from dscluster.check.checkfile import CheckFileError
+from dscluster.check.netrules import human_bps
 from dscluster.errors import UsageError
 from dscluster.files import state
-from dscluster.node.hosts import Hostfile
-from dscluster.plan import model
+from dscluster.node.hosts import Hostfile, parse_hostfile
+from dscluster.plan import model, nodes
 from dscluster.runmodel import predicted
 
 COMPRESSION_KEY = "comm.compression"
@@ -179,12 +183,12 @@ def busbw_from_check(path: Path, names: list[str] | None = None) -> CheckBandwid
 def slowest_link_busbw(doc: checkfile.CheckFile, measured: CheckBandwidth | None,
                        names: list[str] | None) -> CheckBandwidth | None:
     """check's slowest link as the plan's bandwidth (module constant `SLOW_LINK_FRACTION`), or None."""
-    from dscluster.check.netrules import human_bps
-
     slow = doc.slowest_link()
     if slow is None or (names is not None and not {slow.get("from"), slow.get("to")} <= set(names)):
         return None
-    pair, gbps, rate = f"{slow.get('from')} → {slow.get('to')}", slow["bps"] / 8e9, human_bps(slow["bps"])
+    pair = f"{slow.get('from')} → {slow.get('to')}"
+    gbps = slow["bps"] / 8e9
+    rate = human_bps(slow["bps"])
     if measured is None:
         return CheckBandwidth(busbw=gbps, world=None, latency=0.0, link=pair, note=(
             f"check's all-reduce did not run (--skip-active, or it failed): planned with check's slowest link, {pair} "
@@ -251,8 +255,7 @@ def batch_shape(cfg, world: int, precision: str = "fp32") -> tuple[core.RunShape
 def gradient_shapes(cfg, in_chans: int, num_classes: int) -> tuple[int, tuple[tuple[int, int], ...]]:
     """(parameters, each gradient as PowerSGD views it: shape[0] × the rest), built on the meta
     device: shapes only, no memory, so ViT-B costs nothing to count."""
-    import torch
-
+    import torch  # heavy: only a real plan builds the model, never `plan --help`
 
     with torch.device("meta"):
         net = core.build_model(cfg.model, in_chans=in_chans, num_classes=num_classes, img_size=cfg.data.img_size)
@@ -264,9 +267,6 @@ def gradient_shapes(cfg, in_chans: int, num_classes: int) -> tuple[int, tuple[tu
 def planned_precision(cfg) -> tuple[str, str | None]:
     """(the precision training will use, a note when guessed): the config's, else `dscluster check`'s
     (DSCLUSTER_PRECISION, <state>/cluster.env), else this machine's GPU's, else fp32 with a note."""
-    import os
-
-
     if cfg.precision != "auto":
         return cfg.precision, None
     cluster = os.environ.get("DSCLUSTER_PRECISION")
@@ -282,13 +282,13 @@ def planned_precision(cfg) -> tuple[str, str | None]:
 
 def allowed_compressions(cfg, precision: str) -> tuple[dict[str, bool], list[str]]:
     """Which comm.compression values and local SGD settings training accepts here, by its rules, and why not."""
-    import copy
-
-
-    ok, why = {}, {}
+    ok: dict[str, bool] = {}
+    why: dict[str, str] = {}
     for comp in (*model.COMPRESSIONS, *model.SYNC_LADDER):
-        (mode, period), trial = core.parse_sync_label(comp), copy.deepcopy(cfg)
-        trial.comm.compression, trial.sync.mode = comp if period == 1 else "none", mode
+        mode, period = core.parse_sync_label(comp)
+        trial = copy.deepcopy(cfg)
+        trial.comm.compression = comp if period == 1 else "none"
+        trial.sync.mode = mode
         trial.sync.period = max(2, period)
         try:
             core.compression_conflict(trial, precision)
@@ -311,9 +311,6 @@ INSIDE_NODE_SOURCE = ("one node: its ranks all-reduce inside it, not over the ne
 def measure(opts: PlanOptions) -> PlanInputs:
     """Everything the prediction is made from that costs a measurement or a model build, once: a
     calibration run rebuilds the plan from the same inputs."""
-    from dscluster.node.hosts import parse_hostfile
-    from dscluster.plan import nodes
-
     cfg = core.load_config(opts.config, opts.overrides)
     hostfile = parse_hostfile(opts.hostfile)
     names = hostfile.names
@@ -324,14 +321,15 @@ def measure(opts: PlanOptions) -> PlanInputs:
     checked = (CheckBandwidth(busbw=opts.busbw or 1.0, world=None, latency=0.0) if opts.busbw is not None or alone
                else CheckBandwidth(busbw=INSIDE_NODE_BUSBW_GBps, world=None, latency=0.0) if one_node
                else busbw_from_check(state.check_json_path(), names))
-    busbw, check_world, latency = checked.busbw, checked.world, checked.latency
     source = ("--busbw" if opts.busbw is not None else "one rank: no all-reduce, this figure is not used" if alone
               else INSIDE_NODE_SOURCE if one_node
               else str(state.check_json_path()) + (f" (slowest link {checked.link})" if checked.link else ""))
     world = hostfile.total_slots
     precision, precision_note = planned_precision(cfg)
     shape, batch_note = batch_shape(cfg, world, precision)
-    micro, accum, in_chans, num_classes = shape.micro_batch, shape.grad_accum, shape.in_chans, shape.num_classes
+    micro = shape.micro_batch
+    in_chans = shape.in_chans
+    num_classes = shape.num_classes
     params, matrices = gradient_shapes(cfg, in_chans, num_classes)
     allowed, refused = allowed_compressions(cfg, precision)
     calibration = {} if opts.no_calibration else predicted.calibration(model=cfg.model.name, precision=precision,
@@ -362,8 +360,9 @@ def measure(opts: PlanOptions) -> PlanInputs:
             predicted.save_figure(how["probe"], figure_of(how))
         except OSError:
             pass  # a read-only state directory costs the next plan a measurement, not this one
-    return PlanInputs(cfg=cfg, hostfile=hostfile, compute=compute, how=how, source=source, busbw=busbw,
-                      check_world=check_world, latency=latency, world=world, micro=micro, accum=accum,
+    return PlanInputs(cfg=cfg, hostfile=hostfile, compute=compute, how=how, source=source, busbw=checked.busbw,
+                      check_world=checked.world, latency=checked.latency, world=world, micro=micro,
+                      accum=shape.grad_accum,
                       global_batch=shape.global_batch, batch_note=batch_note, params=params, matrices=matrices,
                       precision=precision,
                       precision_note=precision_note, grad_format=core.gradient_format(cfg, precision), allowed=allowed,
@@ -376,9 +375,6 @@ def compute_figure(cfg, in_chans: int, num_classes: int, micro: int, precision: 
     calibration made on this host, device and config (`probe_key`), else measured now. A calibration
     is measured − modelled step with the figure its plan had; a figure measured now, under another
     load, would move the prediction by the difference (a busy head node made one 26x too slow)."""
-    import time
-
-
     key = core.probe_key(cfg, micro, precision)
     kept = [c["compute"] for c in calibration.values() if (c.get("compute") or {}).get("probe") == key]
     if kept:

@@ -1,45 +1,11 @@
 """plan's model: predict a data-parallel step before the run, and what would make it scale.
 
 Pure arithmetic, no torch: `dscluster plan` measures the inputs (plan/inputs.py), this module turns
-them into a step-time split, images/s, the speed-up over the fastest node alone, a verdict in
-plain words and the smallest change that scales. docs/plan.md is the reference.
-
-Why a model at all: ViT-B/16 on four GPUs over 1 GbE trained at 109 img/s, while one of those
-GPUs alone trains at about 3,000. Each step waited 4.3 s for 344 MB of fp32 gradients to cross
-the links. The user should hear that before the run, with the remedy.
-
-The model, per optimizer step (dscluster's ZeRO-0 path: torch DDP all-reduces the gradients in
-buckets during the last micro-step's backward; the other accumulation micro-steps run under
-`no_sync` and communicate nothing):
-
-    compute  = grad_accum × slowest compute_s     every rank waits for the slowest (uniform batching)
-    hook     = powersgd_s                         PowerSGD's own matrix products, error feedback and
-                                                  orthogonalisation (measured by `plan`); 0 otherwise
-    comm     = wire_bytes × 2(N−1)/N ÷ busbw      ring all-reduce over N ranks; busbw as nccl-tests
-               + all-reduces × latency_s          and `dscluster check` define it; latency_s is the
-                                                  start-up of one all-reduce (check's smallest
-                                                  message); one all-reduce per DDP bucket, three
-                                                  with PowerSGD (1-D tensors, then P, then Q)
-    wire_bytes                                    what comm.compression sends (`wire_bytes`): the
-                                                  gradients; half their bytes with fp16/bf16 (of fp32
-                                                  gradients only); PowerSGD's low-rank factors
-    backward = BACKWARD_SHARE × slowest compute_s the last micro-step's backward, the only one that
-                                                  overlaps the all-reduce
-    hidden   = min(overlap_fraction × backward, comm × (1 − last bucket's share))
-    step     = compute + hook + comm − hidden + calibration     (compute alone where a negative
-                                                  calibration would leave nothing)
-
-calibration is 0 s unless runs of this model, precision and rank count measured their step against
-this model before (`dscluster train` keeps each outcome, runmodel/predicted.py): then it is the median
-of measured − modelled step for the compression in question, seconds per optimizer step. It may
-bring the step below the compute figure: with the compute figure its runs were planned with (plan
-keeps it), that happens only where the figure was too slow (a probe disturbed by a busy machine,
-eager against compiled training), and the run's measured step is the better evidence.
-
-The last bucket is the one DDP can only reduce after backward has finished, so its time is never
-hidden. PowerSGD's products run on the compute stream between backward's kernels, so they are
-never hidden either. ZeRO-1/2 move the same volume (reduce-scatter plus all-gather), so the
-estimate holds for them too. Not modelled: the optimizer step, data loading, balanced batching.
+them into a step-time split (compute, PowerSGD's hook, the ring all-reduce less what the last backward
+hides, a calibration), images/s, the speed-up over the fastest node alone, a verdict in plain words
+and the smallest change that scales. A model at all, because a lab over 1 GbE can train slower than
+one of its GPUs alone, and the user should hear that before the run, with the remedy. The formulas,
+their assumptions and what is not modelled: docs/plan.md, "The model".
 """
 
 from __future__ import annotations
@@ -309,8 +275,7 @@ def predict(s: Scenario) -> Prediction:
     step = model_step + extra if model_step + extra > 0 else compute
     rate = s.global_batch / step
     # On one rank there is no communication: a calibration there is the step's own overhead (optimizer, engine),
-    # which the node alone pays too. Left out of the node, one rank read as 73 % of itself after its first run,
-    # and plan recommended accumulating to amortise it (a CPU digits run, 2026-11-29).
+    # which the node alone pays too; left out of it, one rank reads as less than itself (docs/plan.md).
     alone = {n.name: n.images_per_s(s.micro_batch, extra if s.world == 1 else 0.0) for n in s.nodes}
     fastest = max(alone, key=alone.__getitem__)
     speedup, efficiency = rate / alone[fastest], rate / sum(alone.values())

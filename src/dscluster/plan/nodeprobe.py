@@ -5,16 +5,17 @@ measures compute on the node it runs on and prints one JSON line for the head's 
 
 from __future__ import annotations
 
+import socket
+import time
+
 from dscluster import core
 from dscluster.errors import UsageError
+from dscluster.node import cpus
 
 
 def measure_here(config: str, overrides: list[str], ranks_text: str, alone_text: str | None = None) -> dict:
     """`dscluster plan --measure-node FIRST:COUNT [--alone-micro M,...]`: this node's compute figure, for
     the head's plan (plan/nodes.py `parse_node_output` reads it)."""
-    import socket
-
-
     try:
         first, count = (int(x) for x in ranks_text.split(":"))
     except ValueError:
@@ -28,9 +29,7 @@ def measure_here(config: str, overrides: list[str], ranks_text: str, alone_text:
     cfg = core.load_config(config, overrides)
     if cfg.micro_batch == "auto" or cfg.precision == "auto":
         raise UsageError("--measure-node needs micro_batch=N and precision=P (plan passes both)")
-    import torch
-
-    from dscluster.node import cpus
+    import torch  # heavy: only a node's probe needs it, never the head's `plan --help`
 
     if not torch.cuda.is_available():
         cpus.share_cores(count)  # the threads each of training's `count` ranks here will have
@@ -50,11 +49,10 @@ def measure_alone(cfg, in_chans: int, num_classes: int, micros: list[int], slow_
     compiled, eval_s_per_image, measured_at}]; one that does not fit the GPU is left out (priced at
     the lab's micro-batch then). Each is compiled afresh: torch.compile would otherwise reuse the
     lab micro-batch's graphs and recompile with a dynamic batch size, which training alone does not."""
-
     out = []
     for m in sorted(set(micros)):
         if core.compiles_here(cfg):
-            import torch
+            import torch  # heavy, as in measure_here
 
             torch._dynamo.reset()
         try:
@@ -67,8 +65,6 @@ def measure_alone(cfg, in_chans: int, num_classes: int, micros: list[int], slow_
 
 def figure(f) -> dict:
     """What the head keeps of a core/probe.py ComputeFigure measured now."""
-    import time
-
     return {"seconds": f.seconds, "device": f.device, "spread": round(f.spread, 4), "samples": f.samples,
             "disturbed": f.disturbed, "warmup_extra_s": round(f.warmup_extra_s, 4), "compiled": f.compiled,
             "eval_s_per_image": f.eval_s_per_image, "measured_at": time.time()}

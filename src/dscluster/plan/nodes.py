@@ -2,28 +2,32 @@
 parallel (remote.fan_out, as `dscluster check` probes them), one probe per distinct GPU model (per
 node where the models are unknown, and for any node a test fault slows), each figure cached.
 
-The probe on a node is `<python> -m dscluster plan --config C --measure-node FIRST:COUNT OVERRIDES`
-(`node_command`): the same interpreter path as the head (shared software, like check's probes), the
-config and overrides as given, the planned micro-batch and precision pinned; it prints one JSON
-line (`parse_node_output`). It honours DSCLUSTER_FAULT's slow_gpu for the node's ranks (core/probe.py
-`fault_ms`): plan passes the variable on, as mpirun's -x does for training, and OMP_NUM_THREADS where
-the head has it; without it, a CPU probe takes the threads training's ranks there take (cpus.py).
-
-Where a node alone would train at another micro-batch than the lab's (`alone_micros`), `--alone-micro
-M,...` makes a GPU probe measure at those too, in the same process (its line's `alone`: [{micro,
-seconds, ...}]); a CPU probe measures once, and its node alone is scaled linearly from the lab's.
+A node's probe is `<python> -m dscluster plan --config C --measure-node FIRST:COUNT OVERRIDES`
+(`node_command`, run by plan/nodeprobe.py), which prints one JSON line (`parse_node_output`): the
+head's interpreter path and config, the planned micro-batch and precision pinned, DSCLUSTER_FAULT and
+OMP_NUM_THREADS passed on as mpirun's -x does for training. The details: docs/plan.md, "Every node
+measured on itself".
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from dscluster import core
+from dscluster.check import checkfile
+from dscluster.check.probe import ProbeSettings, default_key, open_session
 from dscluster.errors import UsageError
+from dscluster.files import paths, state
+from dscluster.node import cpus
+from dscluster.plan import model
+from dscluster.runmodel import predicted
+from dscluster.ssh import remote, thishost
 
 MEASURED = "measured on the nodes"
 """The document's compute.source for figures measured on each node."""
@@ -42,30 +46,29 @@ def rank_ranges(hostfile) -> dict[str, tuple[int, int]]:
 
 def faulted(ranks: tuple[int, int], env=None) -> bool:
     """Whether DSCLUSTER_FAULT slows one of these ranks (test-only, core/faults.py)."""
-
     return any("slow_gpu" in core.faults_for_rank(r, env) for r in range(ranks[0], ranks[0] + ranks[1]))
 
 
 def probe_groups(hostfile, models: dict[str, str | None], env=None) -> dict[str, list[str]]:
     """{node to probe: the nodes given its figure}: one node per distinct GPU model, in hostfile order;
     a node whose model is unknown, or whose ranks a fault slows, is probed alone."""
-    ranges, groups, by_model = rank_ranges(hostfile), {}, {}
+    ranges = rank_ranges(hostfile)
+    groups: dict[str, list[str]] = {}
+    by_model: dict[str, str] = {}
     for name in hostfile.names:
-        model = models.get(name)
-        if model is None or faulted(ranges[name], env):
+        gpu_model = models.get(name)
+        if gpu_model is None or faulted(ranges[name], env):
             groups[name] = [name]
-        elif model in by_model:
-            groups[by_model[model]].append(name)
+        elif gpu_model in by_model:
+            groups[by_model[gpu_model]].append(name)
         else:
-            by_model[model] = name
+            by_model[gpu_model] = name
             groups[name] = [name]
     return groups
 
 
 def gpu_models(check_json: Path) -> dict[str, str | None]:
     """Each node's first GPU model as `dscluster check` saw it; {} when there is no check result."""
-    from dscluster.check import checkfile
-
     try:
         doc = checkfile.load(check_json)
     except (OSError, checkfile.CheckFileError, UsageError):
@@ -84,8 +87,6 @@ def node_command(python: str, config: str, overrides: list[str], micro: int, pre
     """The shell command that measures compute on a node (module docstring); `threads`, the head's
     OMP_NUM_THREADS, travels with it as DSCLUSTER_FAULT does; `alone`: the micro-batches to measure
     at as well."""
-    from dscluster.node import cpus
-
     argv = [python, "-m", "dscluster", "plan", "--config", config, "--measure-node", f"{ranks[0]}:{ranks[1]}",
             *(["--alone-micro", ",".join(map(str, alone))] if alone else []),
             *overrides, f"micro_batch={micro}", f"precision={precision}"]
@@ -119,8 +120,6 @@ def node_config(config: str) -> str:
     """The config path a node's probe loads: the file the head's plan loaded (a preset named relative
     to the checkout, `configs/x.yaml`, resolves there, not in the directory plan runs in), at the same
     path on every node, where the checkout sits on all of them."""
-    from dscluster.files import paths
-
     return str(paths.config_path(config).resolve())
 
 
@@ -130,42 +129,40 @@ def measure_nodes(hostfile, config: str, overrides: list[str], micro: int, preci
     """({node: figure}, {node: why it could not be measured}) for the hostfile's nodes (those in `only`),
     one probe per group (`probe_groups`), in parallel over SSH; a node in `alone` ({node: its micro-batch
     alone}) gets `alone_micro` and `alone_seconds` where its group's probe measured that micro-batch."""
-    from dscluster.check.probe import ProbeSettings, default_key, open_session
-    from dscluster.files import state
-    from dscluster.node import cpus
-    from dscluster.ssh import remote
-
     env = os.environ if env is None else env
     groups = probe_groups(hostfile, gpu_models(check_json) if check_json else {}, env)
     if only is not None:
         groups = {n: [m for m in g if m in only] for n, g in groups.items() if set(g) & only}
         groups = {(n if n in g else g[0]): g for n, g in groups.items()}
-    ranges, fault = rank_ranges(hostfile), env.get("DSCLUSTER_FAULT") or None
+    ranges = rank_ranges(hostfile)
+    fault = env.get("DSCLUSTER_FAULT") or None
     settings = ProbeSettings(known_hosts=state.known_hosts_path(), key_filename=default_key(),
                              password=env.get("DSCLUSTER_SSH_PASSWORD"), timeout=PROBE_TIMEOUT_S)
-    config, alone = node_config(config), alone or {}
+    config = node_config(config)
+    alone = alone or {}
 
-    def work(t: remote.Target) -> dict:
-        client = open_session(t, settings)
+    def work(target: remote.Target) -> dict:
+        client = open_session(target, settings)
         try:
-            at = sorted({alone[m] for m in groups[t.name] if m in alone})  # its members' micro-batches alone
-            cmd = node_command(sys.executable, config, overrides, micro, precision, ranges[t.name], fault,
+            at = sorted({alone[m] for m in groups[target.name] if m in alone})  # its members' micro-batches alone
+            cmd = node_command(sys.executable, config, overrides, micro, precision, ranges[target.name], fault,
                                env.get(cpus.THREADS_ENV) or None, at)
-            r = remote.run(client, f"cd {shlex.quote(os.getcwd())} 2>/dev/null; {cmd}", timeout=PROBE_TIMEOUT_S)
-            return parse_node_output(r.stdout if r.rc == 0 else r.stderr or r.stdout, t.name)
+            result = remote.run(client, f"cd {shlex.quote(os.getcwd())} 2>/dev/null; {cmd}", timeout=PROBE_TIMEOUT_S)
+            return parse_node_output(result.stdout if result.rc == 0 else result.stderr or result.stdout, target.name)
         finally:
             client.close()
 
     targets = [remote.Target(name=n, host=n, user=user) for n in groups]
     outcomes = remote.fan_out(targets, work, timeout=PROBE_TIMEOUT_S + 30, description="measuring compute on the nodes",
                               show_progress=False)
-    figures, failed = {}, {}
-    for name, o in outcomes.items():
+    figures: dict[str, dict] = {}
+    failed: dict[str, str] = {}
+    for name, outcome in outcomes.items():
         for member in groups[name]:
-            if o.ok:
-                figures[member] = member_figure(o.value, name, alone.get(member))
+            if outcome.ok:
+                figures[member] = member_figure(outcome.value, name, alone.get(member))
             else:
-                failed[member] = f"{type(o.error).__name__}: {o.error}"
+                failed[member] = f"{type(outcome.error).__name__}: {outcome.error}"
     return figures, failed
 
 
@@ -179,8 +176,6 @@ def member_figure(probed: dict, probed_on: str, alone: int | None) -> dict:
 
 def is_here(names: list[str]) -> bool:
     """Whether the hostfile's nodes are all this machine (a one-machine plan measures in-process)."""
-    from dscluster.ssh import thishost
-
     return thishost.all_this_machine(names)
 
 
@@ -198,8 +193,6 @@ def alone_micros(cfg, hostfile, micro: int, precision: str, shape_of) -> dict[st
     lab's `micro`, by the resolver the lab's shape came from (`shape_of`: plan/inputs.py `batch_shape`).
     Only with micro_batch auto, which splits the global batch over fewer ranks: a fixed micro-batch
     stays, and accumulation keeps the global batch at the same speed per image."""
-    import copy
-
     if cfg.micro_batch != "auto":
         return {}
     out = {}
@@ -225,9 +218,8 @@ def node_compute(opts, cfg, hostfile, micro: int, precision: str, shape_of, *, r
     """({node: seconds per micro-batch}, the document's `compute`, {node: why not measured}) from a
     probe on each node (cached per node and config; `reuse` false measures again), which on a GPU also
     measures each node's micro-batch alone (`alone_micros`, by `shape_of`)."""
-    from dscluster.runmodel import predicted
-
-    ranges, alone = rank_ranges(hostfile), alone_micros(cfg, hostfile, micro, precision, shape_of)
+    ranges = rank_ranges(hostfile)
+    alone = alone_micros(cfg, hostfile, micro, precision, shape_of)
     keys = {n: cache_key(cfg, n, micro, precision, core.fault_ms(*ranges[n]), alone.get(n)) for n in hostfile.names}
     figures = {n: predicted.figure(k) for n, k in keys.items()} if reuse else {}
     figures = {n: {**f, "source": "cached"} for n, f in figures.items() if f}
@@ -263,8 +255,6 @@ def node_compute(opts, cfg, hostfile, micro: int, precision: str, shape_of, *, r
 def uses_balanced(cfg) -> bool:
     """Whether training will balance the batch (core/balanced.py `resolve_batching`: the config's
     batching, or for auto DSCLUSTER_BATCHING from the environment or check's <state>/cluster.env)."""
-    from dscluster.files import state
-
     try:
         cluster = state.read_env_file(state.cluster_env_path())
     except (OSError, UsageError):
@@ -278,10 +268,6 @@ def uses_balanced(cfg) -> bool:
 def mixed_notes(s, p, balanced_in_use: bool) -> tuple[list[str], bool]:
     """(notes naming the slowest node and what it costs, whether balanced batching would be faster)
     for a scenario `s` predicted as `p`; nothing where every node measured the same."""
-    from dataclasses import replace
-
-    from dscluster.plan import model
-
     seconds = {n.name: n.compute_s for n in s.nodes}
     if len(set(seconds.values())) <= 1:
         return [], False
@@ -294,10 +280,10 @@ def mixed_notes(s, p, balanced_in_use: bool) -> tuple[list[str], bool]:
              f"nodes as fast as {fast} would give ({p.images_per_s:,.0f} against {even.images_per_s:,.0f})"]
     if balanced_in_use:
         return notes, False
-    b = model.predict(replace(s, balanced=True))
-    faster = b.images_per_s > p.images_per_s * 1.02
+    balanced = model.predict(replace(s, balanced=True))
+    faster = balanced.images_per_s > p.images_per_s * 1.02
     if faster:
         notes.append(f"balanced batching (batching=balanced: shares proportional to each rank's speed) is faster here: "
-                     f"{b.images_per_s:,.0f} img/s against {p.images_per_s:,.0f} with equal shares; the recommendation "
-                     "uses it")
+                     f"{balanced.images_per_s:,.0f} img/s against {p.images_per_s:,.0f} with equal shares; "
+                     "the recommendation uses it")
     return notes, faster

@@ -3,9 +3,8 @@ checkpoint's bytes (phases.CHECKPOINT_BYTES_PER_PARAM a parameter, at most PROBE
 temporary file there, timed to its close, without fsync, as DeepSpeed saves. A first plan prices each save
 with it; a run's own saves replace it in the next plan of the setting (wholerun.FromRuns.save_s).
 
-Why: on one H200 (ViT-B/16 fp16, a save every 16-step epoch, 800 steps, 2026-11-29) the assumed 0.5 GB/s
-priced a save at 2.75 s where the run's took 1.0 s, and the first plan's steady figure read 1,662 img/s
-against 2,540 measured (bench/results/2026-11-29-nvidia-h200-plan-recommendation-pasted.json)."""
+Why: an assumed write rate priced saves far from what runs measured, and with a save every epoch that
+moved the first plan's whole-run figure by a third (docs/plan.md, "The whole run")."""
 
 from __future__ import annotations
 
@@ -58,7 +57,7 @@ def probe_bytes(nbytes: int) -> int:
 def measure(folder: Path, nbytes: int) -> SaveRate | None:
     """Time one torch.save of `nbytes` (bounded to PROBE_MIN_BYTES..PROBE_MAX_BYTES) of fp32 into a temporary
     file of `folder` (or its nearest existing parent), removed after; None where it cannot be written."""
-    import torch
+    import torch  # heavy: only a real plan measures a save, never `plan --help`
 
     n = probe_bytes(nbytes)
     where = nearest_existing(folder)

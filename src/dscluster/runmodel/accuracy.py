@@ -1,32 +1,12 @@
 """Time to accuracy in plan: when a run with `target_accuracy` set first reaches it, for the config as
 given, for the recommendation, and for the fastest node alone.
 
-A step model cannot say how many steps a model needs to learn; runs can. Every run that evaluates
-(train/loop.py) leaves its held-out curve here, (step, accuracy) after each evaluation, keyed by what
-decides that curve (`trajectory_key`: the model, the data, the optimizer and its schedule, the epochs
-and the global batch; not the seed, not the nodes). plan reads the step where the recorded curves
-first reach the target (the median over the runs that did, a step they evaluated at) and prices the
-run up to the end of that evaluation with the whole-run model (runmodel/phases.py): the data cache, the
-warm-up, the steps, the evaluations before it. Start-up before the cache and the first step (imports,
-the process group) is not in it, as it is not in the whole run.
-
-Curves of this lab come first; without them, the curves shipped with the presets (`SHIPPED`, each
-from a results file). A curve recorded without compression stands in for a compressed run only with
-a note saying so: PowerSGD can learn more slowly per step (`POWERSGD_EVIDENCE`).
-
-Whether a compression learns more slowly (`trailing`) compares its curves only with uncompressed ones
-of the same key, the same schedule. Where this trajectory's curves hold no such comparison, the
-curves of its family (`family_key`: the same but for epochs and max_steps) at another run length
-can say it, grouped per key (`family_for`, `slower`); they never price a time to accuracy.
-
-<state>/curves.json, written atomically by train's rank 0, validated like user input when read:
-
-    {"schema": 1, "curves": [{"key": KEY, "points": [[step, accuracy], ...], "compression": str,
-                              "ranks": int, "run_id": str, "at": unix time,
-                              "family": FAMILY, "length": "epochs=8" | "epochs=8 max_steps=300"}]}
-
-`family` and `length` (`family_key`, `run_length`) are absent from files written before them: such
-curves count for their own key only.
+A step model cannot say how many steps a model needs to learn; runs can. Every run that evaluates leaves
+its held-out curve in <state>/curves.json, keyed by what decides it (`trajectory_key`: model, data,
+optimizer and schedule, epochs, global batch; not the seed, not the nodes). plan reads the step where
+the curves first reach the target and prices the run up to it with the whole-run model (phases). This
+lab's curves come first, then those shipped with the presets (`SHIPPED`). The file's layout and the
+rules for compressed and family curves: docs/plan.md, "Time to accuracy".
 """
 
 from __future__ import annotations
@@ -71,71 +51,71 @@ class Shipped:
     compression: str = "none"
 
 
+_SHIPPED_DOC = 'docs/advisor.md, "Shipped curves and evidence"'
+"""Where each shipped curve's and each evidence line's measurement is named (results files)."""
 _FRACTAL8 = ("configs/vit_small_fractal.yaml", ("epochs=8",))
 SHIPPED = (
     Shipped(*_FRACTAL8,
             ((78, 0.091), (156, 0.122), (234, 0.268), (312, 0.487), (390, 0.730), (468, 0.876), (546, 0.90),
              (624, 0.9397)),
             "one H100 alone, fp16, compiled, seed 1 (epoch 7's accuracy is the target record's floor, 90 %)",
-            "bench/results/2026-11-27-2xh100-tta-10gbit-b.json and -lab-1gbit-observe-tta.json (epochs 1-6)"),
+            _SHIPPED_DOC),
     Shipped(*_FRACTAL8,
             ((78, 0.082), (156, 0.191), (234, 0.247), (312, 0.548), (390, 0.701), (468, 0.857), (546, 0.914),
              (624, 0.933)),
             "one node of two H100s alone, fp16, compiled, seed 1",
-            "bench/results/2026-11-27-4xh100-tta-10gbit-1-1-2.json"),
+            _SHIPPED_DOC),
     Shipped(*_FRACTAL8,
             ((78, 0.089), (156, 0.165), (234, 0.239), (312, 0.405), (390, 0.564), (468, 0.671)),
             "PowerSGD rank 4 from step 30, 1+1+2 H100s at 10 Gbit, seed 1, epochs 1-6 (the run was cut there)",
-            "bench/results/2026-11-27-4xh100-tta-10gbit-1-1-2.json", "powersgd"),
+            _SHIPPED_DOC, "powersgd"),
     Shipped(*_FRACTAL8,
             ((78, 0.086), (156, 0.226), (234, 0.212), (312, 0.357), (390, 0.552), (468, 0.653)),
             "PowerSGD rank 4 from step 30, two 1-GPU H100 nodes at 1 Gbit, seed 1, epochs 1-6 (cut there)",
-            "bench/results/2026-11-27-2xh100-lab-1gbit-observe-tta.json", "powersgd"),
+            _SHIPPED_DOC, "powersgd"),
 )
 _FRACTAL15 = ("configs/vit_small_fractal.yaml", ())
-_SYNC_RESULTS = "bench/results/2026-11-28-2xh200-sync-local-sgd.json"
 SHIPPED += (
     Shipped(*_FRACTAL15,
             ((78, 0.0915), (156, 0.1308), (234, 0.186), (312, 0.5078), (390, 0.6359), (468, 0.7596), (546, 0.8532),
              (624, 0.89), (702, 0.9095), (780, 0.9371), (858, 0.9481), (936, 0.9605), (1014, 0.9662), (1092, 0.9676),
              (1170, 0.9672)),
-            "one H200 alone, fp16, compiled, seed 1", _SYNC_RESULTS),
+            "one H200 alone, fp16, compiled, seed 1", _SHIPPED_DOC),
     Shipped(*_FRACTAL15,
             ((78, 0.0781), (156, 0.1633), (234, 0.2098), (312, 0.1843), (390, 0.4997), (468, 0.6878), (546, 0.7626),
              (624, 0.8253), (702, 0.8866), (780, 0.9025), (858, 0.9398), (936, 0.9525), (1014, 0.9623),
              (1092, 0.9655), (1170, 0.9655)),
-            "one H200 alone, fp16, compiled, seed 2", _SYNC_RESULTS),
+            "one H200 alone, fp16, compiled, seed 2", _SHIPPED_DOC),
     Shipped(*_FRACTAL15,
             ((78, 0.0935), (156, 0.1281), (234, 0.2728), (312, 0.4801), (390, 0.5745), (468, 0.7311), (546, 0.8234),
              (624, 0.8926), (702, 0.9112), (780, 0.9412), (858, 0.9522), (936, 0.9644), (1014, 0.9673),
              (1092, 0.9683), (1170, 0.9687)),
-            "two 1-GPU H200 nodes at 10 Gbit, every step, seed 1", _SYNC_RESULTS),
+            "two 1-GPU H200 nodes at 10 Gbit, every step, seed 1", _SHIPPED_DOC),
     Shipped(*_FRACTAL15,
             ((78, 0.1036), (156, 0.2164), (234, 0.3353), (312, 0.5427), (390, 0.717), (468, 0.8215), (546, 0.8778),
              (624, 0.9156), (702, 0.9232), (780, 0.9454), (858, 0.9513), (936, 0.964), (1014, 0.9651),
              (1092, 0.9657), (1170, 0.9658)),
-            "local SGD every 8 steps, two 1-GPU H200 nodes at 10 Gbit, seed 1", _SYNC_RESULTS, "local_sgd:8"),
+            "local SGD every 8 steps, two 1-GPU H200 nodes at 10 Gbit, seed 1", _SHIPPED_DOC, "local_sgd:8"),
     Shipped(*_FRACTAL15,
             ((78, 0.0963), (156, 0.1249), (234, 0.267), (312, 0.4714), (390, 0.6327), (468, 0.7719), (546, 0.8665),
              (624, 0.8834), (702, 0.9209), (780, 0.9321), (858, 0.9488), (936, 0.9559), (1014, 0.9632),
              (1092, 0.9656), (1170, 0.9658)),
-            "local SGD every 8 steps, two 1-GPU H200 nodes at 10 Gbit, seed 2", _SYNC_RESULTS, "local_sgd:8"),
+            "local SGD every 8 steps, two 1-GPU H200 nodes at 10 Gbit, seed 2", _SHIPPED_DOC, "local_sgd:8"),
     Shipped(*_FRACTAL15,
             ((78, 0.0726), (156, 0.1691), (234, 0.2491), (312, 0.4516), (390, 0.6486), (468, 0.768), (546, 0.8358),
              (624, 0.8816), (702, 0.9097), (780, 0.9309), (858, 0.9404), (936, 0.9541), (1014, 0.9612),
              (1092, 0.9619), (1170, 0.9621)),
-            "local SGD every 64 steps, two 1-GPU H200 nodes at 1 Gbit, seed 1", _SYNC_RESULTS, "local_sgd:64"),
+            "local SGD every 64 steps, two 1-GPU H200 nodes at 1 Gbit, seed 1", _SHIPPED_DOC, "local_sgd:64"),
 )
 POWERSGD_EVIDENCE = ("PowerSGD rank 4 from step 30 reached 65.3 and 67.1 % after 6 epochs of fractal ViT-S (two 1-GPU "
                      "nodes at 1 Gbit; 1+1+2 H100s at 10 Gbit), where uncompressed runs reached 87.6 and 85.7 % "
-                     "(bench/results/2026-11-27-2xh100-lab-1gbit-observe-tta.json, "
-                     "2026-11-27-4xh100-tta-10gbit-1-1-2.json)")
+                     f"({_SHIPPED_DOC})")
 FP16_EVIDENCE = ("fp16 and bf16 gradients ended within 1 point of uncompressed ones on digits, 4-rank GPU lab, 4 "
-                 "seeds (bench/results/2026-11-27-nvidia-h100-lab-1gbit-digits-accuracy.json)")
+                 f"seeds ({_SHIPPED_DOC})")
 SYNC_EVIDENCE = ("local SGD every 8 and every 64 steps reached 90 % at the step every-step training did (702) or "
-                 "sooner, fractal ViT-S on two H200 nodes (bench/results/2026-11-28-2xh200-sync-local-sgd.json); "
+                 "sooner, fractal ViT-S on two H200 nodes; "
                  "on digits, every 4 and 8 steps ended 0.7 and 0.8 points below every-step training, 5 seeds "
-                 "(bench/results/2026-11-28-cpu-digits-sync-modes.json)")
+                 f"({_SHIPPED_DOC})")
 TRAIL_POINTS = 0.01
 """A compression whose recorded curves end more than this below uncompressed ones at the same step
 (1 point) is left out of a recommendation made for time to accuracy."""
@@ -229,8 +209,9 @@ def _shipped(global_batch: int) -> list[tuple[Shipped, dict]]:
         ref = _shipped_config(s.config, tuple(s.overrides))
         if ref is None:
             continue
-        gb = ref.global_batch or global_batch
-        out.append((s, {"key": trajectory_key(ref, gb), "family": family_key(ref, gb), "length": run_length(ref),
+        resolved_batch = ref.global_batch or global_batch
+        out.append((s, {"key": trajectory_key(ref, resolved_batch), "family": family_key(ref, resolved_batch),
+                        "length": run_length(ref),
                         "points": [list(p) for p in s.points], "compression": s.compression, "ranks": 1}))
     return out
 

@@ -1,28 +1,10 @@
 """plan's whole-run model: a run as configured, phase by phase, from the step model's step times.
 
-Pure arithmetic, no torch. plan/model.py predicts one steady optimizer step; a run is more than
-its steady step (docs/plan.md, "The whole run"):
-
-    warm-up          the first WARMUP_STEPS steps (core/timing.py) at their own step time, plus
-                     what the first steps cost once: torch.compile where training compiles, the
-                     allocator, kernel choice (the probe's first step less its steady step)
-    uncompressed     with comm.compression=powersgd, every step up to comm.powersgd_start_step is a
-                     plain all-reduce of the fp32 gradients (torch's start_powerSGD_iter)
-    steady           the rest, at the setting's step time (compressed after the start step)
-    data cache       a split made on the host and cached (data.cache, core/datacache.py): made once
-                     before the first step by the loader workers (`fill_seconds`)
-    evaluation       rank 0 alone, a forward pass over the held-out set, after every
-                     eval_every_epochs-th epoch and after the last (the others wait); a held-out set made
-                     on the host and not cached is made again each time (`evaluation_seconds`)
-    checkpoints      one save per checkpoint.every_epochs epochs (and every every_steps steps)
-    loader restarts  at every epoch end another epoch follows, the loader workers start on the next
-                     epoch and refill their prefetch (`loader_restart_seconds`)
-
-Step g (1-based, global) is uncompressed when g <= start_step. train's end-of-run comparison
-(runmodel/predicted.py) predicts with the same `span` for the steps it timed: the steps after the
-warm-up, and the evaluations, saves and loader restarts its windows hold (those after a timed step,
-or right after the warm-up, but not after the last step). The whole run's steady figure is that
-same quantity for the run as configured: what train reports as its images/s.
+Pure arithmetic, no torch: a run is more than its steady step (plan/model.py), so it adds the warm-up,
+the uncompressed steps before PowerSGD starts, the data cache's fill, the evaluations, checkpoints and
+loader restarts (docs/plan.md, "The whole run", has the table). Step g (1-based, global) is
+uncompressed when g <= start_step. train's end-of-run comparison (runmodel/predicted.py) predicts the
+steps it timed with the same `span`, so the whole run's steady figure is what train reports.
 """
 
 from __future__ import annotations
@@ -39,7 +21,7 @@ POWERSGD_START_STEP = 30
 from early on is what makes the recommendation's prediction hold for the whole run."""
 POWERSGD_START_EVIDENCE = ("digits on the 4-rank GPU lab at 1 Gbit, 4 seeds: PowerSGD from step 30 ended within "
                            "0.1 point of no compression (96.0 % against 96.0 %), fp16 and bf16 within 1 point "
-                           "(bench/results/2026-11-27-nvidia-h100-lab-1gbit-digits-accuracy.json)")
+                           '(docs/advisor.md, "Shipped curves and evidence")')
 """The measurement behind POWERSGD_START_STEP, cited in plan's output."""
 FORWARD_SHARE = 1 / 3
 """A forward pass is about a third of a forward+backward (plan/model.py's BACKWARD_SHARE is the rest)."""
@@ -49,16 +31,11 @@ CHECKPOINT_WRITE_GBps = 0.5
 """Assumed write rate of a checkpoint save (a local SSD or NFS); a stated guess, not measured."""
 HOST_TO_DEVICE_GBps = 6.0
 """Copy rate of the held-out batches from the data cache to the GPU: views of pageable memory, not
-pinned. Fitted on one H100 (fractal ViT-S, 10,000 cached 224-px images, 1.5 GB): train's held-out pass
-took 0.82-0.86 s with the loader idle, where the probe's forward over batches already on the GPU gave
-0.57 s (bench/results/2026-11-27-nvidia-h100-epoch-prime.json, 2026-11-27-4xh100-tta-10gbit-1-1-2.json)."""
+pinned. Fitted on GPU runs (docs/plan.md, "The whole run")."""
 LOADER_REFILL_GBps = 11.0
 """Rate at which a rank's loader workers refill their prefetch (workers × data.prefetch micro-batches of
-uint8 images, through shared memory into pinned memory) at an epoch end, while rank 0 evaluates. Fitted on
-the same H100: with the workers set on the next epoch during the held-out pass (train's `prime`) that pass
-took 1.21 s instead of 0.82 s, for 56 items of 77 MB (4.3 GB). Checked on one H200 (the same preset, fp16):
-probe 0.56 s + copy 0.25 s + refill 0.39 s = 1.20 s a boundary against 1.14-1.24 s measured
-(bench/results/2026-11-28-2xh200-sync-local-sgd.json, `evaluation_each`)."""
+uint8 images, through shared memory into pinned memory) at an epoch end, while rank 0 evaluates. Fitted
+as HOST_TO_DEVICE_GBps is."""
 
 
 def fill_seconds(images: int, s_per_image: float, start_s: float, passes: int = 1) -> float:
@@ -191,11 +168,14 @@ def span(c: RunCosts, first: int, last: int, *, total: int, epochs: int, events_
     "checkpoints_s", "restart_s", "evaluations", "saves", "restarts", "epoch_ends"}."""
     plain = plain_steps(first, last, c.start_step)
     steady = max(0, last - first + 1) - plain
-    lo, hi = events_from if events_from is not None else first, events_to if events_to is not None else last
+    events_first = events_from if events_from is not None else first
+    events_last = events_to if events_to is not None else last
     evals = saves = restarts = ends = 0
-    for g in _event_steps(max(1, lo), hi, c):
-        e, s, r = events_after(g, c, total, epochs)
-        evals, saves, restarts = evals + e, saves + s, restarts + r
+    for g in _event_steps(max(1, events_first), events_last, c):
+        evaluated, saved, restarted = events_after(g, c, total, epochs)
+        evals += evaluated
+        saves += saved
+        restarts += restarted
         ends += g % c.steps_per_epoch == 0 or g >= total
     return {"plain_s": plain * c.plain_step_s, "steady_s": steady * c.step_s, "evaluation_s": evals * c.eval_s,
             "checkpoints_s": saves * c.save_s, "restart_s": restarts * c.restart_s, "evaluations": evals,

@@ -1,55 +1,13 @@
 """plan's saved predictions: `dscluster plan` writes them, `dscluster train` measures against them.
 
-<state>/plans.json (the state directory of state.py), written atomically, one entry per config:
+<state>/plans.json, written atomically: one entry per setting, keyed by what decides its figure
+(`key`: model, micro-batch, global batch, precision, compression, ranks); the outcomes runs measured
+against them; the compute figures plan measured (`figures`, by core's `probe_key`). Its layout and
+why it is so: docs/plan.md, "plans.json".
 
-    {"schema": 1,
-     "plans": {KEY: {"images_per_s": float, "step_s": float,
-                     "setting": "now"|"choice"|"untested"|"calibration", "model_step_s": float,
-                     "created": unix time, "config": str, "hostfile": str, "busbw_GBps": float,
-                     "compute_s": float, "overrides": [str],
-                     "compute": FIGURE, "costs": RUNCOSTS, "model_costs": RUNCOSTS}},
-     "outcomes": [{"key": KEY, "model": str, "precision": str, "compression": str, "ranks": int,
-                   "model_step_s": float, "measured_step_s": float, "run_id": str, "at": unix time,
-                   "warmup_extra_s": float, "cache_fill_s": float, "compute": FIGURE | null}],
-     "figures": {PROBE_KEY: FIGURE}}
-
-FIGURE is the compute figure the setting's model step was made with (plan/inputs.py `figure_of`):
-{"seconds", "device", "probe" (host, device and config it holds for; null with --compute-s),
-"measured_at", "spread", "samples", "disturbed", "powersgd_s"}.
-
-`figures` caches each compute figure plan measured, by its probe key (host, device, config, compile:
-core/probe.py `probe_key`): the next plan of the same key uses it instead of measuring again.
-
-RUNCOSTS (runmodel/phases.py RunCosts; absent in older entries) are what the setting's run is made of:
-plain and compressed step, first-step cost, an evaluation, a save; `model_costs` with the model's
-steps before calibration. train's comparison predicts the steps it timed from them (`timed`).
-
-KEY names what decides the figure (`key`): model, per-rank micro-batch, global batch, precision,
-gradient compression, ranks. `plan` saves its prediction for the config as given and for each
-setting it recommends, so a run with the pasted overrides finds its own; `plan --calibrate` also
-saves the PowerSGD setting it is about to run ("calibration"). At the end of a run rank 0
-looks its config up and prints "plan predicted X img/s, measured Y img/s (±Z%)"; summary.json
-keeps both (`plan`). A later `plan` for the same key replaces the entry.
-
-An outcome also keeps what the run's first costs were (`startup_of`): its warm-up beyond five steady
-steps (compilation, mostly), its data cache's fill, its held-out pass at an epoch end and its start-up
-before the first step; the next plan of the same key prices its whole run's warm-up and epoch ends with
-the newest such run's and shows its start-up, one of another key of the same model and precision is
-used only for a warm-up more than the modelled one, and the fill with that of the same ranks (`startup`).
-A run whose timed steps mixed plain and PowerSGD ones keeps only these.
-
-Each such comparison is also kept as an outcome (the last MAX_OUTCOMES): the step time the run
-measured against plan's uncorrected model step (`model_step_s`). `calibration` turns the
-outcomes of the same model, precision and ranks into one figure per compression, the median of
-measured − modelled seconds per optimizer step, and `plan` adds it to its step times: a lab whose
-PowerSGD steps took 20 ms more than modelled gets its next recommendation from the corrected
-figure. Seconds added, not a factor: what the model misses is paid once per optimizer step (the
-all-reduces' start-up, the hook's waiting), so it does not grow with gradient accumulation. On the
-4-node GPU lab a factor taken at grad_accum 1 (1.30×) put grad_accum 8 24 % too slow; the seconds
-put it within 1 %. Against the model's own step, never a corrected one, so corrections do not
-compound. A difference holds only with the compute figure its model step was made with, so each
-outcome keeps that figure, and the next `plan` on the same host, GPU and config uses it again
-rather than one measured under another load.
+`calibration` turns outcomes into seconds added per optimizer step, never a factor: what the model
+misses is paid once a step, whatever the accumulation. Each outcome keeps the compute figure its
+model step was made with, and corrections apply to the model's own step, so they never compound.
 """
 
 from __future__ import annotations
@@ -58,6 +16,7 @@ import json
 import math
 import statistics
 import time
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +24,7 @@ from dscluster.errors import UsageError
 from dscluster.files import state
 from dscluster.files.filemodel import NUMBER, load_state_file
 from dscluster.files.fsutil import atomic_write_json
+from dscluster.runmodel import phases
 
 PLANS_FILE = "plans.json"
 SCHEMA = 1
@@ -155,12 +115,10 @@ def record(cmp: dict, *, model: str, precision: str, compression: str, ranks: in
 def startup_of(cmp: dict, measured_step_s: float) -> dict:
     """What a run measured of its whole run's first costs (compare's `measured_warmup_s` and
     `measured_cache_fill_s`): its warm-up beyond WARMUP_STEPS steady steps, its data cache's fill."""
-    from dscluster.runmodel.phases import WARMUP_STEPS
-
     out = {}
     warm = cmp.get("measured_warmup_s")
     if isinstance(warm, (int, float)) and warm > 0:
-        out["warmup_extra_s"] = round(max(0.0, warm - WARMUP_STEPS * measured_step_s), 3)
+        out["warmup_extra_s"] = round(max(0.0, warm - phases.WARMUP_STEPS * measured_step_s), 3)
     fill = cmp.get("measured_cache_fill_s")
     if isinstance(fill, (int, float)) and fill > 0:
         out["cache_fill_s"] = round(float(fill), 3)
@@ -287,11 +245,6 @@ def time_to_accuracy(entry: dict, run: dict) -> dict | None:
 def timed(entry: dict, run: dict) -> dict | None:
     """The saved setting's prediction for the steps a run timed (runmodel/phases.py), with train's own
     steps per epoch and PowerSGD start; None for entries saved without run costs."""
-    from dataclasses import fields
-
-    from dscluster.errors import UsageError
-    from dscluster.runmodel import phases
-
     try:
         first, last = phases.timed_steps(int(run["resumed_at"]), int(run["last"]))
         means = []
