@@ -51,18 +51,27 @@ def test_a_compressed_run_is_priced_from_curves_of_its_own_compression_first():
     assert accuracy.reach(curves, 0.9, "fp16")["same"] is False  # none of its own: every curve stands in
 
 
+def shipped_from(results_file: str) -> bool:
+    """The results file exists and the docs section plan cites names it."""
+    root = Path(__file__).resolve().parents[2]
+    section = (root / "docs/advisor.md").read_text(encoding="utf-8").split("## Shipped curves and evidence")[1]
+    return (root / "bench/results" / results_file).is_file() and results_file in section
+
+
 def test_the_fractal_preset_ships_the_curve_its_gpu_run_measured(tmp_path):
     env = {"DSCLUSTER_STATE": str(tmp_path)}
     cfg = load_config(FRACTAL, ["epochs=8"])
     curves, source = accuracy.curves_for(cfg, 512, env)
-    assert len(curves) == 4 and "2026-11-27-2xh100-tta-10gbit-b.json" in source
+    assert len(curves) == 4 and 'docs/advisor.md, "Shipped curves and evidence"' in source
+    assert shipped_from("2026-11-27-2xh100-tta-10gbit-b.json")
     assert "4 run(s) shipped with the preset" in source
     assert accuracy.reach(curves, 0.9, "none") == {"step": 546, "curves": 2, "reached": 2, "same": True}
     # the two PowerSGD runs were cut after epoch 6, 65-67 % where uncompressed runs had 86-88 %
     assert accuracy.reach(curves, 0.9, "powersgd") == {"step": None, "curves": 2, "reached": 0, "same": True}
     # the preset's own 15 epochs are another schedule, with its own curves: local SGD's keyed by mode and H
     curves, source = accuracy.curves_for(load_config(FRACTAL, []), 512, env)
-    assert len(curves) == 6 and "2026-11-28-2xh200-sync-local-sgd.json" in source
+    assert len(curves) == 6 and 'docs/advisor.md, "Shipped curves and evidence"' in source
+    assert shipped_from("2026-11-28-2xh200-sync-local-sgd.json")
     assert accuracy.reach(curves, 0.9, "none") == {"step": 702, "curves": 3, "reached": 3, "same": True}
     assert accuracy.reach(curves, 0.9, "local_sgd:8") == {"step": 702, "curves": 2, "reached": 2, "same": True}
     assert accuracy.reach(curves, 0.9, "local_sgd:16")["same"] is False  # no curve of its own: all stand in
