@@ -64,7 +64,7 @@ _FACE = {
     "sync_label": ("syncmode", "label"),
     "parse_sync_label": ("syncmode", "parse_label"),
     "sync_paste_args": ("syncmode", "paste_args"),
-    "PEER_FAILURE": ("dist", "PEER_FAILURE"),
+    "PEER_FAILURE": ("guards", "PEER_FAILURE"),
     "is_primary": ("dist", "is_primary"),
 }
 

@@ -65,7 +65,7 @@ def choose_micro_batch(max_micro: int, world: int, global_batch: int | None) -> 
 
 def set_memory_cap(cap_gb: float | None, device) -> float | None:
     """Cap this process's share of the GPU (e.g. 8 GB on an 80 GB card); returns the fraction used."""
-    import torch
+    import torch  # the search rules above stay torch-free at load: the run's shape (shape.py) uses them
 
     if cap_gb is None or device.type != "cuda":
         return None
@@ -81,7 +81,7 @@ def probe_fits(model, make_batch: Callable[[int], tuple], dtype, device) -> Call
     The optimizer state is stood in for by a reserved block of the same size; the margin
     covers fragmentation.
     """
-    import torch
+    import torch  # as in set_memory_cap
 
     # What training holds besides activations: fp32 master weights, two AdamW moments and
     # gradients (16 bytes per parameter with a half-precision model, a bit less in fp32).

@@ -1,38 +1,17 @@
 """Mixed-GPU data parallelism: per-rank batch shares from measured speed, same update as uniform DP.
 
-With equal batches every step waits for the slowest card. Here rank i gets b_i samples of
-each global batch, b_i proportional to its measured samples/s (so every rank's step takes
-about the same time) and capped by what fits in its memory, with sum(b_i) = B exactly.
-
-The update stays the uniform-data-parallel one. DeepSpeed averages gradients over the N
-ranks (engine.allreduce_bucket multiplies by 1/dp_world_size) and, with gradient
-accumulation G, divides each micro-step's loss by G (engine.backward, `loss /
-gradient_accumulation_steps()`). A rank that returns the *mean* loss over its b_i samples
-would therefore get weight 1/N whatever b_i is. Multiplying that mean by
-
-    loss_weight(b_i, N, B) = b_i * N / B
-
-turns the averaged gradient into (1/(G*B)) * sum over all G*B samples of the per-sample
-gradient: the exact mean over the global batch. The weight does not involve G, because
-DeepSpeed's own 1/G already turns the sum over micro-steps into a mean.
-
-Gradient clipping and fp16 overflow handling stay one decision for all ranks, because
-DeepSpeed takes both after the all-reduce (deepspeed 0.19, `deepspeed/runtime/`):
-- engine.py `_backward_epilogue` -> `allreduce_gradients` runs at the accumulation
-  boundary, before `step()`; `_take_model_step` clips fp32 grads (`clip_fp32_gradients`)
-  and only then calls `optimizer.step()`.
-- fp16/fused_optimizer.py `FP16_Optimizer.step`: `overflow_checker.has_overflow` (utils.py
-  `CheckOverflow.has_overflow`, an all_reduce MAX over the world group) and the global
-  grad norm for clipping are taken on the already averaged gradients.
-- zero/stage_1_and_2.py: `has_overflow` all-reduces the overflow flag (MAX over the
-  data-parallel group) and `scaled_global_norm` all-reduces the norm.
-An inf on one rank becomes inf in the averaged gradient on every rank, so all ranks skip
-the same step and adjust the loss scale identically.
+With equal batches every step waits for the slowest card. Here rank i gets b_i samples of each
+global batch, proportional to its measured samples/s and capped by what fits in its memory, with
+sum(b_i) = B exactly. Each rank's mean loss is weighted by `loss_weight` = b_i * N / B, which turns
+DeepSpeed's average over ranks into the exact mean over the global batch; clipping and fp16
+overflow stay one decision for all ranks because DeepSpeed takes both after the all-reduce. The
+derivation: docs/training-config.md, "How a run's shape is decided".
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
@@ -180,7 +159,7 @@ class BalancedBatchSampler:
         Kept as an int64 tensor and sliced per step: a Python list of a large epoch (a
         synthetic benchmark set of millions of indices) would cost ~36 bytes per index.
         """
-        import torch
+        import torch  # the rules here stay torch-free at load: plan and check read them
 
         if not self.shuffle:
             return torch.arange(self.dataset_len)
@@ -267,7 +246,7 @@ def plan_shares_distributed(samples_per_s: float, global_batch: int, max_micro: 
     Needs an initialised torch.distributed process group. plan_shares is deterministic, so
     every rank computes the same shares without a second broadcast.
     """
-    import torch.distributed as dist
+    import torch.distributed as dist  # as in order_tensor: only a training rank pays for torch
 
     world = dist.get_world_size()
     gathered: list = [None] * world
@@ -282,8 +261,6 @@ def plan_shares_distributed(samples_per_s: float, global_batch: int, max_micro: 
 def resolve_batching(requested: str, environ: dict[str, str] | None = None) -> str:
     """The batching mode a run uses: the config's, or for `auto` the cluster's DSCLUSTER_BATCHING
     (written by `dscluster check`: balanced when GPUs differ), else uniform."""
-    import os
-
     if requested != "auto":
         return requested
     value = (os.environ if environ is None else environ).get("DSCLUSTER_BATCHING", "").strip().lower()

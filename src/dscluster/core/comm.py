@@ -1,27 +1,13 @@
 """Gradient communication on the ZeRO-0 DDP path: compression hooks, the hand-off mark, PowerSGD state.
 
-On several ranks with ZeRO-0 and overlap_comm, torch DDP reduces the gradients inside the
-DeepSpeed engine (setup_engine.OverlapDDP). Its communication hook is where `comm.compression`
-acts, with torch's own hooks (torch.distributed.algorithms.ddp_comm_hooks):
-
-- none: `allreduce_hook`, what DDP does without a hook (average, all-reduce);
-- fp16 / bf16: `fp16_compress_hook` / `bf16_compress_hook`: the fp32 gradients cross the network
-  as half floats, half the bytes; decompressed in place;
-- powersgd: `powerSGD_hook` (Vogels et al. 2019), layer-wise: each n×m gradient matrix goes as two
-  rank-r factors, r·(n+m) numbers in two all-reduces, 1-D tensors uncompressed; the compression
-  error of each rank is added back into its next step's gradients (error feedback). The first
-  `comm.powersgd_start_step` steps use a plain all-reduce.
-
-Every one of them goes through one wrapper that first marks the moment the bucket is handed to
-communication (split.StepSplit): the last mark of a step ends its compute. With `none` too, so the
-split is measured the same way for every option. Which options may run where is config_checks'
-rule (`compression_conflict`), checked before the run directory exists.
-
-PowerSGD's error feedback is per rank and part of the optimisation: a checkpoint keeps each rank's
-PowerSGDState (which pickles without its process group) beside DeepSpeed's files, one file per rank,
-and resume restores it. DDP lays its buckets out anew in each process (after its first
-synchronised backward), and the state is keyed by bucket: so the first synchronised step of every
-process is a plain all-reduce that leaves the state alone.
+On several ranks with ZeRO-0 and overlap_comm, torch DDP reduces the gradients inside the DeepSpeed
+engine (setup_engine.OverlapDDP); its communication hook is where `comm.compression` acts, with torch's
+own hooks (none, fp16, bf16, powersgd). Every hook goes through one wrapper that first marks the moment
+the bucket is handed to communication (split.StepSplit), `none` too, so the step's split is measured
+the same way for every option. PowerSGD's error feedback is per rank: a checkpoint keeps each rank's
+state, and the first synchronised step of every process is a plain all-reduce, because DDP lays its
+buckets out anew in each process. Which options run where: config_checks.compression_conflict;
+the options and their measurements: docs/training-config.md, "Communication options".
 """
 
 from __future__ import annotations

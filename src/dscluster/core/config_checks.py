@@ -15,13 +15,18 @@ directory exists, instead of inside the training loop after it was created.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import typing
 from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from dscluster.core.precision import amp_dtype, gradient_format
 from dscluster.errors import UsageError
+from dscluster.rundir import layout
+from dscluster.rundir.checkpoints import resume_decision
 
 # Metadata keys a field may declare; tests read the same keys to derive the values they try.
 RULE_KEYS = ("ge", "gt", "le", "lt", "words", "length", "choices")
@@ -177,8 +182,6 @@ DEEPSPEED_DERIVED = {
 
 def check_deepspeed_section(section: dict | None) -> None:
     """The `deepspeed:` mapping: only keys DeepSpeed knows, none that dscluster derives, JSON values."""
-    import json
-
     if not section:
         return
     opt = section.get("optimizer")
@@ -238,7 +241,9 @@ def check_relations(cfg) -> None:
 
 def offload_conflict(cfg) -> None:
     """Where offload_optimizer cannot apply: ConfigValueError naming the key, why and the fix."""
-    E, off, key = ConfigValueError, cfg.offload_optimizer, "offload_optimizer"
+    E = ConfigValueError
+    off = cfg.offload_optimizer
+    key = "offload_optimizer"
     if off == "none":
         return
     if cfg.zero_stage == 0:
@@ -262,8 +267,6 @@ ONE_BIT_OPTIMIZERS = {"onebitadam": "1-bit Adam", "zerooneadam": "0/1 Adam", "on
 
 
 def _deepspeed_version() -> str:
-    from importlib import metadata
-
     try:
         return metadata.version("deepspeed")
     except metadata.PackageNotFoundError:
@@ -306,8 +309,6 @@ def compression_conflict(cfg, precision: str | None) -> None:
                 also=("overlap_comm",))
     if precision is None or comp == "powersgd":
         return
-    from dscluster.core.precision import gradient_format
-
     grads = gradient_format(cfg, precision)
     if grads == comp:
         raise E(key, f"{key}={comp} has no effect: with precision={precision} and amp=false the gradients are "
@@ -338,19 +339,14 @@ def sync_conflict(cfg, precision: str | None) -> None:
         raise E(key, f"{key}={mode} sends no gradients between nodes after its warm-up, so "
                      f"comm.compression={cfg.comm.compression} has nothing to act on; set comm.compression=none",
                 also=("comm.compression",))
-    if precision is not None and precision != "fp32":
-        from dscluster.core.precision import amp_dtype
-
-        if amp_dtype(cfg, precision) is None:
-            raise E(key, f"{key}={mode} averages the fp32 weights the optimizer steps; with precision={precision} "
-                         "and amp=false DeepSpeed keeps them inside its own optimizer; set amp=true",
-                    also=("amp", "precision"))
+    if precision is not None and precision != "fp32" and amp_dtype(cfg, precision) is None:
+        raise E(key, f"{key}={mode} averages the fp32 weights the optimizer steps; with precision={precision} "
+                     "and amp=false DeepSpeed keeps them inside its own optimizer; set amp=true",
+                also=("amp", "precision"))
 
 
 def checkpoint_dir(cfg, run_dir: Path) -> Path:
     """Where checkpoints go: checkpoint.dir, else <run dir>/checkpoints."""
-    from dscluster.rundir import layout
-
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(run_dir) / layout.CHECKPOINT_DIR
 
 
@@ -378,7 +374,7 @@ def check_world(cfg) -> None:
             raise E("data.path", f"{named} has no class folders; imagefolder data is <path>/<class>/<image> "
                                  "(or <path>/train/<class>/… beside val/)", data)
     if cfg.model.name != SMALL_IMAGE_MODEL:
-        import timm
+        import timm  # the checks stay torch-free at load: light commands load the config with them
 
         if not timm.is_model(cfg.model.name):
             close = [m for m in timm.list_models("vit_*") if cfg.model.name.split("_")[0] in m][:5]
@@ -388,9 +384,6 @@ def check_world(cfg) -> None:
         raise E("checkpoint.dir", f"checkpoint.dir {cfg.checkpoint.dir!r} is a file; point it at a folder "
                                   "(it is created when missing)")
     if cfg.checkpoint.resume == "true":
-        from dscluster.rundir import layout
-        from dscluster.rundir.checkpoints import resume_decision
-
         try:
             resume_decision("true", checkpoint_dir(cfg, layout.run_dir()))
         except UsageError as e:

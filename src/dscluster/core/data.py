@@ -10,6 +10,7 @@ on the device. What crosses from the host goes through pinned memory, so no step
 
 from __future__ import annotations
 
+import importlib.util
 import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
 from dscluster.core import fractal
 from dscluster.core.config import DataConfig
@@ -224,7 +226,9 @@ class FolderImageSet(ImageSet):
 
     def __init__(self, name, files: list[Path], labels: list[int], classes: list[str], img_size: int):
         super().__init__(name, len(classes), 3, img_size, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
-        self.files, self.labels, self.classes = files, labels, classes
+        self.files = files
+        self.labels = labels
+        self.classes = classes
 
     def __len__(self) -> int:
         return len(self.files)
@@ -238,8 +242,6 @@ class FolderImageSet(ImageSet):
         return True
 
     def make(self, indices):
-        from PIL import Image
-
         s = self.img_size
         out = np.empty((len(indices), s, s, 3), dtype=np.uint8)
         for j, i in enumerate(indices):
@@ -267,7 +269,9 @@ class FractalImageSet(ImageSet):
 
     def __init__(self, name, renderer: fractal.FractalRenderer, num_classes: int, count: int, first: int):
         super().__init__(name, num_classes, 3, renderer.img_size, fractal.MEAN, fractal.STD)
-        self.renderer, self.count, self.first = renderer, count, first
+        self.renderer = renderer
+        self.count = count
+        self.first = first
 
     def __len__(self) -> int:
         return self.count
@@ -343,14 +347,12 @@ def _limit(ds, limit: int | None):
 def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     """scikit-learn's digits (images (1797, 8, 8) of 0-16, labels) from the file it ships, without importing
     it (with SciPy, a second of CPU at every rank's start); where the file is not found, its loader."""
-    import importlib.util
-
     spec = importlib.util.find_spec("sklearn")
     for root in (spec and spec.submodule_search_locations) or []:
         if (path := Path(root) / "datasets" / "data" / "digits.csv.gz").is_file():
             data = np.loadtxt(path, delimiter=",")   # numpy reads .gz itself
             return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(int)
-    from sklearn.datasets import load_digits as sk_digits
+    from sklearn.datasets import load_digits as sk_digits  # only where the file is missing: see above
 
     x, y = sk_digits(return_X_y=True)
     return x.reshape(-1, 8, 8), y

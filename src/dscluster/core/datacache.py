@@ -1,22 +1,10 @@
 """data.cache: the images of a split made on the host (fractal, imagefolder) made once, into memory.
 
-Made on demand, a fractal image costs 1.6-2.2 ms of one core at 224 px, every epoch, and every
-held-out evaluation makes its 10,000 images again with freshly started workers (7.5 s on a 16-core
-GPU host, where the forward pass takes 0.36 s). Cached, each split is made once per process, before
-training: one front-to-back pass of the loader workers (train/loader.make_loader) into one
-preallocated uint8 tensor [N, C, S, S] (channels-last memory, as decoded images are) with its labels.
-`ImageSet.prepare` then reads from it and applies the same seeded shift, so every batch is the one
-the uncached path makes. The training loader's persistent workers fork after the fill and see the
-tensor copy-on-write; evaluation on rank 0 is an index into it and a GPU pass.
-
-`choose` is the one rule (train and plan both call it): the training split on every rank, the held-out
-split where the rank evaluates (`primary`: rank 0, every rank under ZeRO-3, train/evaluation.evaluates).
-  auto   a split is cached when the rank's cached bytes stay within its budget: SHARE_OF_AVAILABLE of
-         the node's MemAvailable divided by its local ranks (each rank holds its own copy), at most
-         MAX_BYTES_PER_RANK; the training split first, then the held-out split if it still fits.
-  true   always; refused (exit 2, before anything is written: `refuse_unfit`) when the rank's splits
-         exceed MemAvailable divided by the local ranks.
-  false  made again whenever asked for (as before the cache).
+Made on demand, an image is made again every epoch and every held-out pass. Cached, each split is made
+once per process, before training, by one front-to-back pass of the loader workers into one uint8
+tensor [N, C, S, S]; `ImageSet.prepare` reads from it and applies the same seeded shift, so every batch
+is the one the uncached path makes. `choose` is the one rule that train and plan both call (auto, true,
+false); the modes and the measurements behind them: docs/performance.md, "The data cache".
 """
 
 from __future__ import annotations
@@ -28,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from dscluster.core import loader
+from dscluster.core.data import load
 from dscluster.errors import UsageError
 
 SHARE_OF_AVAILABLE = 0.25
@@ -103,8 +92,11 @@ def fill(images, workers: int, prefetch: int, *, chunk: int = FILL_CHUNK,
          arrived: Callable[[int, float], None] | None = None) -> float:
     """Make every image of `images` once, front to back, by `workers` loader workers, `chunk` images an
     item, into its cache; the seconds it took. `arrived(images, seconds)` after each item (plan's fill probe)."""
-    n, c, s = len(images), images.in_chans, images.img_size
-    x = torch.empty((n, s, s, c), dtype=torch.uint8).permute(0, 3, 1, 2)  # [N, C, S, S], channels-last memory
+    n = len(images)
+    channels = images.in_chans
+    size = images.img_size
+    # [N, C, S, S] in channels-last memory
+    x = torch.empty((n, size, size, channels), dtype=torch.uint8).permute(0, 3, 1, 2)
     y = torch.empty(n, dtype=torch.long)
     items = [(tuple(range(lo, min(n, lo + chunk))), None) for lo in range(0, n, chunk)]
     images.cached = None
@@ -158,8 +150,6 @@ def refuse_unfit(cfg, *, local_ranks: int, primary: bool) -> None:
     """data.cache=true that cannot fit this node: UsageError (exit 2) before the run writes anything."""
     if cfg.cache != "true":
         return
-    from dscluster.core.data import load
-
     splits = load(cfg, "cpu")
     hold = splits.holdout if splits.holdout is not None and splits.holdout.cacheable else None
     if splits.train.cacheable:

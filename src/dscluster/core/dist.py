@@ -9,12 +9,19 @@ in the environment.
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import socket
 import sys
 from pathlib import Path
 
+import torch
+import torch.distributed as tdist
+
+# re-exported for the loop: which failure is a peer's is guards.py's rule, pure so that diagnose reads it
+from dscluster.core.guards import PEER_FAILURE, is_peer_failure  # noqa: F401
 from dscluster.errors import UsageError
+from dscluster.node.netif import free_port
 
 # re-exported for training's callers: the rank and the rendezvous are node/ranks.py's rules
 from dscluster.node.ranks import RankInfo, default_master_port, detect_ranks, export_env  # noqa: F401
@@ -33,8 +40,6 @@ def enable_nccl_diagnostics(trace_dir: Path, env: dict | None = None) -> None:
 
 def prepare_accelerator(env: dict | None = None) -> bool:
     """Tell DeepSpeed it runs on CPU when there is no GPU (must happen before importing deepspeed)."""
-    import torch
-
     env = os.environ if env is None else env
     has_cuda = torch.cuda.is_available()
     if not has_cuda:
@@ -47,8 +52,6 @@ def default_extensions_dir(env: dict | None = None) -> str:
 
     Any op DeepSpeed JIT-compiles is then built once per user and reused by every later run
     and every rank of that user on the node, instead of once per differing directory."""
-    import torch
-
     env = os.environ if env is None else env
     if not env.get("TORCH_EXTENSIONS_DIR"):
         base = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache")
@@ -68,12 +71,10 @@ def skip_cpu_shm_build() -> bool:
     2-core node whenever a rank had no cached copy (a fresh home, another
     TORCH_EXTENSIONS_DIR), all before the first step. Returns whether the patch was applied.
     """
-    import importlib
-
     try:
         # by module path: the attribute `deepspeed.comm.torch` is the torch package itself
         ds_torch = importlib.import_module("deepspeed.comm.torch")
-        from deepspeed.accelerator import get_accelerator
+        from deepspeed.accelerator import get_accelerator  # deepspeed: as in init_process_group
     except ImportError:
         return False
     if get_accelerator().device_name() != "cpu" or not hasattr(ds_torch, "build_shm_op"):
@@ -90,8 +91,8 @@ def init_process_group(info: RankInfo, backend: str, timeout_s: float, device=No
     ranks (a user's own CUDA_VISIBLE_DEVICES, one GPU shared by two ranks) and died with
     "device_id cuda:2 is out of range". DeepSpeed finds the group initialised and adopts it.
     """
+    # deepspeed chooses its accelerator when imported: only after prepare_accelerator has set it
     import deepspeed
-    import torch.distributed as tdist
 
     default_extensions_dir()
     skip_cpu_shm_build()
@@ -99,9 +100,7 @@ def init_process_group(info: RankInfo, backend: str, timeout_s: float, device=No
     discover = not os.environ.get("MASTER_ADDR") and info.world_size > 1
     if discover:
         # No rendezvous address from `dscluster check` or the launcher: DeepSpeed asks MPI for it.
-        from deepspeed.comm.comm import mpi_discovery
-
-        mpi_discovery(distributed_port=int(os.environ.get("MASTER_PORT") or 29500), verbose=False)
+        deepspeed.comm.comm.mpi_discovery(distributed_port=int(os.environ.get("MASTER_PORT") or 29500), verbose=False)
     if not tdist.is_initialized():
         kwargs = {}
         if device is not None and device.type == "cuda" and info.world_size > 1:
@@ -136,12 +135,9 @@ def shared_gpus(placements: list[str]) -> list[list[int]]:
 def ensure_single_process_group() -> None:
     """A one-rank gloo group on loopback, for code that needs deepspeed.comm outside a launched job
     (a DeepSpeed engine or loss scaler in a tool or a test). Nothing happens when a group exists."""
-    import deepspeed
-    from deepspeed import comm as ds_comm
+    import deepspeed  # as in init_process_group: after the accelerator is chosen
 
-    from dscluster.node.netif import free_port
-
-    if ds_comm.is_initialized():
+    if deepspeed.comm.is_initialized():
         return
     for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
         os.environ.setdefault(k, v)
@@ -158,35 +154,12 @@ def ensure_single_process_group() -> None:
             os.environ.pop(k, None)
 
 
-PEER_FAILURE = "a collective failed: another rank died"
-"""How a rank's `end` error begins when a peer's absence failed its collective (loop.record_crash writes
-it; diagnose reads it: such a rank failed because of another, not on its own)."""
-
-# What a surviving rank sees when a peer died or never joined: the error is about the peer,
-# not about this rank (gloo: connection reset/closed, broken pipe, timed out waiting; NCCL:
-# the watchdog aborted the communicator).
-PEER_FAILURE_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Timed out waiting", "Broken pipe",
-                        "NCCL communicator was aborted")
-
-
-def is_peer_failure(e: BaseException) -> bool:
-    """True when `e` (or what caused it) is a collective failing because another rank is gone."""
-    seen = 0
-    while e is not None and seen < 5:
-        if isinstance(e, RuntimeError) and any(m in str(e) for m in PEER_FAILURE_MARKERS):
-            return True
-        e, seen = e.__cause__ or e.__context__, seen + 1
-    return False
-
-
 def dump_flight_recorder(trace_dir: Path, rank: int) -> Path | None:
     """Write torch's flight recorder (the last collectives of every process group, gloo or NCCL)
     to trace_dir/nccl_trace_rank_R, where `dscluster diagnose` compares ranks' sequence numbers.
     Must run before the process group is destroyed; never raises (it serves a failing run)."""
     try:
-        import torch._C._distributed_c10d as c10d
-
-        data = c10d._dump_fr_trace(True, True, False)
+        data = torch._C._distributed_c10d._dump_fr_trace(True, True, False)
         trace_dir.mkdir(parents=True, exist_ok=True)
         path = trace_dir / f"nccl_trace_rank_{rank}"
         path.write_bytes(data)
@@ -196,11 +169,9 @@ def dump_flight_recorder(trace_dir: Path, rank: int) -> Path | None:
 
 
 def destroy() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
+    if tdist.is_available() and tdist.is_initialized():
         try:
-            dist.destroy_process_group()
+            tdist.destroy_process_group()
         except Exception:  # a broken group must not hide the real error
             pass
 
@@ -244,33 +215,26 @@ def _first_line(path: str) -> str:
 
 
 def barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
+    if tdist.is_initialized():
+        tdist.barrier()
 
 
 def all_gather_ints(values: list[int], device) -> list[list[int]]:
     """Gather a short int vector from every rank (one collective)."""
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor(values, dtype=torch.long, device=device)
-    if not dist.is_initialized():
+    mine = torch.tensor(values, dtype=torch.long, device=device)
+    if not tdist.is_initialized():
         return [values]
-    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t)
-    return [o.tolist() for o in out]
+    gathered = [torch.zeros_like(mine) for _ in range(tdist.get_world_size())]
+    tdist.all_gather(gathered, mine)
+    return [each.tolist() for each in gathered]
 
 
 def all_gather_strings(value: str) -> list[str]:
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
+    if not tdist.is_initialized():
         return [value]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
+    gathered: list = [None] * tdist.get_world_size()
+    tdist.all_gather_object(gathered, value)
+    return gathered
 
 
 def apply_timeout_everywhere(timeout_s: float) -> int:
@@ -280,17 +244,15 @@ def apply_timeout_everywhere(timeout_s: float) -> int:
     gloo), so without this a rank missing a gradient all-reduce hangs its peers for half an
     hour instead of dist.timeout_s.
     """
-    import torch.distributed as tdist
-    from torch.distributed import distributed_c10d as c10d
-
     if not tdist.is_initialized():
         return 0
-    td = datetime.timedelta(seconds=timeout_s)
+    c10d = tdist.distributed_c10d
+    timeout = datetime.timedelta(seconds=timeout_s)
     setter = getattr(tdist, "set_timeout", None) or c10d._set_pg_timeout
     count = 0
     for group in list(c10d._world.pg_map.keys()):
         try:
-            setter(td, group)
+            setter(timeout, group)
             count += 1
         except (ValueError, RuntimeError):
             continue  # not a member, or a backend that cannot change it

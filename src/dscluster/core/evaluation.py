@@ -11,6 +11,7 @@ forwards over the same batches (`evaluates`), and rank 0 alone records what it m
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from dscluster.core import dist
+from dscluster.core.setup_engine import bare_module
 
 
 @torch.no_grad()
@@ -26,12 +28,12 @@ def evaluate(engine, dataset, dtype, device, channels_last: bool, batch: int = 2
     """(accuracy, mean loss, samples) of the model on `dataset`; under `autocast` (training's autocast dtype
     on a GPU, `Built.autocast`) as training's forward runs, else in the inputs' dtype. Without it an fp16 or
     bf16 amp run evaluated in fp32, bypassing the GPU's half-precision units."""
-    from dscluster.core.setup_engine import bare_module
-
     module = bare_module(engine)
     was_training = module.training
     module.eval()
-    correct, loss_sum, n = 0, 0.0, len(dataset)
+    correct = 0
+    loss_sum = 0.0
+    n = len(dataset)
     with eager(), torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
         for lo in range(0, n, batch):
             x, y = dataset.get_batch(list(range(lo, min(n, lo + batch))), device, dtype, channels_last=channels_last)
@@ -46,8 +48,6 @@ def eager():
     """The evaluation runs the model eagerly even where training compiled it (compile: auto): an eval-mode
     graph of its own, and one more for the last, shorter batch, cost the first held-out pass of a
     compiled run on an H100 about 15 s of compilation, more than its eager passes take in a whole run."""
-    import contextlib
-
     stance = getattr(torch.compiler, "set_stance", None)
     return stance("force_eager") if stance is not None else contextlib.nullcontext()
 

@@ -1,18 +1,12 @@
-"""Fault injection, TEST-ONLY: DSCLUSTER_FAULT makes one rank misbehave on purpose.
+"""Fault injection, TEST-ONLY: DSCLUSTER_FAULT makes one rank misbehave, so that the fault tests prove
+the guards and the timing say the truth. Several faults: separate them with ';'. Nothing else sets it.
 
-The fault tests use it to prove that the guards and the timing say the truth:
-
-    DSCLUSTER_FAULT="skip_collective:rank=1,step=3"  rank 1 skips step 3's all-reduce (peers time out)
-    DSCLUSTER_FAULT="exit:rank=1,step=5"             rank 1 exits (code 3) before step 5
-    DSCLUSTER_FAULT="mismatch_steps:rank=1"          rank 1 reports one step more per epoch
-    DSCLUSTER_FAULT="disk_full:rank=0,step=20"       rank 0's checkpoint save at step 20 hits ENOSPC
-    DSCLUSTER_FAULT="slow_gpu:rank=1,ms=80"          rank 1's GPU spins 80 ms more every step, queued
-                                                     without the host waiting (honest-timing tests)
-    DSCLUSTER_FAULT="slow_comm:rank=1,ms=200"        rank 1 holds each step's last gradient bucket 200 ms
-                                                     after backward handed it over, before sending it:
-                                                     every rank waits for the network as on a slow link
-
-Several faults: separate them with ';'. Nothing outside tests should set it.
+    skip_collective:rank=1,step=3   rank 1 skips step 3's all-reduce (peers time out)
+    exit:rank=1,step=5              rank 1 exits (code 3) before step 5
+    mismatch_steps:rank=1           rank 1 reports one step more per epoch
+    disk_full:rank=0,step=20        rank 0's checkpoint save at step 20 hits ENOSPC
+    slow_gpu:rank=1,ms=80           rank 1's GPU spins 80 ms more every step, queued (honest timing)
+    slow_comm:rank=1,ms=200         rank 1 holds each step's last gradient bucket 200 ms before sending
 """
 
 from __future__ import annotations
@@ -72,7 +66,7 @@ def for_rank(rank: int, env: dict[str, str] | None = None) -> dict[str, Fault]:
 
 def inject(my_fault: dict[str, Fault], step: int, log, timeout_s: float) -> None:
     """Before optimizer step `step`: the faults that act at a step (`log` is the rank's RunLog)."""
-    import torch
+    import torch  # the parsing above stays torch-free at load: plan reads a node's faults with it
 
     f = my_fault.get("slow_gpu")
     if f is not None and torch.cuda.is_available():
@@ -129,7 +123,7 @@ _CYCLES_PER_MS: list[float] = []
 
 def spin_cycles(ms: int) -> int:
     """GPU clock cycles that torch.cuda._sleep spins for `ms` milliseconds, measured once."""
-    import torch
+    import torch  # as in inject
 
     if not _CYCLES_PER_MS:
         probe = 20_000_000

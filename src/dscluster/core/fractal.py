@@ -1,20 +1,11 @@
 """Fractal images from random iterated function systems: a learnable data set that needs no download.
 
-After FractalDB (Kataoka et al., "Pre-training without Natural Images", ACCV 2020): each class is one
-random IFS, a few contractive affine maps of the plane; each image is that IFS's attractor drawn by
-the chaos game, with per-image jitter so that a class is a family of shapes, not one picture:
-  - every map's parameters moved by a few per cent (the shape bends, the class stays recognisable);
-  - random scale, position and horizontal flip;
-  - random background and foreground colours (colour says nothing about the class).
-An image is a pure function of (data-set seed, class, index): every node renders the same set with no
-shared filesystem, and loader workers render batches ahead of the step (core/loader.py), vectorised
-over the batch in numpy. Class k's training images are indices [0, n_train), its held-out ones
-[n_train, n_train + n_holdout): the same IFS, other jitter.
-
-Class IFS: 2-4 maps A·x + b, A = R(θ)·diag(s1, ±s2)·R(φ) with singular values 0.2 <= s2 <= s1 <= 0.85
-(contractive: the attractor cannot explode); rejected and drawn again unless the maps' summed |det A|
-lies in [0.35, 1.1] and the attractor covers 4-45 % of a 48-pixel test render (not a dust of points,
-not a filled square). Map i is picked with probability proportional to |det A_i| (even density).
+After FractalDB (Kataoka et al., ACCV 2020): each class is one random IFS, a few contractive affine maps
+of the plane, and each image its attractor drawn by the chaos game with per-image jitter (maps, scale,
+position, flip, colours), so a class is a family of shapes and never a colour. An image is a pure
+function of (data-set seed, class, index): every node renders the same set with no shared filesystem,
+and loader workers render batches ahead of the step, vectorised in numpy. How the maps are drawn and
+how fast they render: docs/training-config.md, "Data: fractal classes, no download".
 """
 
 from __future__ import annotations
@@ -145,7 +136,9 @@ class FractalRenderer:
         maps = np.zeros((b, kmax, 6), np.float32)
         probs = np.zeros((b, kmax))
         u = np.empty((b, steps, CHAINS), np.float32)
-        scale, offset, flip = np.empty(b), np.empty((b, 2)), np.empty(b, bool)
+        scale = np.empty(b)
+        offset = np.empty((b, 2))
+        flip = np.empty(b, bool)
         colours = np.empty((b, 2, 3), np.float32)
         for j, (c, i) in enumerate(zip(labels, indices, strict=True)):
             rng = np.random.default_rng([self.seed, int(c), int(i)])

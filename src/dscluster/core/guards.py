@@ -6,6 +6,9 @@
   raises a generic error or silently skips steps. The guard watches (scale, overflow) per
   step and stops with the rank, host, step, recent scale history and what to try.
 
+- A peer's failure: which collective error means another rank is gone (`is_peer_failure`), kept
+  torch-free so that `dscluster diagnose` reads the same rule.
+
 The test-only faults that prove these (DSCLUSTER_FAULT) live in faults.py.
 """
 
@@ -15,6 +18,27 @@ import collections
 from dataclasses import dataclass
 
 from dscluster.errors import JobFailed
+
+PEER_FAILURE = "a collective failed: another rank died"
+"""How a rank's `end` error begins when a peer's absence failed its collective (loop.record_crash writes
+it; diagnose reads it: such a rank failed because of another, not on its own)."""
+
+# What a surviving rank sees when a peer died or never joined: the error is about the peer,
+# not about this rank (gloo: connection reset/closed, broken pipe, timed out waiting; NCCL:
+# the watchdog aborted the communicator).
+PEER_FAILURE_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Timed out waiting", "Broken pipe",
+                        "NCCL communicator was aborted")
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """True when `e` (or what caused it) is a collective failing because another rank is gone."""
+    seen = 0
+    while e is not None and seen < 5:
+        if isinstance(e, RuntimeError) and any(m in str(e) for m in PEER_FAILURE_MARKERS):
+            return True
+        e = e.__cause__ or e.__context__
+        seen += 1
+    return False
 
 
 class TrainingAborted(JobFailed):

@@ -1,20 +1,12 @@
 """DataLoader workers that make a rank's batches ahead of its steps, on the sampler's own plan.
 
-A data set made on the host (imagefolder: decode, resize, augment; cifar10: resize, augment) would
-otherwise be made inside the training step, with the GPU idle. Here a torch DataLoader runs that
-work (`ImageSet.prepare`) in worker processes, a few batches ahead, into pinned memory.
-
-The sampler still decides everything: `LoaderSteps.steps(epoch, start_step)` yields exactly what
-the wrapped StepSampler (uniform or balanced) yields, and the loader is handed the same index
-lists, in the same order, one item per micro-step. So the rank's share of the data, the order,
-the dropped tail and resume mid-epoch are the sampler's, unchanged. Each batch's augmentation is
-seeded by its place in the plan (seed, epoch, step, micro-step, rank), not by which worker made
-it: 0 workers or 8 give the same tensors. `ImageSet.get_batch` takes the prepared batch whose
-indices match the ones the step asks for (`Feed`) and falls back to making it in-process.
-
-Held-out evaluation reads its set front to back in fixed chunks: its first chunk starts a
-one-pass feed of all the chunks (`pass_feed`), unless the set is cached in memory (core/datacache.py),
-where a chunk is an index into the cache.
+A data set made on the host (decode, resize, augment) would otherwise be made inside the step, with the
+GPU idle; here torch DataLoader workers make it a few batches ahead, into pinned memory. The sampler
+still decides everything: the loader is handed the same index lists in the same order, one item per
+micro-step, and each batch's augmentation is seeded by its place in the plan, not by its worker, so 0
+workers or 8 give the same tensors. `ImageSet.get_batch` takes the prepared batch whose indices match
+(`Feed`) and falls back to making it in-process; held-out evaluation reads its set in one pass of
+fixed chunks (`pass_feed`) unless it is cached (core/datacache.py).
 """
 
 from __future__ import annotations
@@ -88,7 +80,9 @@ class Feed:
     """Prepared batches in plan order; `take(indices)` gives the next one when it is the one asked for."""
 
     def __init__(self, batches: Iterator, count: int, *, one_pass: bool = False):
-        self.batches, self.left, self.one_pass = batches, count, one_pass
+        self.batches = batches
+        self.left = count
+        self.one_pass = one_pass
         self.pending = None
 
     @property
@@ -145,7 +139,9 @@ class LoaderSteps:
     """A StepSampler whose micro-batches are made ahead by loader workers; otherwise the sampler itself."""
 
     def __init__(self, sampler, images, *, workers: int, prefetch: int, pin: bool, augment: bool):
-        self.sampler, self.images, self.augment = sampler, images, augment
+        self.sampler = sampler
+        self.images = images
+        self.augment = augment
         self.plan = Plan()
         # Persistent: the workers (and what they opened) outlive an epoch instead of starting again.
         self.loader = make_loader(images, self.plan, workers, prefetch, pin, persistent=True)
@@ -165,10 +161,8 @@ class LoaderSteps:
 
     def prime(self, epoch: int, start_step: int = 0) -> None:
         """Set the workers on `epoch` now, while the held-out pass runs (rank 0) and the other ranks wait:
-        its first batches are made by the time its first step asks. Started in `steps`, each epoch's
-        first step waited 0.70-0.83 s for the workers' restart and its first batch (fractal ViT-S, one
-        H100, 14 workers); primed, 0.003 s, though the held-out pass they overlap took 0.82 -> 1.21 s:
-        +3 % images/s over two boundaries (bench/results/2026-11-27-nvidia-h100-epoch-prime.json)."""
+        its first batches are made by the time its first step asks, instead of the epoch's first step
+        waiting for the workers' restart (measured: docs/performance.md, "The data cache")."""
         self.primed = (epoch, start_step, *self._start(epoch, start_step))
 
     def _start(self, epoch: int, start_step: int) -> tuple[list, Feed]:

@@ -1,26 +1,12 @@
 """Synchronising less often: post-local SGD and DiLoCo on DeepSpeed's ZeRO-0 path (`sync.mode`).
 
-On Ethernet an every-step all-reduce of the gradients costs more than the step's compute. Averaging the
-models every H steps (sync.period) moves the same bytes H times less often:
-
-- local_sgd (post-local SGD, Lin et al. 2020): after sync.warmup_steps of every-step reduction each node
-  steps on its own gradients (its own GPUs still average theirs every step) and every H steps the models
-  are averaged across all ranks. diloco (Douillard et al. 2023): the averaged change of a period is the
-  outer gradient of a Nesterov step on the weights the period started from (local_sgd: lr 1, momentum 0).
-- What is sent is the period's change (the start's weights less this rank's), weighted by the rank's share
-  of the global batch, in fp32 or 16 bits (sync.compression); floating buffers (BatchNorm's statistics)
-  are averaged as values, with the same weights. A non-finite rank is found in the same message and
-  stops the run before anything is applied anywhere.
-- Streamed (sync.delay_steps τ > 0, Streaming DiLoCo's overlap): the all-reduce starts at the sync point
-  (async_op: gloo's thread or NCCL's stream) and is applied τ steps later, each rank keeping the progress
-  it made meanwhile. τ = 0 applies it at once: the average blocks its step, as it always did.
-
-Sync points (syncmode.is_sync_point) are global step numbers, the same on every rank whatever each rank's
-fp16 loss scaler did; at each applied average the loss scalers agree (the smallest scale and growth count).
-A checkpoint keeps each rank's own state beside DeepSpeed's files (sync/rank-R.pt: its optimizer moments,
-its loss scaler, the period's start, an average still in flight, and when streamed its own weights), so a
-resume is exact on a shared filesystem and on node-local checkpoints alike: DeepSpeed's ZeRO-0 files hold
-rank 0's optimizer state only (a node's local rank 0's without a shared filesystem).
+On Ethernet an every-step all-reduce of the gradients costs more than the step's compute; averaging the
+models every H steps (sync.period) moves the same bytes H times less often. Each node steps on its own
+gradients (its own GPUs still average theirs every step); every H steps the period's change, weighted by
+the rank's share of the global batch, is averaged across all ranks (diloco: as the outer gradient of a
+Nesterov step), at once or streamed τ steps behind (sync.delay_steps). Sync points are global step numbers,
+the same on every rank; a checkpoint keeps each rank's own state (sync/rank-R.pt), so a resume is exact
+with shared or node-local checkpoints. The modes, their costs and measurements: docs/ethernet-labs.md.
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import yaml
 
+from dscluster.core.dist import ensure_single_process_group
 from dscluster.errors import JobFailed, UsageError
+from dscluster.files import paths
 from dscluster.files.fsutil import atomic_write_text
 
 CALIBRATION_START_POWER = 16
@@ -52,9 +54,8 @@ def replay_dynamic_scaler(overflows: list[bool], *, init_power: int = CALIBRATIO
 def make_dynamic_scaler(*, init_power: int, window: int, hysteresis: int, min_scale: float):
     """DeepSpeed's DynamicLossScaler as its fp16 optimizer builds it (it logs through deepspeed.comm,
     so a one-process group is brought up when none exists)."""
+    # deepspeed chooses its accelerator when imported (core/dist.py): a light caller never pays for it
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
-
-    from dscluster.core.dist import ensure_single_process_group
 
     ensure_single_process_group()
     return DynamicLossScaler(init_scale=2.0**init_power, scale_window=window, min_scale=min_scale,
@@ -63,8 +64,6 @@ def make_dynamic_scaler(*, init_power: int, window: int, hysteresis: int, min_sc
 
 def write_initial_scale_power(config_path: str | Path, power: int) -> None:
     """Set fp16.initial_scale_power in a YAML preset in place, keeping its comments and layout."""
-    from dscluster.files import paths
-
     path = paths.config_path(str(config_path))  # the file load_config read
     text = path.read_text(encoding="utf-8")
     root = yaml.compose(text)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import timm
 import torch
+from timm.layers import use_fused_attn
+from timm.models.vision_transformer import VisionTransformer
 
 from dscluster.core.config import ModelConfig
 from dscluster.errors import UsageError
@@ -18,8 +20,6 @@ SMALL_IMAGE = "vit_small_image"
 def build_model(cfg: ModelConfig, *, in_chans: int, num_classes: int, img_size: int) -> torch.nn.Module:
     """pretrained=False always: the cluster trains offline and the point is the training."""
     if cfg.name == SMALL_IMAGE:
-        from timm.models.vision_transformer import VisionTransformer
-
         return VisionTransformer(
             img_size=img_size, patch_size=cfg.patch_size, in_chans=in_chans, num_classes=num_classes,
             embed_dim=cfg.embed_dim, depth=cfg.depth, num_heads=cfg.num_heads, mlp_ratio=cfg.mlp_ratio,
@@ -33,8 +33,6 @@ def build_model(cfg: ModelConfig, *, in_chans: int, num_classes: int, img_size: 
 
 
 def fused_attention() -> bool:
-    from timm.layers import use_fused_attn
-
     return bool(use_fused_attn())
 
 

@@ -1,23 +1,11 @@
 """The optimizer-step boundary: who clips, who scales the loss, and what is read back.
 
-DeepSpeed's own gradient clipping on its no-ZeRO fp32/autocast path (runtime.utils.clip_grad_norm_)
-takes one norm kernel and one multiply per parameter, an extra all-reduce of the norm and two
-blocking host→device copies per step; its throughput timer adds two full device
-synchronisations per step. Together they cost about 6% on ViT-B/16 (1x H200). So where the
-parameters are plain fp32 (ZeRO-0 with autocast, or fp32) dscluster clips itself, after the
-gradients are all-reduced and before `engine.step()`, with torch's foreach clip: a handful of
-kernels and no host sync; the global norm stays on the device until the log window is read.
-With a fused optimizer (torch's fused AdamW, the GPU default) the clip is not even a pass over
-the gradients: the norm's clip divisor goes to the optimizer as its `grad_scale`, which the
-fused kernel divides every gradient by while it updates (the hook GradScaler uses).
-
-fp16 on ZeRO-0 ("amp", the default) runs through DeepSpeed's torch_autocast with torch's
-GradScaler (fp32 weights, fp16 matmuls) instead of fp16 weights with fp32 master copies. The
-scaler is made from the fp16 section (initial_scale_power, loss_scale_window); it halves on
-every overflow (no hysteresis) and has no floor, so min_loss_scale only drives the guard; its
-state goes into checkpoints. Scale and overflow are read from the device once per log window,
-like the loss. fp16 with amp=false or
-ZeRO 1-3 keeps DeepSpeed's fp16 optimizer and its host-side scale (DeepSpeed syncs for it).
+DeepSpeed's own clipping and throughput timer cost host syncs every step, so where the parameters are
+plain fp32 (ZeRO-0 with autocast, or fp32) dscluster clips itself after the all-reduce, with torch's
+foreach clip (and, with a fused optimizer, through its `grad_scale`); the norm stays on the device until
+the log window. fp16 on ZeRO-0 runs autocast with torch's GradScaler, read back once per window; fp16
+with amp=false or ZeRO 1-3 keeps DeepSpeed's fp16 optimizer. Why, measured: docs/performance.md,
+"The optimizer-step boundary".
 """
 
 from __future__ import annotations

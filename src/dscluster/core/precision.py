@@ -57,7 +57,7 @@ def decide(requested: str, *, cluster: str | None, cuda: bool,
 
 def decide_here(requested: str, device: int | None = None) -> PrecisionDecision:
     """`decide` with this process's environment and device (`device`: a CUDA index, else the current one)."""
-    import torch
+    import torch  # the rules above stay torch-free at load: plan and check decide with them
 
     cuda = torch.cuda.is_available()
     cap = torch.cuda.get_device_capability(device) if cuda else None
@@ -65,7 +65,7 @@ def decide_here(requested: str, device: int | None = None) -> PrecisionDecision:
 
 
 def torch_dtype(precision: str):
-    import torch
+    import torch  # as in decide_here
 
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
 
@@ -74,11 +74,9 @@ def input_and_autocast(cfg, precision: str, on_gpu: bool):
     """(the dtype a batch enters the model in, the dtype its forward autocasts to or None): under amp the
     inputs stay fp32 and autocast casts (on a GPU); with DeepSpeed's half weights, and in fp32, the inputs
     are in the precision itself. Training (setup_engine.build) and plan's evaluation probe both use it."""
-    import torch
-
     compute = torch_dtype(precision)
     amp = amp_dtype(cfg, precision) is not None
-    return (torch.float32 if amp else compute), (compute if amp and on_gpu else None)
+    return (torch_dtype("fp32") if amp else compute), (compute if amp and on_gpu else None)
 
 
 def amp_dtype(cfg, precision: str) -> str | None:

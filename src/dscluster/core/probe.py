@@ -4,12 +4,22 @@ config's model, and PowerSGD's own work per optimizer step with training's hook.
 
 from __future__ import annotations
 
+import copy
 import os
+import socket
 import statistics
 import time
 from dataclasses import dataclass, replace
 
-from dscluster.core import startgc
+import torch
+import torch.distributed as tdist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from dscluster.core import comm, evaluation, faults, startgc
+from dscluster.core.model import build_model
+from dscluster.core.precision import decide_here, input_and_autocast, torch_dtype
+from dscluster.core.setup_engine import compiles
 from dscluster.errors import UsageError
 
 CPU_PROBE_BATCH = 4
@@ -34,10 +44,6 @@ of the digits ViT spread 77 % on a 2-core machine at load average 7.7."""
 def probe_key(cfg, micro: int, precision: str) -> str:
     """What a compute figure measured here depends on: this host, its device, and the config's model,
     micro-batch, precision and input. A figure kept with a calibration is used again while this holds."""
-    import socket
-
-    import torch
-
     device = f"cuda ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else "cpu"
     return (f"host={socket.gethostname()} device={device} model={cfg.model.name} micro_batch={micro} "
             f"precision={precision} dataset={cfg.data.dataset} img_size={cfg.data.img_size} "
@@ -47,10 +53,6 @@ def probe_key(cfg, micro: int, precision: str) -> str:
 def compiles_here(cfg) -> bool:
     """Whether training compiles on this machine's first GPU (core/setup_engine.py `compiles`, its
     rule): the probe then times the compiled step, as training runs it. Never on CPU unless forced."""
-    import torch
-
-    from dscluster.core.setup_engine import compiles
-
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     return device.type == "cuda" and compiles(cfg.compile, device)
 
@@ -60,11 +62,9 @@ class Probe:
     batch of random inputs shaped like the config's data."""
 
     def __init__(self, cfg, in_chans: int, num_classes: int, micro: int):
-        import torch
-
-        from dscluster.core.precision import decide_here
-
-        self.cfg, self.in_chans, self.num_classes = cfg, in_chans, num_classes
+        self.cfg = cfg
+        self.in_chans = in_chans
+        self.num_classes = num_classes
         self.cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
         self.precision = decide_here(cfg.precision).precision if self.cuda else "fp32"
@@ -72,8 +72,6 @@ class Probe:
 
     def inputs(self, batch: int) -> None:
         """Random images and labels of `batch` samples (channels_last as training keeps them)."""
-        import torch
-
         size = self.cfg.data.img_size
         self.batch = batch
         self.x = torch.randn(batch, self.in_chans, size, size, device=self.device)
@@ -82,18 +80,11 @@ class Probe:
         self.y = torch.randint(0, self.num_classes, (batch,), device=self.device)
 
     def model(self):
-        from dscluster.core.model import build_model
-
         return build_model(self.cfg.model, in_chans=self.in_chans, num_classes=self.num_classes,
                            img_size=self.cfg.data.img_size).to(self.device)
 
     def step_of(self, model):
         """One forward+backward of `model` in the training's precision; gradients dropped after."""
-        import torch
-        import torch.nn.functional as F
-
-        from dscluster.core.precision import torch_dtype
-
         amp = self.cuda and self.precision != "fp32"
 
         def step():
@@ -106,8 +97,6 @@ class Probe:
 
     def sync(self) -> None:
         if self.cuda:
-            import torch
-
             torch.cuda.synchronize(self.device)
 
 
@@ -178,8 +167,6 @@ class ComputeFigure:
 def fault_ms(first_rank: int, ranks: int, env=None) -> int:
     """DSCLUSTER_FAULT's slow_gpu milliseconds for one of these ranks (core/faults.py, test-only), 0
     without: the probe on a node honours the fault training's rank there would have."""
-    from dscluster.core import faults
-
     found = [faults.for_rank(r, env).get("slow_gpu") for r in range(first_rank, first_rank + ranks)]
     return max((f.ms or 0 for f in found if f is not None), default=0)
 
@@ -193,11 +180,7 @@ def slowed(step, ms: int, cuda: bool):
     def slow_step():
         step()
         if cuda:
-            import torch
-
-            from dscluster.core.faults import spin_cycles
-
-            torch.cuda._sleep(spin_cycles(ms))
+            torch.cuda._sleep(faults.spin_cycles(ms))
         else:
             time.sleep(ms / 1000)
 
@@ -228,8 +211,6 @@ def measure_compute(cfg, in_chans: int, num_classes: int, micro: int, slow_ms: i
     """Seconds per micro-batch, with its device, a note and its samples' spread: forward+backward
     passes of the configured model on this machine's first GPU (synchronised before the clock is
     read), else a few on CPU."""
-    import torch
-
     warmup, steps = 2, 3  # on CPU
     times: list[float] = []
     compiled = compiles_here(cfg)
@@ -286,11 +267,6 @@ def measure_evaluation(probe: Probe, net) -> float | None:
     the bare model, eager, its batch of 256, training's input dtype and autocast, its host reads of loss
     and accuracy) over the probe's random images, after one warm pass; on CPU over the probe's few
     images. None where it does not fit."""
-    import torch
-
-    from dscluster.core.evaluation import evaluate
-    from dscluster.core.precision import input_and_autocast
-
     cfg = probe.cfg
     dtype, autocast = input_and_autocast(cfg, probe.precision, probe.cuda)  # as training's Built has them
     batch = 256 if probe.cuda else probe.batch
@@ -310,10 +286,11 @@ def measure_evaluation(probe: Probe, net) -> float | None:
         module = net if dtype == torch.float32 else net.to(dtype)
 
     try:
-        evaluate(Engine, Held(), dtype, probe.device, cfg.channels_last, batch=batch, autocast=autocast)  # warm
+        # a warm pass first
+        evaluation.evaluate(Engine, Held(), dtype, probe.device, cfg.channels_last, batch=batch, autocast=autocast)
         probe.sync()
         t0 = time.perf_counter()
-        evaluate(Engine, Held(), dtype, probe.device, cfg.channels_last, batch=batch, autocast=autocast)
+        evaluation.evaluate(Engine, Held(), dtype, probe.device, cfg.channels_last, batch=batch, autocast=autocast)
         probe.sync()
     except torch.OutOfMemoryError:
         return None
@@ -325,14 +302,6 @@ def measure_powersgd(cfg, in_chans: int, num_classes: int, micro: int) -> float 
     with training's PowerSGD hook (core/comm.py) less the same step with its plain all-reduce. On
     one rank the all-reduces cost nothing, so what is left is the hook's products, orthogonalisation
     and error feedback, which no communication hides. None where it cannot be measured here."""
-    import copy
-
-    import torch
-    import torch.distributed as tdist
-    from torch.nn.parallel import DistributedDataParallel
-
-    from dscluster.core import comm
-
     if not tdist.is_available():
         return None
     # A one-rank group this process already has serves as well (plan called in a process that made

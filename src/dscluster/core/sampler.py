@@ -17,6 +17,7 @@ from typing import Iterator
 
 import torch
 
+from dscluster.core.balanced import BalancedBatchSampler
 from dscluster.errors import UsageError
 
 
@@ -69,8 +70,6 @@ class BalancedStepSampler(StepSampler):
     """Balanced shares through balanced.BalancedBatchSampler (one yield per micro-step)."""
 
     def steps(self, epoch: int, start_step: int = 0) -> Iterator[list[list[int]]]:
-        from dscluster.core.balanced import BalancedBatchSampler  # lazily: optional module
-
         inner = BalancedBatchSampler(self.dataset_len, self.shares, self.rank, seed=self.seed, epoch=epoch,
                                      shuffle=self.shuffle)
         micro: list[list[int]] = []

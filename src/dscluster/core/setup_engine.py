@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import warnings
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from dscluster.core import autofit, datacache, dist
+from dscluster.core import autofit, balanced, comm, datacache, dist
 from dscluster.core import data as data_mod
 from dscluster.core.config import TrainConfig
 from dscluster.core.ds_config import build_ds_config
@@ -48,8 +49,6 @@ class OverlapDDP(torch.nn.parallel.DistributedDataParallel):
 
 def overlaps_with_ddp(cfg: TrainConfig, world_size: int) -> bool:
     """ZeRO-0 with more than one rank and overlap_comm: DDP buckets instead of DeepSpeed's post-backward all-reduce."""
-    from dscluster.core.localsgd import local
-
     return cfg.zero_stage == 0 and world_size > 1 and bool(cfg.overlap_comm) and not local(cfg)
 
 
@@ -110,7 +109,7 @@ def make_optimizer(cfg: TrainConfig, model: torch.nn.Module, lr: float, device: 
     same groups, betas, eps and decoupled weight decay; the schedule sets either's lr."""
     groups = param_groups(model, cfg.optim.weight_decay)
     if cfg.offload_optimizer != "none":
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # deepspeed: as in `build`
 
         return DeepSpeedCPUAdam(groups, lr=lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, adamw_mode=True)
     fused = cfg.optim.fused == "true" or (cfg.optim.fused == "auto" and device.type == "cuda")
@@ -170,6 +169,7 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
     """`evaluates`: this rank runs the held-out forwards (train/evaluation.evaluates), so the data cache holds the
     held-out split here; `node_local_checkpoints`: no shared filesystem, every node saves the model states
     (train/nodelocal.py); `faults`: this rank's test-only fault hook (faults.FaultHook), None for none."""
+    # deepspeed chooses its accelerator when imported: only after dist.prepare_accelerator has set it
     import deepspeed
 
     notes: list[str] = []
@@ -203,8 +203,9 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
     sampler, weight = _sampler(cfg, info, shape.per_rank, shares, plan.grad_accum, len(splits.train), syncs_less)
     sampler = data_mod.with_loader(sampler, splits, cfg.data, device, info.local_world_size, notes)
 
-    spe = sampler.steps_per_epoch
-    total = spe * cfg.epochs if cfg.max_steps <= 0 else min(cfg.max_steps, spe * cfg.epochs)
+    steps_per_epoch = sampler.steps_per_epoch
+    total = (steps_per_epoch * cfg.epochs if cfg.max_steps <= 0
+             else min(cfg.max_steps, steps_per_epoch * cfg.epochs))
     ds_cfg = build_ds_config(cfg, plan, precision, on_gpu=device.type == "cuda")
     if node_local_checkpoints:
         ds_cfg.setdefault("checkpoint", {})["use_node_local_storage"] = True
@@ -219,8 +220,6 @@ def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision
                       "none" if info.world_size == 1 else "unmeasured", averages=syncs_less)
     hook = None
     if ddp is not None:
-        from dscluster.core import comm
-
         hook = comm.install(ddp, cfg, split, faults.comm_delay_s() if faults else 0.0)
     elif cfg.comm.compression != "none":
         notes.append(f"comm.compression={cfg.comm.compression} has nothing to compress on one rank: no gradient "
@@ -248,8 +247,6 @@ def quiet_deprecated_collectives() -> None:
     """DeepSpeed's ZeRO calls torch.distributed's all_gather_into_tensor and reduce_scatter_tensor, which torch
     deprecates with a FutureWarning. Under ZeRO-3 that warning came back on every rank at every step (two
     lines each time, thousands in a run's log) and tells the user of dscluster nothing they can act on."""
-    import warnings
-
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
                             "is deprecated", category=FutureWarning)
 
@@ -260,9 +257,7 @@ def _sampler(cfg, info, per_rank: bool, shares: list[int], accum: int, n: int, s
     (localsgd.weights), so each rank's loss is its own mean."""
     if not per_rank:
         return StepSampler(n, shares, accum, info.rank, cfg.seed), 1.0
-    from dscluster.core.balanced import loss_weight
-
-    weight = 1.0 if syncs_less else loss_weight(shares[info.rank], info.world_size, sum(shares))
+    weight = 1.0 if syncs_less else balanced.loss_weight(shares[info.rank], info.world_size, sum(shares))
     return BalancedStepSampler(n, shares, accum, info.rank, cfg.seed), weight
 
 
@@ -281,8 +276,6 @@ def calibration_batch(micro: int, fit: int | None) -> int:
 
 def _balanced_shares(cfg, info, micro, fit, model, splits, device, dtype):
     """Shares from the config, or measured: each rank times local forward+backward, all agree on the plan."""
-    from dscluster.core import balanced
-
     global_micro = micro * info.world_size
     if cfg.shares is not None:
         if len(cfg.shares) != info.world_size:

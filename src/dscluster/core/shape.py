@@ -1,21 +1,9 @@
 """A run's shape, decided once: precision, micro-batch, accumulation, per-rank shares, data shape.
 
-`resolve(cfg, world, facts)` is pure: `dscluster train` calls it with what its ranks found (the
-precision decided once at start, the smallest auto-fit across the GPUs, balanced shares once
-measured), `dscluster plan` with what it knows before the run (no memory fit, no measured shares).
-Both get the same arithmetic and the same refusals, so plan never predicts a run that train would
-refuse or shape otherwise.
-
-The rules, in order:
-- micro_batch auto with a global_batch, no grad_accum, not balanced: the global batch is split over
-  the ranks as evenly as can be (64 over 5 ranks: 13+13+13+13+12; `even_split`), where no memory
-  limit applies (CPU ranks, or a plan) or the largest share fits every GPU and the global batch does
-  not divide by the ranks;
-- otherwise micro_batch auto takes the smallest GPU's fit and keeps the global batch by
-  accumulation (`autofit.choose_micro_batch`), or 32 where no fit is known;
-- balanced batching takes the config's shares, else the measured ones, else (a plan) equal ones;
-- uniform batching checks micro × accumulation × world = global (`plan_batch`), filling in the
-  one of accumulation and global batch that is missing.
+`resolve(cfg, world, facts)` is pure: `dscluster train` calls it with what its ranks found (precision,
+the smallest auto-fit, measured shares), `dscluster plan` with what it knows before the run. Both get
+the same arithmetic and the same refusals, so plan never predicts a run that train would refuse or
+shape otherwise. The rules, in order: docs/training-config.md, "How a run's shape is decided".
 """
 
 from __future__ import annotations
@@ -23,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dscluster.core.autofit import choose_micro_batch
 from dscluster.errors import UsageError
 
 DEFAULT_MICRO = 32
@@ -155,8 +144,6 @@ def data_shape(cfg) -> tuple[int, int]:
 
 def _micro(cfg, world: int, facts: DeviceFacts, notes: list[str]) -> int:
     """The per-rank micro-batch before any share is decided."""
-    from dscluster.core.autofit import choose_micro_batch
-
     if cfg.micro_batch != "auto":
         return int(cfg.micro_batch)
     if facts.smallest_fit is None:

@@ -1,37 +1,11 @@
 """Where each step's time went: compute, waiting for communication, waiting for data. Measured.
 
-A step of data-parallel training on Ethernet can spend most of its time waiting for the gradients
-to cross the network, and the step time alone does not say so. So every step is split:
-
-- data: host seconds spent getting the step's batches (index lookup, decode, copy to the device);
-- comm: from the moment the last gradient bucket was handed to communication (the DDP
-  communication hook's call, comm.py) until the reductions had finished (DDP's finalize has waited
-  for them when `engine.backward()` returns). That is the part of the all-reduce backward could
-  not hide; the rest ran during backward and costs nothing. Floored at 0.
-- compute: the rest of the step: forward and backward up to the last bucket, the optimizer step
-  and anything else the step itself did.
-
-data + compute + comm = the step's own span, from its start to the end of `engine.step()`. The step
-time of the run (timing.py) is wall clock per log window, and a window also holds what happens
-between steps (logging, held-out evaluation, checkpoint saves): that remainder is `other`, spread
-evenly over the window's steps, so that data + compute + comm + other = step_time in every window.
-
-Clocks: on CPU `time.perf_counter()` everywhere. On a GPU the step's marks are CUDA events
-recorded on the current stream (no host sync); the window's read-back, which waits for the device
-anyway, is where their times are read. There the span is the device's, and so is data: an event
-before the host starts getting a batch and one after it has been handed over, and the device time
-between them. That is the time the device waited for the batch (and copied it): while the host
-gets the next micro-batch the device is still busy with the last one, and that overlap costs
-nothing. Host seconds would count it, and took it out of compute: 4 ranks of ViT-S at
-grad_accum 4 read 0.099 s of data and 0.003 s of compute a step, where four micro-batches take
-the device about 0.11 s.
-
-With sync.mode local_sgd or diloco (localsgd.py) the gradients' all-reduce, where a step has one, is
-marked the same way around it, and the average of the models every H steps is timed on its own:
-`average_s`, part of comm (these records only).
-
-With one rank there is nothing to wait for: comm = 0. With several ranks but no DDP hook (ZeRO 1-3,
-overlap_comm false: DeepSpeed reduces on its own) comm is not measured: null, and compute holds it.
+On Ethernet a step can spend most of its time waiting for the gradients, and the step time alone does
+not say so. So every step is split: data (getting its batches), comm (from the last gradient bucket's
+hand-off to the reductions' end: what backward could not hide) and compute (the rest); with the
+window's `other` (logging, evaluation, checkpoints) they add up to the step time. On a GPU the marks
+are CUDA events read back with the window, so data is what the device waited, not host seconds.
+Definitions and clocks: docs/performance.md, "Where a step's time went".
 """
 
 from __future__ import annotations
@@ -39,6 +13,8 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+import torch
 
 FIELDS = ("compute_s", "comm_s", "data_s", "other_s")
 """What a step record gains (docs/run-directory.md)."""
@@ -79,8 +55,6 @@ class StepSplit:
     def _mark(self):
         if not self.cuda:
             return self.clock()
-        import torch
-
         ev = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
         ev.record()  # on the current stream: completes when the device reaches this point
         return ev

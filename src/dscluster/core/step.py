@@ -46,8 +46,14 @@ class TrainStep:
     """Runs optimizer steps of one run; `run(micro, log_step)` is one of them."""
 
     def __init__(self, engine, built, cfg, precision: str, boundary: StepBoundary, device, split, generator):
-        self.engine, self.b, self.cfg, self.precision = engine, built, cfg, precision
-        self.boundary, self.device, self.split, self.gen = boundary, device, split, generator
+        self.engine = engine
+        self.built = built
+        self.cfg = cfg
+        self.precision = precision
+        self.boundary = boundary
+        self.device = device
+        self.split = split
+        self.generator = generator
         self.ddp = built.ddp
         self.averager = None
         """sync.mode local_sgd / diloco on several ranks: localsgd.ModelAverager (set by the Trainer)."""
@@ -55,21 +61,27 @@ class TrainStep:
     def run(self, micro: list[list[int]], log_step: bool, step: int = 0, step_in_epoch: int = 0) -> StepResult:
         """One optimizer step; `step` (global, 1-based) and `step_in_epoch` (0-based) place it in the
         averager's period."""
-        engine, b, cfg, boundary, split = self.engine, self.b, self.cfg, self.boundary, self.split
+        engine = self.engine
+        built = self.built
+        cfg = self.cfg
+        boundary = self.boundary
+        split = self.split
         split.start()
         step_loss = torch.zeros((), device=self.device)
-        scale, samples, norm = None, 0, None
+        scale = None
+        samples = 0
+        norm = None
         for k, idx in enumerate(micro):
             boundary_step = k == len(micro) - 1
             with split.data():
-                x, y = b.splits.train.get_batch(idx, self.device, b.dtype, augment=cfg.data.augment,
-                                                generator=self.gen, channels_last=cfg.channels_last)
+                x, y = built.splits.train.get_batch(idx, self.device, built.dtype, augment=cfg.data.augment,
+                                                    generator=self.generator, channels_last=cfg.channels_last)
             if self.averager is not None and boundary_step:
                 self.averager.arm(step)  # a node's ranks reduce their gradients while this backward runs
             # DDP-synchronised engines reduce only at the accumulation boundary
             with self.ddp.no_sync() if self.ddp is not None and not boundary_step else contextlib.nullcontext():
                 loss = F.cross_entropy(engine(x).float(), y)
-                engine.backward(loss * b.loss_weight if b.loss_weight != 1.0 else loss)
+                engine.backward(loss * built.loss_weight if built.loss_weight != 1.0 else loss)
             if boundary_step:
                 if self.averager is not None:
                     self.averager.reduce_gradients(step)

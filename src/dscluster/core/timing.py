@@ -1,27 +1,16 @@
 """Step times and throughput: the one definition every figure of a run is built on.
 
-A step's time is wall-clock time with the GPU's work and the communication finished. The
-host queues a step's kernels and collectives in milliseconds and runs ahead, so a time
-taken on the host right after `engine.step()` says how fast the host queued work, not how
-long the step took: on a 1 GbE lab it reported 5,513 img/s where the link allowed 110.
-
-So steps are timed in windows: a window opens where the previous one closed, and closes after
-the read-back of its own values, which waits for the device. Each step of the window gets the
-window's time divided by its step count. The warm-up steps (allocator, autotuning, compilation,
-NCCL bring-up) form windows of their own and are left out; after them the windows follow each
-other without a gap, so evaluation and checkpoints count too, and the run's images/s is exactly
-images ÷ wall-clock from the end of warm-up to the end of the last step (a 4-rank 10gbit run
-that left its checkpoint saves out reported 12% more than its own records' time stamps gave).
-
-That steady figure leaves out the warm-up (torch.compile's first steps among them) and the final
-evaluation, so beside it the run keeps its whole-run figure (`StepWindow.whole_run`): the images it
-trained ÷ the wall-clock from the first step's start to the end of training, everything included.
-On a 152-step fractal run on one H100 the steady figure read 3,441 img/s and the whole run 3,189;
-every place that shows the steady one names it so and shows the whole-run one beside it.
+A step's time is wall-clock time with the GPU's work and the communication finished: the host queues a
+step in milliseconds and runs ahead, so a host clock right after `engine.step()` measures the queueing.
+Steps are timed in windows that close after the read-back of their own values; the warm-up windows are
+left out, and the later ones follow each other without a gap, so evaluation and checkpoints count too.
+Beside that steady figure the run keeps its whole-run one (`StepWindow.whole_run`). Measurements:
+docs/performance.md, "A step's time".
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable
 
@@ -48,8 +37,6 @@ def ends_warmup(steps_done: int, steps_this_run: int) -> bool:
 def process_started(stat: str = "/proc/self/stat", uptime: str = "/proc/uptime") -> float | None:
     """When this process started (time.time()'s clock): the kernel's start tick of the process against the
     machine's uptime, so the interpreter's start and imports count; None where /proc does not say."""
-    import os
-
     try:
         with open(stat, encoding="ascii") as f:
             fields = f.read().rsplit(")", 1)[1].split()  # the command name may hold spaces
