@@ -4,6 +4,7 @@ Never imports the command line: `dscluster plot` and analysis/plot.py (`dscluste
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +15,12 @@ from dscluster.analysis.tbexport import export as export_tensorboard
 from dscluster.files import redact
 from dscluster.files.fsutil import atomic_write_text
 from dscluster.rundir.layout import PLOTS_DIR, REPORT_FILE
+
+
+def drawing(module: str):
+    """plots.py, monitor_plot.py or report.py: they load matplotlib at import, so they load when pictures
+    are drawn and `dscluster --help` (which imports this package) stays quick."""
+    return importlib.import_module(f"dscluster.analysis.{module}")
 
 
 @dataclass
@@ -32,18 +39,16 @@ def analyse(run_dirs: list[str | Path], out: str | Path | None = None) -> list[R
     Without --out, each run's pictures go to RUN/plots/ and its report to RUN/report.html.
     With --out and one run: OUT/*.png and OUT/report.html; with several: OUT/<run>/...
     """
-    # matplotlib: loads only when pictures are drawn, so `dscluster --help` (which imports this) stays quick
-    from dscluster.analysis.monitor_plot import plot_monitor
-    from dscluster.analysis.plots import plot_run, plot_scaling
-    from dscluster.analysis.report import render_report
-
+    pictures = drawing("plots")
+    monitor_pictures = drawing("monitor_plot")
+    page = drawing("report")
     runs = [load_run(d) for d in run_dirs]  # all validated before anything is written
     names = [r.name for r in runs]
     results = []
     scaling_plot = None
     if len(runs) > 1:
         scaling_dir = Path(out) if out else runs[0].path / PLOTS_DIR
-        scaling_plot = plot_scaling(runs, scaling_dir)
+        scaling_plot = pictures.plot_scaling(runs, scaling_dir)
     for run in runs:
         if out is None:
             out_dir, report = run.path / PLOTS_DIR, run.path / REPORT_FILE
@@ -53,8 +58,8 @@ def analyse(run_dirs: list[str | Path], out: str | Path | None = None) -> list[R
             sub = run.name if names.count(run.name) == 1 else f"{run.name}-{names.index(run.name)}"
             out_dir = Path(out) / sub
             report = out_dir / REPORT_FILE
-        plots = plot_run(run, out_dir)
-        monitor = plot_monitor(run, out_dir)
+        plots = pictures.plot_run(run, out_dir)
+        monitor = monitor_pictures.plot_monitor(run, out_dir)
         if monitor is not None:
             plots.append(monitor)
         if scaling_plot is not None:
@@ -63,7 +68,7 @@ def analyse(run_dirs: list[str | Path], out: str | Path | None = None) -> list[R
             export_tensorboard(run)
         row = summary_row(run)
         diag = diagnose(run)
-        atomic_write_text(report, redact.redact_text(render_report(run, row, plots, diag)), mode=0o644)
+        atomic_write_text(report, redact.redact_text(page.render_report(run, row, plots, diag)), mode=0o644)
         results.append(RunOutput(run, out_dir, report, plots, row, diag))
     return results
 

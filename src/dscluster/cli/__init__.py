@@ -12,12 +12,10 @@ import sys
 
 from dscluster.errors import DsclusterError
 
-# The command table, in `--help` order: command -> its module, imported lazily: a module is
-# imported when the parser is built (build_parser), and a command line that names
-# its command imports that command's module alone, so every rank's `dscluster train` and every
-# node's sampler skip the others' domains (paramiko, rich tables, the lab and check rules). Each
-# command module imports its own domain at its top. A missing module is an ImportError, never a
-# command that quietly disappears.
+# The command table, in `--help` order: command -> its module, loaded by `load` when the parser is
+# built. A command line that names its command loads that command's module alone, so every rank's
+# `dscluster train` and every node's sampler skip the others' domains (paramiko, rich tables, the lab
+# and check rules). A missing module is an ImportError, never a command that quietly disappears.
 COMMANDS: dict[str, str] = {
     "hosts": "dscluster.cli.hosts",
     "sim": "dscluster.cli.sim",
@@ -38,6 +36,11 @@ COMMANDS: dict[str, str] = {
 }
 
 
+def load(module: str):
+    """The one place a module of the command line loads on demand: a command's, or --version's."""
+    return importlib.import_module(module)
+
+
 class VersionAction(argparse.Action):
     """`--version`: the summary line of `dscluster env` (dscluster, python, torch, deepspeed),
     read from package metadata when asked, so that building the parser stays cheap."""
@@ -46,10 +49,9 @@ class VersionAction(argparse.Action):
         super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        # lazy: only --version reads package metadata (importlib.metadata), every other command line skips it
-        from dscluster.cli.envreport import package_versions, versions_line
-
-        print(versions_line(package_versions()))
+        # only --version loads `env`'s report module: every other command line loads its own module alone
+        report = load("dscluster.cli.envreport")
+        print(report.versions_line(report.package_versions()))
         parser.exit()
 
 
@@ -67,7 +69,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     for name, module in COMMANDS.items():
         if only is not None and name != only:
             continue
-        importlib.import_module(module).register(sub)
+        load(module).register(sub)
         if name not in sub.choices:
             raise RuntimeError(f"{module}.register() did not add the `{name}` command")
     return parser

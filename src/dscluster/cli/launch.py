@@ -23,8 +23,19 @@ from dscluster.check.checkfile import CheckFile
 from dscluster.errors import UsageError
 from dscluster.files import paths, redact, state
 from dscluster.files.fsutil import atomic_write_text
-from dscluster.launch import builders
+from dscluster.launch import builders, slurmjob
+from dscluster.launch.collect import timed_pull
 from dscluster.launch.mpirun import launcher_bin_dir
+from dscluster.launch.run import (
+    failed_first,
+    job_exit_code,
+    launcher_env,
+    nodes_exit_code,
+    run_job,
+    run_over_ssh,
+    summary_mark,
+    summary_since,
+)
 from dscluster.node.hosts import hostfile_sha256, parse_hostfile
 from dscluster.rundir.layout import resolve_run_id, runs_root
 
@@ -210,8 +221,6 @@ def launch_command(args: argparse.Namespace) -> int:
 
 def _run_local(args: argparse.Namespace, report: dict, argv: list[str], plan: builders.LaunchPlan,
                env_extra: dict[str, str], collect: bool = False) -> int:
-    from dscluster.launch.run import launcher_env, run_job
-
     report["argv"] = argv
     report["env"] = env_extra
     line = redact.redact_text(builders.display(argv))  # shown, never the secrets `--env` passes on
@@ -229,7 +238,6 @@ def _run_local(args: argparse.Namespace, report: dict, argv: list[str], plan: bu
     print(f"+ {prefix}{line}", file=sys.stderr, flush=True)
     outcome = run_job(argv, env=launcher_env(plan.bin_dir, env_extra), run_dir=Path(report["run_dir"]))
     if collect:   # no shared filesystem: every node's part of the run to the head's copy, ended cleanly or not
-        from dscluster.launch.collect import timed_pull
         got, secs = timed_pull(report["run_dir"], plan.hostfile, show_progress=False)
         print(f"dscluster launch: collected {sum(len(g.files) for g in got)} file(s) of the run from the nodes "
               f"in {secs:.2f} s" + "".join(f"; {g.node}: {g.error}" for g in got if g.error), file=sys.stderr)
@@ -240,8 +248,6 @@ def _run_local(args: argparse.Namespace, report: dict, argv: list[str], plan: bu
 
 def job_report(launcher: str, outcome, run_dir: Path) -> tuple[int, str]:
     """Exit code and closing line for a local launcher run (a launch_exec.JobOutcome)."""
-    from dscluster.launch.run import job_exit_code, summary_since
-
     summary = summary_since(run_dir, outcome.started)  # not an earlier attempt's (a resumed run)
     vanished = list(outcome.vanished)
     for host in summary.get("vanished_hosts") or []:
@@ -278,8 +284,6 @@ def _run_torchrun(args: argparse.Namespace, report: dict, plan: builders.LaunchP
             for c in commands:
                 print(redact.redact_text(f"ssh {shlex.quote(c.host)} {shlex.quote(c.shell)}"))
         return 0
-    from dscluster.launch.run import failed_first, nodes_exit_code, run_over_ssh
-
     key = Path.home() / ".ssh" / "id_ed25519"
     print(f"dscluster launch: run {report['run_id']} -> {report['run_dir']} "
           f"(torchrun on {len(commands)} nodes, rendezvous {plan.master_addr}:{plan.master_port})", file=sys.stderr)
@@ -325,9 +329,6 @@ def _write_slurm(args: argparse.Namespace, report: dict, plan: builders.LaunchPl
 
 
 def _submit_slurm(path: Path, plan: builders.LaunchPlan, report: dict) -> int:
-    from dscluster.launch import slurmjob
-    from dscluster.launch.run import summary_mark, summary_since
-
     argv = slurmjob.sbatch_submit_argv(str(path))
     print(f"+ {builders.display(argv)}", file=sys.stderr, flush=True)
     mark = summary_mark(Path(report["run_dir"])) if "<job id>" not in report["run_dir"] else 0.0

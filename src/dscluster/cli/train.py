@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from dscluster import core
+from dscluster import core, train
 from dscluster.errors import DsclusterError, UsageError
 from dscluster.node import ranks
 
@@ -98,9 +98,7 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     calibrate = args.calibrate_loss_scale or cfg.calibrate_loss_scale
     check_batch_arithmetic(cfg, ranks.detect_ranks().world_size)
-    from dscluster.train.loop import train  # torch: loads only when training starts
-
-    outcome = train(cfg, calibrate=calibrate)
+    outcome = train.train(cfg, calibrate=calibrate)  # torch loads here, when training starts
     if not core.is_primary():
         return 0
     result = {"status": outcome.status, "run_dir": str(outcome.run_dir), "steps": outcome.steps,

@@ -1,18 +1,10 @@
 """Where a hand-typed `mpirun` reads its network settings: OpenMPI's and PRRTE's parameter files.
 
-`dscluster launch` pins mpirun to the cluster subnet on its command line (launch.mpirun
-`network_args`). A hand-typed `mpirun -np 5 --hostfile hosts.txt ./entry_cn.sh` has no such
-options, and its TCP traffic may then try a decoy docker0 or a down interface: the MPI layer
-(btl_tcp) between ranks, the runtime (oob_tcp) between mpirun and its daemons. Both read a
-parameter file in the user's home on every node, so `dscluster check` writes the subnet there:
-
-    ~/.openmpi/mca-params.conf   btl_tcp_if_include = <subnet>   (read by every rank)
-    ~/.prte/mca-params.conf      oob_tcp_if_include = <subnet>   (read by mpirun and each daemon)
-
-Each is one line under a `MARK` line, replaced on the next check; every other line stays, including
-`dscluster setup`'s managed block in ~/.prte/mca-params.conf and lines of the user's own. A user
-line setting the same key wins over ours (it comes first), and check says so.
-"""
+`dscluster launch` pins mpirun to the cluster subnet on its command line; a hand-typed mpirun has no
+such options and may try a decoy interface. So `dscluster check` writes the subnet into
+~/.openmpi/mca-params.conf (btl_tcp, read by every rank) and ~/.prte/mca-params.conf (oob_tcp, read
+by mpirun and its daemons): one line under a `MARK` line, replaced on the next check, every other
+line kept. A user's own line for the same key wins, and check says so (docs/launchers.md)."""
 
 from __future__ import annotations
 

@@ -20,9 +20,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
+from dscluster.analysis.load import load_run
+from dscluster.errors import UsageError
 from dscluster.launch.builders import NodeCommand
 from dscluster.node import liveness
 from dscluster.rundir import layout
+from dscluster.ssh import remote
 
 # After the run's summary.json is written (the job's outcome is known), or after mpirun exited
 # leaving ranks of this node behind, how long the job gets to end by itself before it is stopped.
@@ -140,8 +145,6 @@ def summary_since(run_dir: Path | None, mark: float) -> dict:
 
 def run_pg_timeout(run_dir: Path | None) -> float:
     """dist.timeout_s of the run (its config.yaml, written when training starts), else the preset's."""
-    import yaml
-
     try:
         cfg = yaml.safe_load((run_dir / layout.CONFIG_FILE).read_text(encoding="utf-8"))
         return float(cfg["dist"]["timeout_s"])
@@ -252,8 +255,6 @@ def run_over_ssh(commands: list[NodeCommand], *, known_hosts: Path, key_filename
     A pty is requested so that closing the session hangs up the remote command: when one
     node fails, the others are closed instead of waiting forever for a rendezvous.
     """
-    from dscluster.ssh import remote
-
     results: dict[str, NodeResult] = {}
     channels: dict[str, object] = {}
     clients = []
@@ -326,9 +327,6 @@ def died_on(run_dir: str | Path | None) -> set[str]:
     run directory says here; empty where it cannot be read (no shared filesystem, no run yet)."""
     if not run_dir:
         return set()
-    from dscluster.analysis.load import load_run
-    from dscluster.errors import UsageError
-
     try:
         run = load_run(run_dir)
     except (UsageError, OSError, ValueError):

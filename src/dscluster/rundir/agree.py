@@ -1,19 +1,11 @@
 """One run identity for every rank: the ranks agree on the run directory before anything is trained.
 
-mpirun passes a variable of its own environment only to the ranks it starts on its own node, so
-`DSCLUSTER_RUN_ID=x mpirun -np 2 --hostfile hosts.txt ./entry_cn.sh` gives node2's rank the
-launcher's id instead: a run split in two directories, each missing a rank. entry_cn.sh runs
-`python -m dscluster.rundir.agree` on every rank of an OpenMPI job before the sampler or the run
-directory start: rank 0 listens at the job's rendezvous address, every other rank tells it its run
-id, runs folder and host, and rank 0 answers every rank with one verdict. A split stops every rank
-with exit 2 and the fix. `dscluster train` asks the same (`require_one_run_dir`) where entry_cn.sh
-did not. Once they agree, rank 0 sets an earlier run's summary.json aside (`begin`), so the summary
-always tells the last run's story; checkpoints stay, and a `dscluster train` resume still resumes.
-
-The port is the rendezvous one (MASTER_PORT, else the launcher job's default: not the run id's,
-which is what may differ); the listener is closed before training binds it, and each rank closes
-its side first, so no TIME_WAIT is left on the listening port.
-"""
+mpirun passes its own environment only to the ranks on its node, so a run id set by hand can split
+a run in two directories. entry_cn.sh runs `python -m dscluster.rundir.agree` on every rank: rank 0
+listens at the job's rendezvous address, every rank tells it its run id, runs folder and host, and
+rank 0 answers one verdict (a split: exit 2 and the fix). `dscluster train` asks the same
+(`require_one_run_dir`). Once agreed, rank 0 sets an earlier summary.json aside (`begin`).
+How the port is chosen and left free for training: docs/run-directory.md."""
 
 from __future__ import annotations
 

@@ -1,27 +1,10 @@
 """Your own training script's metrics in a dscluster run directory, so `plot` and `diagnose` read it.
 
-    from dscluster import userlog
-
-    log = userlog.open_run(micro_batch=32)      # metrics/rank-R.jsonl gets a start record
-    for step in range(1, steps + 1):
-        loss = engine(batch) ...                 # your step
-        log.step(step, loss.item(), samples=32)  # .item() waits for the device: the step is done
-    log.end()                                    # end record; rank 0 writes summary.json
-
-Run it under entry_cn.sh (`mpirun ... ./entry_cn.sh python my_train.py`) or `dscluster launch --
-python my_train.py`: every rank then writes into the same run directory as the node's telemetry
-sampler (entry_cn.sh exports DSCLUSTER_RUN_DIR). Outside them it falls back to runs/<id> by the
-rule of docs/run-directory.md. The records follow that page's schema; rundir/writer.py writes them.
-
-Timing is honest only if you make it so: a step's `step_time` is the wall-clock time since the
-previous `step()` (the first: since `open_run()`), so pass values already read back from the
-device (`loss.item()`, a synced tensor), not a tensor still queued. Evaluation or checkpoints
-between two steps count in the next step's time, as in `dscluster train`.
-
-`python -m dscluster.userlog --exports` prints the shell exports entry_cn.sh gives a user's
-program: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE and MASTER_ADDR/PORT by the same rank rule
-as `dscluster train` (node/ranks.py), DSCLUSTER_RUN_DIR, and DSCLUSTER_LAUNCHER when it set RANK.
-"""
+`open_run()` gives a rank's `UserRun`: `step()` per step, `end()` at the end (rank 0 writes
+summary.json), or use it as a context manager. Under entry_cn.sh every rank writes into the job's
+run directory (DSCLUSTER_RUN_DIR); outside it, runs/<id> by the rule of docs/run-directory.md.
+`python -m dscluster.userlog --exports` prints the rank exports entry_cn.sh gives a user's program.
+Usage and how to keep the timing honest: docs/byo-script.md."""
 
 from __future__ import annotations
 
@@ -55,7 +38,9 @@ class UserRun:
     inside the `with` block ends the run as failed, with the error."""
 
     def __init__(self, path: Path, info: ranks.RankInfo, clock=time.time):
-        self.path, self.info, self._clock = path, info, clock
+        self.path = path
+        self.info = info
+        self._clock = clock
         self._log = RunLog(path, info.rank, socket.gethostname())
         self._t0 = self._last = clock()
         self.steps = 0

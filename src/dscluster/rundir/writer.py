@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from importlib import metadata
 from pathlib import Path
 
 from dscluster.files import redact
@@ -32,9 +34,6 @@ def effective_env(env: dict | None = None) -> dict:
 
 def software_versions() -> dict[str, str | None]:
     """What ran: a rank on a node with another torch/DeepSpeed behaves differently (diagnose compares)."""
-    import platform
-    from importlib import metadata
-
     out: dict[str, str | None] = {"python": platform.python_version()}
     for name in ("torch", "deepspeed", "dscluster"):
         mod = sys.modules.get(name)  # an imported module's own version names the build (torch: +cu130)
@@ -50,7 +49,9 @@ class RunLog:
     record, see JsonlWriter)."""
 
     def __init__(self, run_dir: Path, rank: int, host: str):
-        self.run_dir, self.rank, self.host = Path(run_dir), rank, host
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.host = host
         self.metrics = JsonlWriter(self.run_dir / layout.METRICS_DIR / f"rank-{rank}.jsonl")
         self._secrets = redact.secret_values()  # an error message may quote one: records never do
         self._summary_lock = threading.Lock()

@@ -114,9 +114,10 @@ def _copy_files(src: str, dest: Path, files: list[str]) -> None:
 
 # A fixed author and date: the snapshot commit is the same object on every node and every `sim up`
 # of the same tree, so `git rev-parse HEAD` agrees where the files do.
+_GIT_DATE = "946684800 +0000"  # git's raw form: seconds since the epoch, and the zone
 _GIT_ENV = {"GIT_AUTHOR_NAME": "dscluster sim", "GIT_AUTHOR_EMAIL": "sim@dscluster.invalid",
             "GIT_COMMITTER_NAME": "dscluster sim", "GIT_COMMITTER_EMAIL": "sim@dscluster.invalid",
-            "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z"}
+            "GIT_AUTHOR_DATE": _GIT_DATE, "GIT_COMMITTER_DATE": _GIT_DATE}
 
 
 def _commit_snapshot(dest: Path) -> None:

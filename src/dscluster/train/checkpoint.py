@@ -1,22 +1,11 @@
 """DeepSpeed checkpoints whose `latest` pointer only ever names a complete checkpoint.
 
-DeepSpeed's own `latest` is written by rank 0 as soon as rank 0 is done. Here every rank
-saves, all ranks agree that every rank succeeded (one all-reduce), and only then rank 0
-writes `latest` atomically (temp file + fsync + rename), and all ranks agree that it did.
-A full disk (ENOSPC, EDQUOT) or an I/O error (EIO) on any rank, in the checkpoint or in
-`latest` itself, leaves the previous `latest` in place and loadable and removes the
-half-written tag.
-
-The rule after a failed save (`MAX_FAILED_SAVES`): training goes on without that checkpoint,
-with a warning naming the checkpoint folder and its free space, so a transient failure (a
-neighbour's file deleted, an NFS hiccup) costs nothing; a second save failing in a row stops
-the run (exit 1) with the same message, since every step after it would be lost to the next
-crash too. Free space and run the same command: it resumes from `latest`.
-
-What a checkpoint carries besides DeepSpeed's model/optimizer/scheduler state (client
-state): the epoch, the steps done in that epoch and the global step, so resume continues
-the step counter and the sampler skips exactly the batches already trained on.
-"""
+DeepSpeed's own `latest` is written by rank 0 as soon as rank 0 is done. Here every rank saves, all
+ranks agree that every rank succeeded, and only then `latest` is written atomically: a full disk or
+an I/O error on any rank leaves the previous `latest` loadable. One failed save trains on with a
+warning; a second in a row stops the run (`MAX_FAILED_SAVES`, docs/failure-behaviour.md). The client
+state carries the epoch, the step in it and the global step, so a resume skips exactly the batches
+already trained on."""
 
 from __future__ import annotations
 
@@ -213,7 +202,11 @@ class Checkpointer:
         self.resume_mode = None if calibrate else cfg.checkpoint.resume
         self.every_steps = 0 if calibrate else cfg.checkpoint.every_steps
         self.every_epochs = 0 if calibrate else cfg.checkpoint.every_epochs
-        self.info, self.hosts, self.device, self.primary, self.faults = info, hosts, device, primary, faults
+        self.info = info
+        self.hosts = hosts
+        self.device = device
+        self.primary = primary
+        self.faults = faults
         self.shared = nodelocal.run_dir_shared(rdir, info.rank)
         self.node_local = not self.shared  # without NFS every node keeps its own checkpoint
         self.engine = self.comm = self.boundary = None
@@ -224,7 +217,9 @@ class Checkpointer:
 
     def attach(self, built, boundary) -> None:
         """What a checkpoint holds: the engine, PowerSGD's state (built.comm) and the step boundary's."""
-        self.engine, self.comm, self.boundary = built.engine, built.comm, boundary
+        self.engine = built.engine
+        self.comm = built.comm
+        self.boundary = boundary
         self.steps_per_epoch = built.sampler.steps_per_epoch
 
     def resume(self) -> Position:

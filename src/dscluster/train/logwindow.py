@@ -18,8 +18,12 @@ from dscluster.core.timing import StepWindow, is_timed
 class LogWindow:
     def __init__(self, log, split, boundary, guard, run_record, run_length: int, *, scale_history=None):
         """`run_record`: the run's RunRecord (rundir/writer.py), whose overflow_steps the window counts."""
-        self.log, self.split, self.boundary, self.guard = log, split, boundary, guard
-        self.run_record, self.run_length = run_record, run_length
+        self.log = log
+        self.split = split
+        self.boundary = boundary
+        self.guard = guard
+        self.run_record = run_record
+        self.run_length = run_length
         self.scale_history = scale_history  # a list to append (scale, overflow) to: calibration runs
         self.window = StepWindow()
         self.records: list[dict] = []

@@ -1,19 +1,11 @@
 """The training loop every rank runs: one readable path from process group to summary.
 
-Order of events: rank detection and env → what the config cannot apply here (comm.compression
-for this rank's precision: exit 2 before anything is written) → run directory (env snapshot) →
-process group (gloo on CPU, nccl on GPU, bounded timeout: `join`) → the Trainer's components:
-data/model/engine (setup_engine), the Checkpointer (checkpoint.py: where, when, what it resumes) →
-resume → per epoch: equal-step check, steps (step.py; records per log window, logwindow.py),
-held-out eval on rank 0 between barriers (evaluation.py), checkpoint → summary, and plan's
-saved prediction beside the measured images/s (runmodel/predicted.py). Any exception still writes the
-`end` record and, where this rank knows the story, a failed summary.json (from the run's typed
-RunRecord, rundir/writer.py); the process group is
-destroyed in `finally`. Every rank keeps RUN_DIR/traces/rank-R.txt open for Python stack dumps
-(traces.py); a failing rank also dumps torch's flight recorder to RUN_DIR/nccl_trace/ before the
-group is destroyed, on gloo as on NCCL. Test-only faults: faults.FaultHook, which does nothing
-unless DSCLUSTER_FAULT names this rank.
-"""
+Rank detection → what the config cannot apply here (exit 2 before anything is written) → run
+directory → process group (bounded timeout) → the Trainer's components (setup_engine, Checkpointer)
+→ resume → epochs of steps, held-out evaluation and checkpoints → summary and plan's prediction
+beside the measured images/s. Any exception still writes the `end` record and, where this rank knows
+the story, a failed summary.json; the process group is destroyed in `finally`. Stacks and the flight
+recorder of a failing rank: docs/run-directory.md. Test-only faults: faults.FaultHook."""
 
 from __future__ import annotations
 
@@ -27,10 +19,13 @@ import torch
 
 from dscluster import console
 from dscluster.core import datacache, dist, evaluation, faults, guards, localsgd, startgc, syncmode
+from dscluster.core.comm import powersgd_start
 from dscluster.core.config import TrainConfig, to_yaml
 from dscluster.core.config_checks import ConfigValueError, compression_conflict, sync_conflict
+from dscluster.core.losscale import CALIBRATION_START_POWER
 from dscluster.core.optstep import StepBoundary
 from dscluster.core.precision import PrecisionDecision, decide_here
+from dscluster.core.setup_engine import build
 from dscluster.core.step import TrainStep
 from dscluster.core.timing import WARMUP_STEPS, ends_warmup, process_started, warmup_left_out
 from dscluster.errors import DsclusterError, UsageError
@@ -78,23 +73,23 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
                            primary=evaluation.evaluates(cfg, info.rank == 0))
     agree.require_one_run_dir()  # every rank one run directory, before any writes there
     run_id = layout.resolve_run_id()
-    rdir = layout.run_dir()
+    run_dir = layout.run_dir()
     stopped = OnTerminate()  # before StackTraces: faulthandler chains SIGTERM to it (train/stopped.py)
-    traces = StackTraces(rdir, info.rank)
-    prepare_rank(info, run_id, rdir, has_cuda)
+    traces = StackTraces(run_dir, info.rank)
+    prepare_rank(info, run_id, run_dir, has_cuda)
     primary, host = info.rank == 0, dist.hostname()
-    log = RunLog(rdir, info.rank, host)
+    log = RunLog(run_dir, info.rank, host)
     log.write_env(cpus=cpus.cpu_list(os.sched_getaffinity(0)), cpus_note=cpu_note)
     if cpu_note and primary:
         console.err.print(f"[dim]dscluster train: {cpu_note}[/dim]")
     record = RunRecord(run_id=run_id, world_size=info.world_size, hosts=[host], model=cfg.model.name,
                        dataset=cfg.data.dataset, epochs=cfg.epochs)
-    stopped.then = record_stop(log, record, rdir, t0, summary=primary and not calibrate)
+    stopped.then = record_stop(log, record, run_dir, t0, summary=primary and not calibrate)
     device = None
     try:
         device = rank_device(info, has_cuda)
         rank = join(cfg, info, device, decision, calibrate, record)
-        out = Trainer(cfg, rank, log, rdir, record, faults.FaultHook(info.rank), calibrate=calibrate,
+        out = Trainer(cfg, rank, log, run_dir, record, faults.FaultHook(info.rank), calibrate=calibrate,
                       started=t0).fit()
         log.record("end", status="complete", error=None, **note_peaks(record, device))
         if primary and not calibrate:
@@ -109,9 +104,9 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
         raise
     except BaseException as e:
         # Before anything else touches the broken group: what every rank's collectives were.
-        dist.dump_flight_recorder(rdir / layout.NCCL_TRACE_DIR, info.rank)
+        dist.dump_flight_recorder(run_dir / layout.NCCL_TRACE_DIR, info.rank)
         traces.exception()
-        record_crash(e, log, record, rdir, device, primary=primary, wall_s=round(time.time() - t0, 3))
+        record_crash(e, log, record, run_dir, device, primary=primary, wall_s=round(time.time() - t0, 3))
         raise
     finally:
         ProgressBar.stop_all()
@@ -125,14 +120,14 @@ def train(cfg: TrainConfig, *, calibrate: bool = False) -> Outcome:
         stopped.close()
 
 
-def prepare_rank(info, run_id: str, rdir: Path, has_cuda: bool) -> None:
+def prepare_rank(info, run_id: str, run_dir: Path, has_cuda: bool) -> None:
     """This process's settings before the group forms: threads, env, the primary rank, diagnostics."""
     dist.default_extensions_dir()  # before the env snapshot, so it shows where JIT ops are cached
     if not has_cuda:
         cpus.share_cores(info.local_world_size)  # ranks sharing a host share its cores
     dist.set_primary(info.rank == 0)
     dist.export_env(info, run_id)
-    dist.enable_nccl_diagnostics(rdir / layout.NCCL_TRACE_DIR)
+    dist.enable_nccl_diagnostics(run_dir / layout.NCCL_TRACE_DIR)
 
 
 def rank_device(info, has_cuda: bool) -> torch.device:
@@ -192,7 +187,7 @@ def join(cfg: TrainConfig, info, device, decision: PrecisionDecision, calibrate:
     return Rank(info, device, precision, hosts, nodes)
 
 
-def record_crash(e: BaseException, log: RunLog, record: RunRecord, rdir: Path, device: torch.device | None, *,
+def record_crash(e: BaseException, log: RunLog, record: RunRecord, run_dir: Path, device: torch.device | None, *,
                  primary: bool, wall_s: float) -> None:
     """The `end` record and, where this rank knows the story, a failed summary.json."""
     msg = f"{type(e).__name__}: {e}" if not isinstance(e, DsclusterError) else str(e)
@@ -206,7 +201,7 @@ def record_crash(e: BaseException, log: RunLog, record: RunRecord, rdir: Path, d
         record.vanished_hosts = liveness.vanished_hosts(host, record.hosts)
         if len(record.vanished_hosts) == 1:
             failed_host = record.vanished_hosts[0]
-        msg = (f"{dist.PEER_FAILURE} or never joined (`dscluster diagnose {rdir}` "
+        msg = (f"{dist.PEER_FAILURE} or never joined (`dscluster diagnose {run_dir}` "
                f"names it){liveness.vanished_text(record.vanished_hosts, host)}: {msg}")
     log.record("end", status="failed", error=msg, **note_peaks(record, device))
     log.write_summary(record.summary(status="failed", wall_s=wall_s, failed_rank=failed_rank, failed_host=failed_host,
@@ -242,51 +237,55 @@ class Trainer:
     """One rank's run: its components built once (engine, Checkpointer, step, log window), then
     `fit` drives them: resume, epochs of steps, held-out evaluation, checkpoints, the end."""
 
-    def __init__(self, cfg: TrainConfig, rank: Rank, log: RunLog, rdir: Path, record: RunRecord,
+    def __init__(self, cfg: TrainConfig, rank: Rank, log: RunLog, run_dir: Path, record: RunRecord,
                  fault_hook: faults.FaultHook, *, calibrate: bool, started: float):
-        from dscluster.core.setup_engine import build
-
         if calibrate:
-            from dscluster.core.losscale import CALIBRATION_START_POWER
-
             cfg.fp16.initial_scale_power = CALIBRATION_START_POWER
             cfg.max_steps = cfg.fp16.calibrate_steps
-        self.cfg, self.rank, self.log, self.rdir, self.record = cfg, rank, log, rdir, record
-        self.faults, self.calibrate, self.primary = fault_hook, calibrate, rank.primary
-        self.ckpt = Checkpointer(cfg, rdir, rank.info, hosts=rank.hosts, device=rank.device, primary=rank.primary,
+        self.cfg = cfg
+        self.rank = rank
+        self.log = log
+        self.run_dir = run_dir
+        self.record = record
+        self.faults = fault_hook
+        self.calibrate = calibrate
+        self.primary = rank.primary
+        self.ckpt = Checkpointer(cfg, run_dir, rank.info, hosts=rank.hosts, device=rank.device, primary=rank.primary,
                                  calibrate=calibrate, faults=fault_hook)
-        self.b = build(cfg, rank.info, rank.device, rank.precision, evaluates=evaluation.evaluates(cfg, rank.primary),
-                       node_local_checkpoints=self.ckpt.node_local, faults=fault_hook)
+        self.built = build(cfg, rank.info, rank.device, rank.precision,
+                           evaluates=evaluation.evaluates(cfg, rank.primary),
+                           node_local_checkpoints=self.ckpt.node_local, faults=fault_hook)
         startgc.settle()  # every import done, the engine built: the collector back, past all of it
-        self.boundary = StepBoundary(self.b.engine, cfg, rank.precision)
-        self.spe, self.total = self.b.sampler.steps_per_epoch, self.b.total_steps
+        self.boundary = StepBoundary(self.built.engine, cfg, rank.precision)
+        self.steps_per_epoch = self.built.sampler.steps_per_epoch
+        self.total = self.built.total_steps
         if localsgd.local(cfg) and rank.info.world_size > 1:
-            self.b.comm = localsgd.averager(cfg, rank, self.b, self.boundary)
-        self.ckpt.attach(self.b, self.boundary)
-        record.global_batch = sum(self.b.shares) * self.b.plan.grad_accum
+            self.built.comm = localsgd.averager(cfg, rank, self.built, self.boundary)
+        self.ckpt.attach(self.built, self.boundary)
+        record.global_batch = sum(self.built.shares) * self.built.plan.grad_accum
         self.tta = evaluation.TimeToAccuracy(None if calibrate else cfg.target_accuracy, started, record.global_batch)
         self.write_run_files()
 
     def write_run_files(self) -> None:
         """The data cache's records, the engine's notes, and on rank 0 the config as resolved (config.yaml,
         ds_config.json, shares)."""
-        for rec in self.b.data_cache:
+        for rec in self.built.data_cache:
             self.log.record("data_cache", **rec)
         if not self.primary:
             return
-        for note in self.b.notes:
+        for note in self.built.notes:
             console.err.print(f"[dim]dscluster train: {note}[/dim]")
-        atomic_write_text(self.rdir / layout.CONFIG_FILE, to_yaml(self.cfg))
-        atomic_write_json(self.rdir / layout.DS_CONFIG_FILE, self.b.ds_config)
-        if self.b.share_plan is not None:
-            atomic_write_json(self.rdir / layout.SHARES_FILE, self.b.share_plan)
+        atomic_write_text(self.run_dir / layout.CONFIG_FILE, to_yaml(self.cfg))
+        atomic_write_json(self.run_dir / layout.DS_CONFIG_FILE, self.built.ds_config)
+        if self.built.share_plan is not None:
+            atomic_write_json(self.run_dir / layout.SHARES_FILE, self.built.share_plan)
 
     def fit(self) -> Outcome:
         self.start = self.ckpt.resume()
         self.global_step = self.record.steps = self.start.global_step
         self.start_components()
         epoch, start_step = self.start.epoch, self.start.step_in_epoch
-        if start_step >= self.spe:
+        if start_step >= self.steps_per_epoch:
             epoch, start_step = epoch + 1, 0
         done = self.global_step >= self.total
         while not done and epoch < self.cfg.epochs:
@@ -297,12 +296,16 @@ class Trainer:
     def start_components(self) -> None:
         """The `start` record, then what the steps need: the fp16 guard, the step, the log window,
         the progress bar and the host-sync watch."""
-        cfg, rank, b, calibrate = self.cfg, self.rank, self.b, self.calibrate
-        info, device = rank.info, rank.device
+        cfg = self.cfg
+        rank = self.rank
+        built = self.built
+        calibrate = self.calibrate
+        info = rank.info
+        device = rank.device
         self.log.record("start", world_size=info.world_size, local_rank=info.local_rank, device=str(device),
-                        precision=rank.precision, micro_batch=b.shares[info.rank], grad_accum=b.plan.grad_accum,
-                        global_batch=self.record.global_batch, pid=os.getpid(), params=b.params,
-                        steps_per_epoch=self.spe, shares=b.shares, loss_weight=b.loss_weight,
+                        precision=rank.precision, micro_batch=built.shares[info.rank], grad_accum=built.plan.grad_accum,
+                        global_batch=self.record.global_batch, pid=os.getpid(), params=built.params,
+                        steps_per_epoch=self.steps_per_epoch, shares=built.shares, loss_weight=built.loss_weight,
                         resumed_from_step=self.global_step, launcher=info.source)
         guard = None
         if rank.precision == "fp16" and not calibrate:
@@ -310,18 +313,21 @@ class Trainer:
             guard = guards.LossScaleGuard(window=fp16.guard_window, max_overflow_rate=fp16.guard_max_overflow_rate,
                                           min_scale=fp16.min_loss_scale, min_scale_steps=fp16.guard_min_scale_steps,
                                           rank=info.rank, host=self.log.host)
-        gen = torch.Generator(device=device).manual_seed(cfg.seed * 7919 + info.rank * 104729 + self.global_step)
+        generator = torch.Generator(device=device).manual_seed(cfg.seed * 7919 + info.rank * 104729 + self.global_step)
         self.progress = ProgressBar(self.primary and cfg.progress and not calibrate, self.total, self.global_step)
         self.ckpt.say = self.progress.print
-        self.steps_this_run, self.accuracy, self.watched = 0, None, 0
-        self.tta.first_step_t, self.tta.fill_s = time.time(), sum(r["seconds"] or 0 for r in b.data_cache)
+        self.steps_this_run = 0
+        self.accuracy = None
+        self.watched = 0
+        self.tta.first_step_t = time.time()
+        self.tta.fill_s = sum(r["seconds"] or 0 for r in built.data_cache)
         self.run_length = self.total - self.global_step
         self.scale_history: list[tuple[float, bool]] = []
-        self.window = LogWindow(self.log, b.split, self.boundary, guard, self.record, self.run_length,
+        self.window = LogWindow(self.log, built.split, self.boundary, guard, self.record, self.run_length,
                                 scale_history=self.scale_history if calibrate else None)
-        self.step = TrainStep(b.engine, b, cfg, rank.precision, self.boundary, device, b.split, gen)
-        if isinstance(b.comm, localsgd.ModelAverager):
-            self.step.averager = b.comm
+        self.step = TrainStep(built.engine, built, cfg, rank.precision, self.boundary, device, built.split, generator)
+        if isinstance(built.comm, localsgd.ModelAverager):
+            self.step.averager = built.comm
         self.watch = SyncWatch(cfg.sync_debug if device.type == "cuda" and not calibrate else "off")
         if cfg.sync_debug != "off" and device.type != "cuda" and self.primary:
             console.err.print("[yellow]warning:[/yellow] sync_debug watches CUDA host syncs; this rank has no GPU, "
@@ -329,25 +335,26 @@ class Trainer:
 
     def run_epoch(self, epoch: int, start_step: int) -> bool:
         """Collective: one epoch from `start_step`, its evaluation and its checkpoint; True when the run is done."""
-        cfg, spe = self.cfg, self.spe
-        counts = dist.all_gather_ints([spe + self.faults.extra_steps_per_epoch()], self.rank.device)
+        cfg = self.cfg
+        steps_per_epoch = self.steps_per_epoch
+        counts = dist.all_gather_ints([steps_per_epoch + self.faults.extra_steps_per_epoch()], self.rank.device)
         guards.check_equal_steps([c[0] for c in counts], self.rank.hosts, epoch)
         done, step_in_epoch = False, start_step - 1
-        for step_in_epoch, micro in enumerate(self.b.sampler.steps(epoch, start_step), start=start_step):
+        for step_in_epoch, micro in enumerate(self.built.sampler.steps(epoch, start_step), start=start_step):
             done = self.run_step(epoch, step_in_epoch, micro)
             if done:
                 break
         self.window.flush(self.steps_this_run)
         last = done or epoch + 1 >= cfg.epochs
         evaluates = last or (epoch + 1) % cfg.eval_every_epochs == 0
-        if not last and hasattr(self.b.sampler, "prime"):
-            self.b.sampler.prime(epoch + 1)  # loader workers: the next epoch's batches during the evaluation
-        if not self.calibrate and self.b.splits.holdout is not None and evaluates:
-            self.accuracy = evaluation.held_out(self.b.engine, self.b, cfg, self.rank.device, primary=self.primary,
-                                                log=self.log, progress=self.progress, epoch=epoch,
-                                                step=self.global_step, tta=self.tta)
-        if not done or step_in_epoch + 1 >= spe:  # the epoch ran to its end (not stopped by max_steps)
-            self.ckpt.maybe_save(Position(epoch, spe, self.global_step), epoch_end=True, last=last)
+        if not last and hasattr(self.built.sampler, "prime"):
+            self.built.sampler.prime(epoch + 1)  # loader workers: the next epoch's batches during the evaluation
+        if not self.calibrate and self.built.splits.holdout is not None and evaluates:
+            self.accuracy = evaluation.held_out(self.built.engine, self.built, cfg, self.rank.device,
+                                                primary=self.primary, log=self.log, progress=self.progress,
+                                                epoch=epoch, step=self.global_step, tta=self.tta)
+        if not done or step_in_epoch + 1 >= steps_per_epoch:  # the epoch ran to its end (not stopped by max_steps)
+            self.ckpt.maybe_save(Position(epoch, steps_per_epoch, self.global_step), epoch_end=True, last=last)
         return done
 
     def run_step(self, epoch: int, step_in_epoch: int, micro) -> bool:
@@ -358,12 +365,12 @@ class Trainer:
         armed = self.steps_this_run >= WARMUP_STEPS
         self.watched += armed
         with self.watch.step(step, armed):
-            r = self.step.run(micro, log_step=step % cfg.log_every == 0, step=step, step_in_epoch=step_in_epoch)
+            result = self.step.run(micro, log_step=step % cfg.log_every == 0, step=step, step_in_epoch=step_in_epoch)
         self.steps_this_run += 1
         self.record.steps = step  # what a failed run's summary reports as reached
-        self.window.add({"step": step, "epoch": epoch, "lr": float(self.b.engine.get_lr()[0]),
-                         "loss_scale": r.loss_scale, "overflow": r.overflow, "samples": r.samples,
-                         "grad_norm": r.grad_norm}, r.values, r.marks)
+        self.window.add({"step": step, "epoch": epoch, "lr": float(self.built.engine.get_lr()[0]),
+                         "loss_scale": result.loss_scale, "overflow": result.overflow, "samples": result.samples,
+                         "grad_norm": result.grad_norm}, result.values, result.marks)
         self.progress.advance(epoch)
         if len(self.window) >= cfg.log_every or ends_warmup(self.steps_this_run, self.run_length):
             self.window.flush(self.steps_this_run)
@@ -374,29 +381,34 @@ class Trainer:
     def finish(self) -> Outcome:
         """The host-sync report, the run's figures into its record, and plan's comparison."""
         self.progress.stop()
-        if hasattr(self.b.sampler, "close"):
-            self.b.sampler.close()  # loader workers (core/loader.py): they exit now, not at interpreter exit
+        if hasattr(self.built.sampler, "close"):
+            self.built.sampler.close()  # loader workers (core/loader.py): they exit now, not at interpreter exit
         if self.watch.enabled:
             for rec in self.watch.records():
                 self.log.record("host_sync", **rec)
             if self.primary:
                 console.err.print(f"dscluster train: {self.watch.summary(self.watched)}")
-        gb, record = self.record.global_batch, self.record
+        global_batch = self.record.global_batch
+        record = self.record
         out = Outcome(status="complete", accuracy=self.accuracy, steps=self.global_step,
-                      images_per_s=self.window.images_per_s(gb), run_dir=self.rdir, steps_this_run=self.steps_this_run,
-                      scale_history=self.scale_history)
-        record.steps, record.images_per_s, record.accuracy = self.global_step, out.images_per_s, self.accuracy
-        record.timed_steps, record.timed_s = self.window.window.timed_steps, round(self.window.window.timed_s, 4)
+                      images_per_s=self.window.images_per_s(global_batch), run_dir=self.run_dir,
+                      steps_this_run=self.steps_this_run, scale_history=self.scale_history)
+        record.steps = self.global_step
+        record.images_per_s = out.images_per_s
+        record.accuracy = self.accuracy
+        record.timed_steps = self.window.window.timed_steps
+        record.timed_s = round(self.window.window.timed_s, 4)
         record.warmup_steps = warmup_left_out(self.steps_this_run)
-        run_s, out.run_images_per_s = self.window.window.whole_run(gb * self.steps_this_run)
-        record.run_s, record.run_images_per_s = round(run_s, 3), out.run_images_per_s
+        run_s, out.run_images_per_s = self.window.window.whole_run(global_batch * self.steps_this_run)
+        record.run_s = round(run_s, 3)
+        record.run_images_per_s = out.run_images_per_s
         record.time_to_accuracy = self.tta.summary()
         if self.primary and not self.calibrate and self.start.global_step == 0:
             records.keep_curve(self.tta, self.cfg, compression=syncmode.label(self.cfg),
                                ranks=self.rank.info.world_size, run_id=record.run_id)
         if self.primary and not self.calibrate:
-            records.plan_vs_measured(self.cfg, self.b, gb, self.rank.precision, self.rank.info, out, record,
-                                     self.timed())
+            records.plan_vs_measured(self.cfg, self.built, global_batch, self.rank.precision, self.rank.info, out,
+                                     record, self.timed())
         return out
 
     def startup_s(self) -> float | None:
@@ -409,12 +421,10 @@ class Trainer:
 
     def timed(self) -> dict:
         """What plan's phase-aware comparison needs of this run (runmodel/predicted.py `timed`)."""
-        from dscluster.core.comm import powersgd_start
-
-        powersgd = self.b.comm is not None and self.cfg.comm.compression == "powersgd"
+        powersgd = self.built.comm is not None and self.cfg.comm.compression == "powersgd"
         reached = self.tta.reached or {}
         return {"resumed_at": self.start.global_step, "last": self.global_step, "total": self.total,
-                "epochs": self.cfg.epochs, "steps_per_epoch": self.spe,
+                "epochs": self.cfg.epochs, "steps_per_epoch": self.steps_per_epoch,
                 "start_step": powersgd_start(self.cfg) if powersgd else None,
                 "target_accuracy": self.tta.target, "time_to_accuracy_s": reached.get("training_seconds"),
                 "warmup_s": self.window.window.warmup_s, "cache_fill_s": self.tta.fill_s,

@@ -1,22 +1,11 @@
 """Checkpoints on a lab without a shared filesystem: every node keeps what its ranks need.
 
-Each node writes its ranks' part of the run into its own runs/<id>/ (same path). At start-up
-the ranks find out which layout they have (`run_dir_shared`: rank 0 drops a marker, every rank
-looks for it). Without a shared run directory:
-- DeepSpeed saves with `checkpoint.use_node_local_storage`: the local rank 0 of every node writes
-  the model states into its node's copy, beside its ranks' own files;
-- `latest` is committed on every node by its local rank 0 (atomically, after all ranks agreed the
-  save succeeded), so every node can resume on its own;
-- a run stopped between two nodes' commits of `latest` (a rank killed right after a save) leaves
-  the nodes naming two checkpoints; every node holds both folders (saves never delete an older
-  one), so the start resumes from the newer one every node holds (`interrupted_commit`,
-  `newest_held`) and says so;
-- a resume where the nodes name different checkpoints otherwise (one node lacks it: a node
-  replaced, a folder deleted) stops before training, naming the node and the fix
-  (`resume_agreement`): never step 0 on some ranks and step N on others.
-Under ZeRO 1-3 every rank saves its own optimizer shard (ZeRO-3: its own weight shard too) and DeepSpeed
-reads back only the loading rank's, so a node's copy resumes its ranks; docs/file-layouts.md.
-"""
+At start-up the ranks find out whether they share the run directory (`run_dir_shared`). Without one,
+DeepSpeed saves node-locally and every node commits its own `latest`, so every node can resume on
+its own. The rules here decide where a resume starts: the newer checkpoint every node holds after a
+stop between two nodes' commits (`interrupted_commit`, `newest_held`), and a stop naming the node
+where the nodes disagree otherwise (`resume_agreement`): never step 0 on some ranks and step N on
+others. The whole story, ZeRO included: docs/file-layouts.md."""
 
 from __future__ import annotations
 

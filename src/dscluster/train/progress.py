@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
 from dscluster import console
 
 
@@ -18,8 +20,6 @@ class ProgressBar:
     def __init__(self, enabled: bool, total: int, done: int):
         self.bar = None
         if enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
             self.bar = Progress(TextColumn("[bold]train[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
                                 TextColumn("ETA"), TimeRemainingColumn(), console=console.err, transient=False)
             self.task = self.bar.add_task("epoch 1", total=total, completed=done)

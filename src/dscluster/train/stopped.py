@@ -1,18 +1,10 @@
 """A rank stopped by SIGTERM still says so: its `end` record, and rank 0's summary.json.
 
-mpirun, srun, torchrun and entry_cn.sh stop every rank with SIGTERM when one rank dies, when a Slurm
-job is cancelled, or on Ctrl-C. The rank that first sees a peer's collective fail writes the failed
-summary itself (loop.record_crash); on a busy machine the launcher's SIGTERM can come first, and the
-signal's default action left the run directory without any summary. A Slurm job that was cancelled
-is no failure: rank 0 asks Slurm (`slurm_cancel`) and writes status `cancelled`, the step it reached
-and how to resume.
-
-Python runs a signal handler only in the main thread, between bytecodes, and the main thread may be
-waiting inside a collective for a peer that is gone. So the handler's C half writes a byte to a pipe
-(`signal.set_wakeup_fd`), a thread reading it calls `then` (write the summary) and ends the process
-with 143, the code the signal's default gives. faulthandler (traces.StackTraces) registers after this
-and chains to it, so the Python stacks are still written first.
-"""
+Launchers stop every rank with SIGTERM when one dies, when a job is cancelled, or on Ctrl-C; a
+cancelled Slurm job is written as `cancelled`, not failed (`slurm_cancel`). The main thread may be
+waiting in a collective, where a Python signal handler never runs, so the handler's C half writes
+to a pipe (`signal.set_wakeup_fd`) and a thread writes the summary and exits 143, the signal's own
+code (docs/failure-behaviour.md)."""
 
 from __future__ import annotations
 
