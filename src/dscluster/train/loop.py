@@ -18,14 +18,13 @@ from pathlib import Path
 import torch
 
 from dscluster import console
-from dscluster.core import datacache, dist, evaluation, faults, guards, localsgd, startgc, syncmode
+from dscluster.core import datacache, dist, evaluation, faults, guards, localsgd, setup_engine, startgc, syncmode
 from dscluster.core.comm import powersgd_start
 from dscluster.core.config import TrainConfig, to_yaml
 from dscluster.core.config_checks import ConfigValueError, compression_conflict, sync_conflict
 from dscluster.core.losscale import CALIBRATION_START_POWER
 from dscluster.core.optstep import StepBoundary
 from dscluster.core.precision import PrecisionDecision, decide_here
-from dscluster.core.setup_engine import build
 from dscluster.core.step import TrainStep
 from dscluster.core.timing import WARMUP_STEPS, ends_warmup, process_started, warmup_left_out
 from dscluster.errors import DsclusterError, UsageError
@@ -252,7 +251,8 @@ class Trainer:
         self.primary = rank.primary
         self.ckpt = Checkpointer(cfg, run_dir, rank.info, hosts=rank.hosts, device=rank.device, primary=rank.primary,
                                  calibrate=calibrate, faults=fault_hook)
-        self.built = build(cfg, rank.info, rank.device, rank.precision,
+        # through the module: a test follows the engine's life by patching setup_engine.build
+        self.built = setup_engine.build(cfg, rank.info, rank.device, rank.precision,
                            evaluates=evaluation.evaluates(cfg, rank.primary),
                            node_local_checkpoints=self.ckpt.node_local, faults=fault_hook)
         startgc.settle()  # every import done, the engine built: the collector back, past all of it
