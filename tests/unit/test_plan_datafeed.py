@@ -125,9 +125,10 @@ def test_plans_whole_run_has_the_fill_and_prices_uncached_evaluations(tmp_path, 
     cached = plan_doc(tmp_path, monkeypatch, capsys)["runs"]["now"]
     by = {p["name"]: p for p in cached["phases"]}
     assert by["data cache"]["seconds"] > 0 and "3,000 images made once into memory" in by["data cache"]["note"]
-    forward = 600 * (0.01 / 32) * phases.FORWARD_SHARE
-    copy = 600 * 3 * 32 * 32 / (phases.HOST_TO_DEVICE_GBps * 1e9)  # --compute-s: GPU ranks, the cache copied there
+    share = 600 // 2  # every-step training on two ranks: each evaluates half of the 600 held-out images
+    forward = share * (0.01 / 32) * phases.FORWARD_SHARE
+    copy = share * 3 * 32 * 32 / (phases.HOST_TO_DEVICE_GBps * 1e9)  # --compute-s: GPU ranks, the cache copied there
     assert cached["costs"]["eval_s"] == pytest.approx(forward + copy)
     uncached = plan_doc(tmp_path, monkeypatch, capsys, "data.cache=false")["runs"]["now"]
     assert "data cache" not in [p["name"] for p in uncached["phases"]]
-    assert uncached["costs"]["eval_s"] > forward  # its 600 images made again by freshly started workers
+    assert uncached["costs"]["eval_s"] > forward  # its share's images made again by freshly started workers

@@ -64,6 +64,7 @@ _FACE = {
     "sync_label": ("syncmode", "label"),
     "parse_sync_label": ("syncmode", "parse_label"),
     "sync_paste_args": ("syncmode", "paste_args"),
+    "evaluation_sharded": ("syncmode", "evaluation_sharded"),
     "PEER_FAILURE": ("guards", "PEER_FAILURE"),
     "is_primary": ("dist", "is_primary"),
 }

@@ -53,8 +53,8 @@ def overlaps_with_ddp(cfg: TrainConfig, world_size: int) -> bool:
 
 
 def wrap_for_overlap(model: torch.nn.Module, device: torch.device, bucket_mb: int) -> OverlapDDP:
-    # Rank 0 evaluates alone between barriers: it runs bare_module(engine), never this wrapper,
-    # whose forward may broadcast buffers to ranks that are not there.
+    # The held-out pass runs bare_module(engine), never this wrapper, whose forward may broadcast
+    # buffers to ranks that are not there (rank 0 alone) or collide with the pass's own all-reduce.
     return OverlapDDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                       gradient_as_bucket_view=True, bucket_cap_mb=bucket_mb)
 
@@ -166,7 +166,7 @@ def compiles(setting: str, device: torch.device) -> bool:
 
 def build(cfg: TrainConfig, info: dist.RankInfo, device: torch.device, precision: str, *, evaluates: bool,
           node_local_checkpoints: bool = False, faults=None) -> Built:
-    """`evaluates`: this rank runs the held-out forwards (train/evaluation.evaluates), so the data cache holds the
+    """`evaluates`: this rank runs the held-out forwards (core/evaluation.evaluates), so the data cache holds the
     held-out split here; `node_local_checkpoints`: no shared filesystem, every node saves the model states
     (train/nodelocal.py); `faults`: this rank's test-only fault hook (faults.FaultHook), None for none."""
     # deepspeed chooses its accelerator when imported: only after dist.prepare_accelerator has set it

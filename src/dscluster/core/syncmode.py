@@ -9,6 +9,7 @@ Pure: no torch. core/localsgd.py runs them, plan prices them (plan/model.py) and
   average starts and the step, `delay` later, where it is applied.
 - The nodes: ranks grouped by machine identity (core/dist.py `node_identity`), never by host name alone.
 - The weights: a rank's share of its node's samples, and of all.
+- The held-out pass: shared by every rank where their weights are equal at an epoch end.
 """
 
 from __future__ import annotations
@@ -55,6 +56,14 @@ def is_sync_point(step: int, *, period: int, step_in_epoch: int, steps_per_epoch
     if delay:
         return False
     return step_in_epoch + 1 >= steps_per_epoch or bool(every_steps and step % every_steps == 0)
+
+
+def evaluation_sharded(mode: str, delay_steps: int) -> bool:
+    """Whether every rank holds the same weights at an epoch end, so that each can evaluate its share of the
+    held-out split (core/evaluation.py) and plan prices that share: every-step training, or an average
+    applied at once there (delay 0: an epoch end is a sync point). Streamed, each rank keeps what it trained
+    since it sent, so the ranks' weights differ there."""
+    return mode == "every_step" or delay_steps == 0
 
 
 def node_groups(nodes: list[str]) -> list[list[int]]:

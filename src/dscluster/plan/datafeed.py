@@ -71,11 +71,13 @@ class DataFacts:
         """The least a training step takes for its loader workers to make a rank's images (0: cached)."""
         return 0.0 if self.cached_train else phases.feed_step_seconds(images_per_rank, self.s_per_image)
 
-    def eval_s(self, forward_s: float, on_gpu: bool = False) -> float:
-        """One held-out pass: `forward_s` of the model over the set, on a GPU with the cached set's copy
-        there (its batches are views of pageable memory), or the making of an uncached set's images."""
-        copy = phases.evaluation_copy_seconds(self.holdout_n, self.image_bytes) if on_gpu and self.cached_holdout else 0
-        return phases.evaluation_seconds(forward_s + copy, self.holdout_n,
+    def eval_s(self, forward_s: float, on_gpu: bool = False, ranks: int = 1) -> float:
+        """One held-out pass: `forward_s` of the model over the busiest rank's share (the whole set where
+        `ranks` is 1), on a GPU with that share's copy there where cached (its batches are views of
+        pageable memory), or the making of the share's images where not."""
+        images = phases.evaluation_share(self.holdout_n, ranks)
+        copy = phases.evaluation_copy_seconds(images, self.image_bytes) if on_gpu and self.cached_holdout else 0
+        return phases.evaluation_seconds(forward_s + copy, images,
                                          None if self.cached_holdout else self.s_per_image, self.start_s)
 
     def restart_s(self, micro_batch: int, grad_accum: int, steps_per_epoch: int) -> float:

@@ -244,7 +244,7 @@ def node_compute(opts, cfg, hostfile, micro: int, precision: str, shape_of, *, r
            "powersgd_s": None, "warmup_extra_s": max((f.get("warmup_extra_s") or 0 for f in figures.values()),
                                                      default=0.0),
            "compiled": any(f.get("compiled") for f in figures.values()),
-           # rank 0 evaluates: the first node's figure
+           # rank 0's figure (the first node): wholerun.held_out_s scales it to the slowest where ranks share the pass
            "eval_s_per_image": (figures.get(hostfile.names[0]) or {}).get("eval_s_per_image"),
            "nodes": {n: {k: f.get(k) for k in ("seconds", "device", "source", "measured_on", "host", "fault_ms",
                                                      "threads", "alone_micro", "alone_seconds")}

@@ -109,18 +109,31 @@ def costs(cfg, s: model.Scenario, p: model.Prediction, *, start: int | None, fac
     spe = max(1, facts.train_n // s.global_batch)
     # local SGD also averages at every epoch's end (syncmode.is_sync_point): spread over the epoch's steps
     epoch_average = p.comm_s * period / spe if period > 1 and spe % period else 0.0
-    rank0 = eval_s_per_image or s.nodes[0].compute_s / s.micro_batch * phases.FORWARD_SHARE  # rank 0 evaluates
     feed = facts.feed_step_s(s.micro_batch * s.grad_accum)
     every = cfg.checkpoint
     c = phases.RunCosts(
         plain_step_s=max(pick(plain), feed), step_s=max(pick(p) + epoch_average, feed), start_step=start,
-        warmup_extra_s=warmup_extra_s, eval_s=facts.eval_s(facts.holdout_n * rank0, on_gpu),
+        warmup_extra_s=warmup_extra_s, eval_s=held_out_s(cfg, s, facts, eval_s_per_image, on_gpu),
         save_s=params * phases.CHECKPOINT_BYTES_PER_PARAM / ((facts.save_gbps or phases.CHECKPOINT_WRITE_GBps) * 1e9),
         restart_s=facts.restart_s(s.micro_batch, s.grad_accum, spe),
         steps_per_epoch=spe, eval_every_epochs=cfg.eval_every_epochs,
         checkpoint_every_epochs=every.every_epochs, checkpoint_every_steps=every.every_steps,
         cache_fill_s=facts.fill_s(), cache_images=facts.cached_images, cache_workers=facts.workers)
     return phases.measured_epoch_ends(c, measured_eval_s if facts.holdout_n else None, measured_save_s)
+
+
+def held_out_s(cfg, s: model.Scenario, facts: datafeed.DataFacts, eval_s_per_image: float | None,
+               on_gpu: bool) -> float:
+    """One held-out pass: rank 0's seconds per image (`eval_s_per_image`, else a third of its compute) over
+    the whole set; where the ranks share it (core.evaluation_sharded), the slowest node's over the largest
+    share, and one small all-reduce of the sums."""
+    rank0 = eval_s_per_image or s.nodes[0].compute_s / s.micro_batch * phases.FORWARD_SHARE
+    mode = core.parse_sync_label(s.compression)[0]
+    if s.world <= 1 or not facts.holdout_n or not core.evaluation_sharded(mode, cfg.sync.delay_steps):
+        return facts.eval_s(facts.holdout_n * rank0, on_gpu)
+    slowest = rank0 * max(n.compute_s for n in s.nodes) / s.nodes[0].compute_s
+    share = phases.evaluation_share(facts.holdout_n, s.world)
+    return facts.eval_s(share * slowest, on_gpu, ranks=s.world) + s.latency_s
 
 
 def setting_run(cfg, s: model.Scenario, p: model.Prediction, facts: datafeed.DataFacts | str, *, start: int | None,

@@ -34,7 +34,7 @@ HOST_TO_DEVICE_GBps = 6.0
 pinned. Fitted on GPU runs (docs/plan.md, "The whole run")."""
 LOADER_REFILL_GBps = 11.0
 """Rate at which a rank's loader workers refill their prefetch (workers × data.prefetch micro-batches of
-uint8 images, through shared memory into pinned memory) at an epoch end, while rank 0 evaluates. Fitted
+uint8 images, through shared memory into pinned memory) at an epoch end, during the held-out pass. Fitted
 as HOST_TO_DEVICE_GBps is."""
 
 
@@ -53,6 +53,12 @@ def evaluation_seconds(forward_s: float, images: int, s_per_image: float | None,
     if s_per_image is None or not images:
         return forward_s
     return max(forward_s, images * s_per_image + start_s)
+
+
+def evaluation_share(images: int, ranks: int) -> int:
+    """The held-out images the busiest of `ranks` evaluates where they share the pass (core/evaluation.py's
+    contiguous shares; 1: the whole set, rank 0 alone)."""
+    return -(-images // max(1, ranks))
 
 
 def evaluation_copy_seconds(images: int, image_bytes: int) -> float:
