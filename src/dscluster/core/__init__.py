@@ -63,6 +63,8 @@ _FACE = {
     "SYNC_PERIODS": ("syncmode", "PERIODS"),
     "sync_label": ("syncmode", "label"),
     "parse_sync_label": ("syncmode", "parse_label"),
+    "parse_sync_stream": ("syncmode", "parse_stream"),
+    "sync_stream_label": ("syncmode", "stream_label"),
     "sync_paste_args": ("syncmode", "paste_args"),
     "evaluation_sharded": ("syncmode", "evaluation_sharded"),
     "PEER_FAILURE": ("guards", "PEER_FAILURE"),

@@ -4,7 +4,7 @@ Pure: no torch. core/localsgd.py runs them, plan prices them (plan/model.py) and
 
 - The label: one word for a run's communication setting, where plan keys its predictions and curves:
   comm.compression on the every-step path (none, fp16, bf16, powersgd), `MODE:H` (local_sgd:8,
-  diloco:16) for a setting that averages every H steps.
+  diloco:16) averaging every H steps, `MODE:H:τ[:WIRE]` streamed τ steps behind (16 bits on the wire).
 - The sync points: global step numbers, the same on every rank; with a delay (streamed), where an
   average starts and the step, `delay` later, where it is applied.
 - The nodes: ranks grouped by machine identity (core/dist.py `node_identity`), never by host name alone.
@@ -15,23 +15,48 @@ Pure: no torch. core/localsgd.py runs them, plan prices them (plan/model.py) and
 from __future__ import annotations
 
 MODES = ("every_step", "local_sgd", "diloco")
+WIRES = ("none", "fp16", "bf16")
+"""sync.compression: what the period's change crosses the network in (core/localsgd.py WIRE)."""
 PERIODS = (4, 8, 16, 32, 64)
 """The periods plan tries, the shortest (closest to every-step training) first."""
 
 
 def label(cfg) -> str:
-    """The run's setting as one word: comm.compression, or MODE:H when synchronising every H steps."""
+    """The run's setting as one word: comm.compression, or MODE:H[:τ[:WIRE]] when synchronising every H steps."""
     if cfg.sync.mode == "every_step":
         return cfg.comm.compression
-    return f"{cfg.sync.mode}:{cfg.sync.period}"
+    return stream_label(cfg.sync.mode, cfg.sync.period, cfg.sync.delay_steps, cfg.sync.compression)
+
+
+def stream_label(mode: str, period: int, delay: int = 0, wire: str = "none") -> str:
+    """MODE:H, with :τ where the average streams behind and :WIRE where it crosses in 16 bits; a blocking
+    fp32 average keeps the plain MODE:H its recorded curves are keyed by."""
+    tail = f":{delay}" if delay or wire != "none" else ""
+    return f"{mode}:{period}{tail}" + (f":{wire}" if wire != "none" else "")
+
+
+def _fields(text: str) -> tuple[str, int, int, str] | None:
+    """(mode, H, τ, wire) of a sync label; None for a compression or anything malformed."""
+    mode, *rest = text.split(":")
+    if mode not in MODES[1:] or not 1 <= len(rest) <= 3:
+        return None
+    h, delay, wire = rest + ["0", "none"][len(rest) - 1:]
+    if not (h.isdigit() and delay.isdigit() and wire in WIRES) or int(h) < 2 or int(delay) >= int(h):
+        return None
+    return mode, int(h), int(delay), wire
 
 
 def parse_label(text: str) -> tuple[str, int]:
     """(mode, period) of a label; ("every_step", 1) for a compression."""
-    mode, _, h = text.partition(":")
-    if mode in MODES[1:] and h.isdigit() and int(h) >= 2:
-        return mode, int(h)
-    return "every_step", 1
+    fields = _fields(text)
+    return (fields[0], fields[1]) if fields else ("every_step", 1)
+
+
+def parse_stream(text: str) -> tuple[int, str]:
+    """(τ, wire) of a label: the steps its average streams behind and what the change crosses in; (0, "none")
+    for a blocking fp32 average or every-step training."""
+    fields = _fields(text)
+    return (fields[2], fields[3]) if fields else (0, "none")
 
 
 def paste_args(text: str, current: str = "none") -> list[str]:
@@ -41,7 +66,12 @@ def paste_args(text: str, current: str = "none") -> list[str]:
     if mode == "every_step":
         return [f"comm.compression={text}"] + (["sync.mode=every_step"] if now_mode != "every_step" else [])
     compression_now = current if now_mode == "every_step" else "none"
+    delay, wire = parse_stream(text)
+    delay_now, wire_now = parse_stream(current)
+    # the pasted line does what was priced: a delay or wire the config sets is overridden too
     return ([f"sync.mode={mode}", f"sync.period={h}"]
+            + ([f"sync.delay_steps={delay}"] if delay or delay_now else [])
+            + ([f"sync.compression={wire}"] if wire != "none" or wire_now != "none" else [])
             + (["comm.compression=none"] if compression_now != "none" else []))
 
 

@@ -155,7 +155,8 @@ def build(opts: PlanOptions, inputs: PlanInputs, calibration: dict[str, dict],
     comps = recommend.ladder(core.sync_label(cfg), allowed=lambda c: (
         inputs.allowed.get(c) and not (opts.every_step and c in model.SYNC_LADDER)))
     searched = recommend.recommend(rec_scenario, max_global_batch=limit, compressions=comps)  # by the step
-    tried = recommend.options(rec_scenario, recommend.settings(rec_scenario, comps), model.ACCUM_CHOICES, limit)
+    tried = recommend.options(rec_scenario, recommend.settings(rec_scenario, comps), model.ACCUM_CHOICES, limit,
+                             stream=True)
     pricer = weigh.Pricer(inputs, scenario, prediction)
     judged, whole = weigh.weigh(pricer, rec_scenario, tried, balance)
     rec = recommendation_of(searched, judged)

@@ -41,8 +41,10 @@ def changes(label: str, global_batch: int, *, own_label: str, own_batch: int, lr
         parts.append(f"global batch {own_batch:,} → {global_batch:,}"
                      + (" with the learning rate scaled to it" if lr_scaled else ""))
     period = core.parse_sync_label(label)[1]
+    delay = core.parse_sync_stream(label)[0]
     if label not in ("none", own_label):
-        parts.append(f"the models averaged every {period} steps" if period > 1 else f"{label} gradient compression")
+        parts.append((f"the models averaged every {period} steps" + (f", applied {delay} steps later" if delay else ""))
+                     if period > 1 else f"{label} gradient compression")
     return ", ".join(parts)
 
 

@@ -11,7 +11,7 @@ their assumptions and what is not modelled: docs/plan.md, "The model".
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from dscluster import core
 from dscluster.errors import UsageError
@@ -186,6 +186,12 @@ class Scenario:
         return core.parse_sync_label(self.compression)[1]
 
     @property
+    def sync_stream(self) -> tuple[int, str]:
+        """(τ, wire) where `compression` is a streamed MODE:H:τ[:WIRE] label (sync.delay_steps,
+        sync.compression); (0, "none") for a blocking fp32 average or every step."""
+        return core.parse_sync_stream(self.compression)
+
+    @property
     def global_batch(self) -> int:
         return self.samples_per_step or self.micro_batch * self.grad_accum * self.world
 
@@ -206,9 +212,10 @@ class Scenario:
     @property
     def wire_bytes(self) -> float:
         """Bytes all-reduced per optimizer step, in the gradients' own format where not compressed; local SGD:
-        the fp32 weights (as many numbers as the gradients) once every H steps."""
+        the fp32 weights (as many numbers as the gradients) once every H steps, 16-bit with sync.compression."""
         if self.sync_period > 1:
-            return self.grad_bytes / FORMAT_BYTES[self.grad_format] * 4 / self.sync_period
+            wire_bytes = FORMAT_BYTES.get(self.sync_stream[1], FORMAT_BYTES["fp32"])
+            return self.grad_bytes / FORMAT_BYTES[self.grad_format] * wire_bytes / self.sync_period
         if self.compression == "powersgd":
             return powersgd_elements(self.matrices, self.powersgd_rank) * FORMAT_BYTES[self.grad_format]
         if self.compression in ("fp16", "bf16") and self.grad_format == "fp32":
@@ -268,8 +275,9 @@ def predict(s: Scenario) -> Prediction:
     comm = ring_allreduce_s(s.wire_bytes, s.world, s.busbw_GBps) + s.allreduces * s.latency_s
     last_share = min(1.0, s.bucket_bytes / s.grad_bytes)
     hidden = min(s.overlap_fraction * BACKWARD_SHARE * slowest, comm * (1 - last_share))
-    if s.sync_period > 1:  # the models' average blocks the step it ends: nothing hides it
-        comm, hidden = comm + s.latency_s / s.sync_period, 0.0
+    if s.sync_period > 1:  # blocking, the average stalls its step; streamed, the next τ steps' compute hide it
+        comm = comm + s.latency_s / s.sync_period
+        hidden = min(comm, s.sync_stream[0] * (compute + s.hook_s) / s.sync_period)
     model_step = compute + s.hook_s + comm - hidden
     extra = dict(s.calibration).get(s.compression, 0.0)
     step = model_step + extra if model_step + extra > 0 else compute
@@ -297,6 +305,21 @@ def predict(s: Scenario) -> Prediction:
                       step_s=step, model_step_s=model_step, calibration_s=extra,
                       images_per_s=rate, global_batch=s.global_batch, node_images_per_s=alone, fastest_node=fastest,
                       speedup=speedup, efficiency=efficiency, slower=slower, verdict=verdict)
+
+
+def streamed(s: Scenario) -> str:
+    """The streamed variant of the blocking average at `s`'s period H: the smallest delay τ ≤ H−1 whose steps'
+    compute hides the average's transfer, in fp32 where that fits, else in 16 bits (fp16: NCCL reduces it on
+    every GPU generation); τ = H−1 in 16 bits where nothing hides it whole."""
+    mode, h = core.parse_sync_label(s.compression)
+    step = s.grad_accum * micro_step_s(s) + s.hook_s
+    for wire in ("none", "fp16"):
+        trial = replace(s, compression=core.sync_stream_label(mode, h, 1, wire))
+        transfer = ring_allreduce_s(trial.wire_bytes * h, s.world, s.busbw_GBps) + s.latency_s
+        delay = max(1, math.ceil(transfer / step))
+        if delay <= h - 1:
+            return core.sync_stream_label(mode, h, delay, wire)
+    return core.sync_stream_label(mode, h, h - 1, "fp16")
 
 
 def implied_busbw_GBps(s: Scenario, measured_step_s: float) -> float | None:

@@ -18,6 +18,7 @@ from dscluster.plan.model import (
     Prediction,
     Scenario,
     predict,
+    streamed,
 )
 
 
@@ -59,9 +60,11 @@ class Recommendation:
                    for k in ("choice", "without_compression", "needed")}}
 
 
-def options(s: Scenario, compressions: tuple[str, ...], accums, max_global_batch: int | None) -> list[Option]:
+def options(s: Scenario, compressions: tuple[str, ...], accums, max_global_batch: int | None, *,
+            stream: bool = False) -> list[Option]:
     """Options in order of preference: the smallest global batch first (a larger one changes the
-    optimisation: learning rate, steps per epoch), then no compression before compression."""
+    optimisation: learning rate, steps per epoch), then no compression before compression; `stream`: each
+    blocking average followed by its streamed variant (what advice weighs by the whole run and evidence)."""
     out = []
     for accum in accums:
         for comp in compressions:
@@ -69,7 +72,18 @@ def options(s: Scenario, compressions: tuple[str, ...], accums, max_global_batch
             trial = replace(s, grad_accum=accum, compression=comp, samples_per_step=None)
             if max_global_batch is None or trial.global_batch <= max_global_batch:
                 out.append(Option(grad_accum=accum, compression=comp, prediction=predict(trial)))
+                out += _streamed(trial) if stream else []
     return out
+
+
+def _streamed(trial: Scenario) -> list[Option]:
+    """After a blocking average every H steps, its streamed variant (model.streamed): staler by τ steps, so
+    preferred only where the blocking one falls short."""
+    if trial.sync_period < 2 or trial.sync_stream != (0, "none"):
+        return []
+    label = streamed(trial)
+    return [Option(grad_accum=trial.grad_accum, compression=label,
+                   prediction=predict(replace(trial, compression=label)))]
 
 
 def _first_reaching(options: list[Option], target: float) -> Option | None:
@@ -128,11 +142,15 @@ def recommend(s: Scenario, *, target: float = TARGET_EFFICIENCY, max_global_batc
 
 
 def setting_words(o: Option) -> str:
-    """`grad_accum 4 (global batch 256) with local sgd, the models averaged every 64 steps`."""
+    """`grad_accum 4 (global batch 256) with local sgd, the models averaged every 64 steps` (`, streamed:
+    applied 7 steps later, the change sent in fp16` where it streams)."""
     comp = f" with {o.compression} gradient compression" if o.compression != "none" else ""
     mode, h = core.parse_sync_label(o.compression)
+    delay, wire = core.parse_sync_stream(o.compression)
     if h > 1:
-        comp = f" with {mode.replace('_', ' ')}, the models averaged every {h} steps"
+        comp = (f" with {mode.replace('_', ' ')}, the models averaged every {h} steps"
+                + (f", streamed: applied {delay} steps later" if delay else "")
+                + (f", the change sent in {wire}" if wire != "none" else ""))
     if o.compression == "powersgd":
         comp = " with powersgd gradient compression (low-rank, error feedback)"
     return f"grad_accum {o.grad_accum} (global batch {o.prediction.global_batch:,}){comp}"

@@ -107,13 +107,16 @@ def costs(cfg, s: model.Scenario, p: model.Prediction, *, start: int | None, fac
     plain = model.predict(replace(s, compression="none")) if s.compression == "powersgd" or period > 1 else p
     pick = (lambda q: q.model_step_s) if uncalibrated else (lambda q: q.step_s)
     spe = max(1, facts.train_n // s.global_batch)
-    # local SGD also averages at every epoch's end (syncmode.is_sync_point): spread over the epoch's steps
-    epoch_average = p.comm_s * period / spe if period > 1 and spe % period else 0.0
+    delay = s.sync_stream[0]
+    # blocking local SGD also averages at every epoch's end (syncmode.is_sync_point): spread over the epoch's steps
+    epoch_average = p.comm_s * period / spe if period > 1 and spe % period and not delay else 0.0
+    # streamed, the run's last step still averages, blocking: one whole transfer, paid once like the warm-up
+    last_average = p.comm_s * period if delay else 0.0
     feed = facts.feed_step_s(s.micro_batch * s.grad_accum)
     every = cfg.checkpoint
     c = phases.RunCosts(
         plain_step_s=max(pick(plain), feed), step_s=max(pick(p) + epoch_average, feed), start_step=start,
-        warmup_extra_s=warmup_extra_s, eval_s=held_out_s(cfg, s, facts, eval_s_per_image, on_gpu),
+        warmup_extra_s=warmup_extra_s + last_average, eval_s=held_out_s(cfg, s, facts, eval_s_per_image, on_gpu),
         save_s=params * phases.CHECKPOINT_BYTES_PER_PARAM / ((facts.save_gbps or phases.CHECKPOINT_WRITE_GBps) * 1e9),
         restart_s=facts.restart_s(s.micro_batch, s.grad_accum, spe),
         steps_per_epoch=spe, eval_every_epochs=cfg.eval_every_epochs,
@@ -129,7 +132,9 @@ def held_out_s(cfg, s: model.Scenario, facts: datafeed.DataFacts, eval_s_per_ima
     share, and one small all-reduce of the sums."""
     rank0 = eval_s_per_image or s.nodes[0].compute_s / s.micro_batch * phases.FORWARD_SHARE
     mode = core.parse_sync_label(s.compression)[0]
-    if s.world <= 1 or not facts.holdout_n or not core.evaluation_sharded(mode, cfg.sync.delay_steps):
+    # a streamed label is what its pasted line trains; a plain MODE:H keeps the config's own delay
+    delay = s.sync_stream[0] or cfg.sync.delay_steps
+    if s.world <= 1 or not facts.holdout_n or not core.evaluation_sharded(mode, delay):
         return facts.eval_s(facts.holdout_n * rank0, on_gpu)
     slowest = rank0 * max(n.compute_s for n in s.nodes) / s.nodes[0].compute_s
     share = phases.evaluation_share(facts.holdout_n, s.world)
