@@ -40,10 +40,12 @@ def _fields(text: str) -> tuple[str, int, int, str] | None:
     mode, *rest = text.split(":")
     if mode not in MODES[1:] or not 1 <= len(rest) <= 3:
         return None
-    h, delay, wire = rest + ["0", "none"][len(rest) - 1:]
-    if not (h.isdigit() and delay.isdigit() and wire in WIRES) or int(h) < 2 or int(delay) >= int(h):
+    period = rest[0]
+    delay = rest[1] if len(rest) > 1 else "0"
+    wire = rest[2] if len(rest) > 2 else "none"
+    if not (period.isdigit() and delay.isdigit() and wire in WIRES) or int(period) < 2 or int(delay) >= int(period):
         return None
-    return mode, int(h), int(delay), wire
+    return mode, int(period), int(delay), wire
 
 
 def parse_label(text: str) -> tuple[str, int]:

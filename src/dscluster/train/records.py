@@ -22,23 +22,23 @@ def keep_curve(tta: TimeToAccuracy, cfg: TrainConfig, *, compression: str, ranks
         console.err.print(f"[yellow]warning:[/yellow] held-out curve not kept for plan ({e})")
 
 
-def plan_vs_measured(cfg: TrainConfig, b, gb: int, precision: str, info, out, record: RunRecord,
+def plan_vs_measured(cfg: TrainConfig, built, global_batch: int, precision: str, info, out, record: RunRecord,
                      run: dict) -> None:
     """Rank 0, at the end: the saved prediction against what this run measured (runmodel/predicted.py),
     for the steps this run timed (`run`: Trainer.timed). A damaged plans.json costs only the
     comparison, with a warning that names it."""
     try:
-        cmp = predicted.compare(predicted.key(model=cfg.model.name, micro_batch=max(b.shares), global_batch=gb,
-                                              precision=precision, compression=syncmode.label(cfg),
-                                              ranks=info.world_size), out.images_per_s, run=run)
+        setting = predicted.key(model=cfg.model.name, micro_batch=max(built.shares), global_batch=global_batch,
+                                precision=precision, compression=syncmode.label(cfg), ranks=info.world_size)
+        comparison = predicted.compare(setting, out.images_per_s, run=run)
     except UsageError as e:
         console.err.print(f"[yellow]warning:[/yellow] no plan comparison: {e}")
         return
-    if cmp is not None:
-        record.plan = cmp
-        console.err.print(f"dscluster train: {predicted.line(cmp)}")
+    if comparison is not None:
+        record.plan = comparison
+        console.err.print(f"dscluster train: {predicted.line(comparison)}")
         try:  # the next `plan` corrects itself by what this lab really did
-            predicted.record(cmp, model=cfg.model.name, precision=precision, compression=syncmode.label(cfg),
-                             ranks=info.world_size, global_batch=gb, run_id=record.run_id)
+            predicted.record(comparison, model=cfg.model.name, precision=precision, compression=syncmode.label(cfg),
+                             ranks=info.world_size, global_batch=global_batch, run_id=record.run_id)
         except OSError as e:
             console.err.print(f"[yellow]warning:[/yellow] plan outcome not kept ({e})")
