@@ -180,8 +180,10 @@ def _guards(rank: int, tmp: str) -> dict:
             p.fill_(2.0 + rank)
         if rank == 3:
             model[0].weight[0, 0] = float("nan")
+    avg.after_step(4, step_in_epoch=3)  # the average of step 4: decided on the device, read on the host later
+    seen["weight_after_average"] = model[0].weight[0, 1].item()
     try:
-        avg.after_step(4, step_in_epoch=3)
+        avg.after_step(5, step_in_epoch=4)
         seen["stopped"] = None
     except TrainingAborted as e:
         seen["stopped"] = (str(e), e.failed_ranks, e.failed_hosts)
@@ -308,9 +310,11 @@ def test_no_gradient_on_one_rank_buffers_averaged_and_a_non_finite_rank_stops_al
         # rank 1 had no gradient for the bias: zero in its node's mean (m1: 1·3/4), no hang; m2: (3+4)/2
         assert s["bias_grad"] == pytest.approx(0.75 if r < 2 else 3.5)
         assert s["running_mean"] == pytest.approx((0 * 3 + 1 * 1 + 2 * 2 + 3 * 2) / 8)  # weighted as the weights
+        # the next step stops every rank, naming the average; nothing of it was applied, on any rank
         message, ranks, hosts = s["stopped"]
         assert ranks == [3] and hosts == ["lab"] and "rank 3 on lab" in message and "nothing was averaged" in message
-        assert s["weight_after_stop"] == 2.0 + r  # nothing applied, on any rank
+        assert "the average of step 4" in message
+        assert s["weight_after_average"] == s["weight_after_stop"] == 2.0 + r
 
 
 def test_streamed_average_applies_later_keeps_own_progress_and_resumes_in_flight(averaged):

@@ -61,6 +61,18 @@ class InFlight:
     works: list
 
 
+@dataclass
+class FiniteFlags:
+    """An applied average's non-finite flags, on their way to the host: read one step later (or before a
+    save, or at the run's end), so that the check never waits for the GPU's queue to drain."""
+
+    step: int
+    flags: torch.Tensor
+    """One flag per rank, on the host (pinned memory on a GPU)."""
+    arrived: torch.cuda.Event | None
+    """Recorded after the copy on a GPU; None on the CPU, where the copy is done."""
+
+
 class ModelAverager:
     """One rank's part: `reduce_gradients(step)` after the boundary backward, `after_step(...)` after
     `engine.step()`. Collective: every rank makes the same groups in the same order. `nodes` are the ranks'
@@ -109,6 +121,7 @@ class ModelAverager:
         self.start: torch.Tensor | None = None   # the parameters the period started from, equal on every rank
         self.momentum: torch.Tensor | None = None
         self.in_flight: InFlight | None = None
+        self.unchecked: FiniteFlags | None = None
         self.averages = 0
 
     # --- per step ---------------------------------------------------------------------------------
@@ -169,11 +182,15 @@ class ModelAverager:
         for params, grads, present, flat, work in self.sent:
             work.wait()
             *reduced, anyone = _unflatten_dense_tensors(flat, [*grads, present])
-            for p, g, r, had in zip(params, grads, reduced, anyone.tolist(), strict=True):
+            for p, g, r in zip(params, grads, reduced, strict=True):
                 if p.grad is not None:
                     g.copy_(r)
-                elif had > 0:
-                    p.grad = r.to(p.dtype)
+            missing = [i for i, p in enumerate(params) if p.grad is None]
+            if missing:  # rare (a layer this rank did not use): only then read on the host who had one
+                had = anyone.tolist()
+                for i in missing:
+                    if had[i] > 0:
+                        params[i].grad = reduced[i].to(params[i].dtype)
         self.sent = []
         self.armed = False
 
@@ -182,6 +199,7 @@ class ModelAverager:
         apply it at once when not streamed or at the run's end). True when this step did either."""
         if self.world <= 1 or step <= self.warmup:
             return False
+        self.check_finite()  # the last average's flags, copied a step ago: no wait
         last = step >= self.total
         due = self.in_flight is not None and (step >= self.in_flight.apply_at or last)
         starts = is_sync_point(step, period=self.period, step_in_epoch=step_in_epoch,
@@ -198,6 +216,8 @@ class ModelAverager:
             self.launch(step + (0 if at_once else self.delay), at_once=at_once)
             if at_once:
                 self.apply(step)
+        if last:
+            self.check_finite()
         if self.split is not None:
             self.split.average_done()
         return True
@@ -241,32 +261,49 @@ class ModelAverager:
 
     @torch.no_grad()
     def apply(self, step: int) -> None:
-        """Wait for the average in flight; stop the run if any rank sent non-finite weights (nothing is
-        applied, on any rank); else the new start, each rank keeping what it trained since it sent."""
+        """Wait for the average in flight, then the new start, each rank keeping what it trained since it
+        sent. If any rank sent non-finite weights, nothing changes on any rank, and the next step's
+        `check_finite` stops the run: every rank decides on the device, with no host sync."""
         flight = self.in_flight
         assert flight is not None and self.start is not None
         for work in flight.works:
             work.wait()
         self.in_flight = None
         n_buffers = flight.values.numel() - self.world
-        self._stop_if_not_finite(flight.values[n_buffers:], f"the average of step {step}")
+        flags = flight.values[n_buffers:]
+        finite = flags.sum() == 0
         change = flight.change.float()
-        if self.mode == "diloco":
-            if self.momentum is None:
-                self.momentum = torch.zeros_like(change)
-            self.momentum.mul_(self.outer_momentum).add_(change)
-            change.add_(self.momentum, alpha=self.outer_momentum).mul_(self.outer_lr)
-        self.start.sub_(change)
+        if self.mode == "diloco":  # the outer Nesterov step, the period's change as its gradient
+            before = self.momentum if self.momentum is not None else torch.zeros_like(change)
+            momentum = before * self.outer_momentum + change
+            self.momentum = torch.where(finite, momentum, before)
+            change = (change + momentum * self.outer_momentum) * self.outer_lr
+        self.start = torch.where(finite, self.start - change, self.start)
         merged = torch.cat([self.start, flight.values[:n_buffers]])
+        current = torch.cat([self._flat_params(), self._flat_buffers()])
         if flight.snapshot is not None:  # streamed: what this rank trained since it sent stays its own
-            merged = torch.cat([self._flat_params(), self._flat_buffers()]).add_(merged).sub_(flight.snapshot)
+            merged = current + merged - flight.snapshot
+        merged = torch.where(finite, merged, current)
         tensors = [p.data for p in self.params] + [b.data for b in self.buffers]
         for t, value in zip(tensors, _unflatten_dense_tensors(merged, tensors), strict=True):
             t.copy_(value)
         if flight.scale is not None:
-            self.scaler._scale.fill_(flight.scale[0])
-            self.scaler._growth_tracker.fill_(flight.scale[1].to(self.scaler._growth_tracker.dtype))
+            kept = self._scale_state()
+            scale = torch.where(finite, flight.scale, kept)
+            self.scaler._scale.copy_(scale[0].reshape(self.scaler._scale.shape))
+            self.scaler._growth_tracker.copy_(scale[1].reshape(self.scaler._growth_tracker.shape))
+        self.unchecked = _to_host(flags, step)
         self.averages += 1
+
+    def check_finite(self) -> None:
+        """Stop the run if the last applied average came from non-finite weights (its flags have reached
+        the host by now: they were copied a step ago, before a save, or at the run's end)."""
+        pending, self.unchecked = self.unchecked, None
+        if pending is None:
+            return
+        if pending.arrived is not None:
+            pending.arrived.synchronize()
+        self._stop_if_not_finite(pending.flags, f"the average of step {pending.step}")
 
     def _stop_if_not_finite(self, flags: torch.Tensor, when: str) -> None:
         bad = [r for r, flag in enumerate(flags.tolist()) if flag != 0]
@@ -289,6 +326,7 @@ class ModelAverager:
     def before_save(self) -> None:
         """Collective, before a streamed run's checkpoint (not a sync point): a non-finite rank stops the
         run here too, so that no checkpoint ever holds its weights."""
+        self.check_finite()
         if self.world <= 1 or self.delay == 0:
             return
         flags = torch.zeros(self.world, device=self.params[0].device)
@@ -395,6 +433,17 @@ def _read(path: Path, device) -> tuple[dict | None, str]:
         return None, "the checkpoint holds no sync state (saved with another sync.mode)"
     except Exception as e:  # a truncated or foreign file: training goes on without it, and says so
         return None, f"its sync state could not be read ({type(e).__name__}: {e})"
+
+
+def _to_host(flags: torch.Tensor, step: int) -> FiniteFlags:
+    """Start copying `flags` to the host; a GPU's copy runs behind the queued work, read once it arrived."""
+    if not flags.is_cuda:
+        return FiniteFlags(step=step, flags=flags.clone(), arrived=None)
+    host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+    host.copy_(flags, non_blocking=True)
+    arrived = torch.cuda.Event()
+    arrived.record()
+    return FiniteFlags(step=step, flags=host, arrived=arrived)
 
 
 def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
