@@ -106,6 +106,9 @@ class ModelAverager:
             if rank in ranks:
                 self.node_ranks = ranks
                 self.node_group = group
+        # streamed: the average travels on a group of its own, so that the collectives the loop makes
+        # meanwhile (an epoch's step count, evaluation's barriers) do not queue behind it
+        self.stream_group = tdist.new_group(list(range(self.world))) if self.delay and self.world > 1 else None
         inside, whole = weights(shares, nodes)
         self.node_weight = inside[rank]
         self.world_weight = whole[rank]
@@ -253,10 +256,11 @@ class ModelAverager:
                         snapshot=torch.cat([params, buffers]) if keep else None, works=[])
 
     def _send(self, flight: InFlight) -> None:
-        flight.works = [tdist.all_reduce(flight.change, async_op=True),
-                        tdist.all_reduce(flight.values, async_op=True)]
+        group = self.stream_group
+        flight.works = [tdist.all_reduce(flight.change, group=group, async_op=True),
+                        tdist.all_reduce(flight.values, group=group, async_op=True)]
         if flight.scale is not None:
-            flight.works.append(tdist.all_reduce(flight.scale, op=tdist.ReduceOp.MIN, async_op=True))
+            flight.works.append(tdist.all_reduce(flight.scale, op=tdist.ReduceOp.MIN, group=group, async_op=True))
         self.in_flight = flight
 
     @torch.no_grad()

@@ -288,6 +288,9 @@ class Trainer:
         if start_step >= self.steps_per_epoch:
             epoch, start_step = epoch + 1, 0
         done = self.global_step >= self.total
+        if not done:  # once: an epoch's length never changes within a run, and an epoch start holds no collective
+            counts = dist.all_gather_ints([self.steps_per_epoch + self.faults.extra_steps_per_epoch()], self.rank.device)
+            guards.check_equal_steps([c[0] for c in counts], self.rank.hosts, epoch)
         while not done and epoch < self.cfg.epochs:
             done = self.run_epoch(epoch, start_step)
             epoch, start_step = epoch + 1, 0
@@ -337,8 +340,6 @@ class Trainer:
         """Collective: one epoch from `start_step`, its evaluation and its checkpoint; True when the run is done."""
         cfg = self.cfg
         steps_per_epoch = self.steps_per_epoch
-        counts = dist.all_gather_ints([steps_per_epoch + self.faults.extra_steps_per_epoch()], self.rank.device)
-        guards.check_equal_steps([c[0] for c in counts], self.rank.hosts, epoch)
         done, step_in_epoch = False, start_step - 1
         for step_in_epoch, micro in enumerate(self.built.sampler.steps(epoch, start_step), start=start_step):
             done = self.run_step(epoch, step_in_epoch, micro)
