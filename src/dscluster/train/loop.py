@@ -288,9 +288,8 @@ class Trainer:
         if start_step >= self.steps_per_epoch:
             epoch, start_step = epoch + 1, 0
         done = self.global_step >= self.total
-        if not done:  # once: an epoch's length never changes within a run, and an epoch start holds no collective
-            counts = dist.all_gather_ints([self.steps_per_epoch + self.faults.extra_steps_per_epoch()], self.rank.device)
-            guards.check_equal_steps([c[0] for c in counts], self.rank.hosts, epoch)
+        if not done:
+            self.check_equal_steps(epoch)
         while not done and epoch < self.cfg.epochs:
             done = self.run_epoch(epoch, start_step)
             epoch, start_step = epoch + 1, 0
@@ -335,6 +334,13 @@ class Trainer:
         if cfg.sync_debug != "off" and device.type != "cuda" and self.primary:
             console.err.print("[yellow]warning:[/yellow] sync_debug watches CUDA host syncs; this rank has no GPU, "
                               "so it is off")
+
+    def check_equal_steps(self, epoch: int) -> None:
+        """Collective, once a run: every rank runs as many steps per epoch. Not at each epoch's start, where
+        the few bytes would queue on the link behind a streamed average in flight: the count never changes."""
+        mine = self.steps_per_epoch + self.faults.extra_steps_per_epoch()
+        counts = dist.all_gather_ints([mine], self.rank.device)
+        guards.check_equal_steps([c[0] for c in counts], self.rank.hosts, epoch)
 
     def run_epoch(self, epoch: int, start_step: int) -> bool:
         """Collective: one epoch from `start_step`, its evaluation and its checkpoint; True when the run is done."""
