@@ -106,8 +106,8 @@ class ModelAverager:
             if rank in ranks:
                 self.node_ranks = ranks
                 self.node_group = group
-        # streamed: the average travels on a group of its own, so that the collectives the loop makes
-        # meanwhile (an epoch's step count, evaluation's barriers) do not queue behind it
+        # streamed: the average travels on a group of its own, so that the collectives made meanwhile
+        # (evaluation's barriers, a save's) do not queue behind it
         self.stream_group = tdist.new_group(list(range(self.world))) if self.delay and self.world > 1 else None
         inside, whole = weights(shares, nodes)
         self.node_weight = inside[rank]
