@@ -64,6 +64,17 @@ def test_once_json_has_every_node_and_rank_from_the_jobs_files(tmp_path, capsys)
     assert round(ranks[0]["images_per_s"], 1) == 32.0 and round(ranks[0]["comm_share"], 2) == 0.9
 
 
+def test_once_into_a_pipe_prints_every_figure_whole(tmp_path, capsys):
+    """A log or a pipe, where rich would assume 80 columns and cut cells to '…', gets the width the view needs."""
+    run = live_run(tmp_path, time.time())
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("node1 slots=1\nnode2 slots=1\n")
+    assert main(["top", "--hostfile", str(hostfile), "--run-dir", str(run), "--once", "--no-ssh"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out
+    assert "node1" in out and "node2" in out and "32.0" in out and "straggler" in out
+
+
 def test_the_view_shows_stragglers_throttling_and_network_wait(tmp_path):
     now = time.time()
     watcher = Watcher([NodePlace("node1", "node1", None), NodePlace("node2", "node2", None)],

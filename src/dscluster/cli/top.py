@@ -77,7 +77,7 @@ def top_command(args: argparse.Namespace) -> int:
                 save_svg(render(snap), args.svg)
                 console.err.print(f"dscluster top: saved the view to {args.svg}")
             else:
-                console.out.print(render(snap))
+                console.print_whole(render(snap))  # a log or a pipe gets every figure whole
             return 0
         return live(watcher, args.interval)
     finally:
